@@ -1,0 +1,142 @@
+"""Frozen configuration dataclasses for a pipeline and its parts."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["RecomputeGrain", "BackendKind", "PipeConfig", "PrecisionConfig"]
+
+
+class RecomputeGrain(str, enum.Enum):
+    """How a backward stage recomputes its forward from the host checkpoint."""
+
+    STAGE = "stage"
+    """Re-run the whole stage with autograd on, then run its backward (fastest)."""
+    LAYER = "layer"
+    """Re-run the stage without autograd keeping each layer's input, then recompute and
+    backpropagate one layer at a time (least device memory)."""
+
+
+class BackendKind(str, enum.Enum):
+    """Which device backend runs the workers."""
+
+    AUTO = "auto"
+    """All CUDA GPUs when present, else emulated CPU workers."""
+    CUDA = "cuda"
+    EMULATED = "emulated"
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(value: torch.dtype | str) -> torch.dtype:
+    """Turn ``"bf16"``, ``"float16"``, ``torch.float32``... into a torch dtype."""
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.lower() in _DTYPES:
+        dtype = _DTYPES[value.lower()]
+    else:
+        raise ConfigError(f"compute_dtype={value!r} is not supported: use one of "
+                          "'float32', 'bfloat16' or 'float16'")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConfigError(f"compute_dtype={dtype} is not supported: use float32, "
+                          "bfloat16 or float16")
+    return dtype
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute precision and loss scaling; fp32 master weights always live on the CPU."""
+
+    compute_dtype: torch.dtype | str = torch.float32
+    """dtype of the weights the workers compute with (fp32, bf16 or fp16)."""
+    loss_scale: str | float | None = None
+    """``"dynamic"`` (default for fp16): scale the loss and skip steps whose gradients
+    overflow, as ``torch.amp.GradScaler`` does; a number for a fixed scale; ``None``
+    for no scaling (default for fp32 and bf16)."""
+    init_scale: float = 2.0 ** 16
+    """Starting loss scale of dynamic scaling."""
+    growth_interval: int = 2000
+    """Steps without overflow after which dynamic scaling doubles the scale."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "compute_dtype", resolve_dtype(self.compute_dtype))
+        ls = self.loss_scale
+        if ls is None and self.compute_dtype == torch.float16:
+            object.__setattr__(self, "loss_scale", "dynamic")
+        elif ls is not None and ls != "dynamic" and not (
+                isinstance(ls, (int, float)) and ls > 0):
+            raise ConfigError(f"loss_scale={ls!r} is invalid: use 'dynamic', a positive "
+                              "number, or None")
+        if self.init_scale <= 0 or self.growth_interval < 1:
+            raise ConfigError("init_scale must be > 0 and growth_interval >= 1")
+
+
+@dataclass(frozen=True)
+class PipeConfig:
+    """How a :class:`rotapipe.RoundPipe` splits, schedules and runs a model."""
+
+    workers: int | None = None
+    """Number of workers. ``None``: every CUDA GPU, or 2 emulated workers without one."""
+    microbatches: int = 4
+    """Microbatches each ``forward_backward`` call splits its batch into."""
+    grain: RecomputeGrain | str = RecomputeGrain.STAGE
+    """Recompute grain of backward stages: ``"stage"`` (fast) or ``"layer"`` (least
+    device memory)."""
+    forward_stages: int | None = None
+    """Number of forward stages (even partition). ``None``: ``2 x workers``, capped by
+    the number of layers before the tail."""
+    backward_stages: int | None = None
+    """Number of backward stages. ``None``: ``3 x forward_stages`` (backward costs
+    about 3x forward, so backward stages hold about a third of the layers)."""
+    tail_layers: int = 1
+    """Layers in the fused tail stage (forward, loss and backward without recompute)."""
+    backend: BackendKind | str = BackendKind.AUTO
+    """``"auto"``, ``"cuda"`` or ``"emulated"``."""
+    device_memory: int | None = None
+    """Per-worker memory budget in bytes for emulated workers (``None``: unlimited).
+    Allocations beyond it raise :class:`rotapipe.DeviceOutOfMemoryError`."""
+    check_races: bool = True
+    """Emulated backend: raise :class:`rotapipe.RaceError` when data is read on a
+    stream that has not waited for the event that produced it."""
+    seed: int = 0
+    """Base of the per-(call, microbatch, layer) random streams (dropout)."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Compute dtype and loss scaling."""
+    timeout_s: float = 600.0
+    """A call whose workers make no progress for this long fails instead of hanging."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "grain", _enum(RecomputeGrain, self.grain, "grain"))
+        object.__setattr__(self, "backend", _enum(BackendKind, self.backend, "backend"))
+        if self.workers is not None and (not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise ConfigError(f"workers={self.workers!r}: use a positive int or None")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ConfigError(f"microbatches={self.microbatches!r}: use a positive int")
+        for name in ("forward_stages", "backward_stages"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name}={v!r}: use a positive int or None")
+        if not isinstance(self.tail_layers, int) or self.tail_layers < 1:
+            raise ConfigError(f"tail_layers={self.tail_layers!r}: the fused tail needs "
+                              "at least one layer")
+        if self.device_memory is not None and self.device_memory <= 0:
+            raise ConfigError(f"device_memory={self.device_memory!r}: use bytes > 0 "
+                              "or None")
+        if self.timeout_s <= 0:
+            raise ConfigError("timeout_s must be > 0")
+
+
+def _enum(kind, value, name):
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(repr(k.value) for k in kind)
+        raise ConfigError(f"{name}={value!r} is invalid: use one of {choices}") from None

@@ -1,0 +1,73 @@
+"""Typed exceptions raised by rotapipe, each naming what went wrong and the fix."""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = [
+    "RotapipeError",
+    "ConfigError",
+    "PlanError",
+    "ScheduleError",
+    "InputError",
+    "WorkerError",
+    "DeviceOutOfMemoryError",
+    "RaceError",
+    "worker_error_type",
+]
+
+
+class RotapipeError(Exception):
+    """Base class of every error rotapipe raises on purpose."""
+
+
+class ConfigError(RotapipeError, ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+class PlanError(RotapipeError, ValueError):
+    """A forward/backward plan does not cover the model's layers correctly."""
+
+
+class ScheduleError(RotapipeError, ValueError):
+    """A schedule is malformed: unknown dependency, duplicate action, deadlock."""
+
+
+class InputError(RotapipeError, ValueError):
+    """Inputs, labels or the loss do not fit what the pipeline expects."""
+
+
+class DeviceOutOfMemoryError(RotapipeError, MemoryError):
+    """An allocation on a (real or emulated) device would exceed its memory budget."""
+
+
+class RaceError(RotapipeError, RuntimeError):
+    """The stream-race checker saw a read of device or host data without a wait on
+    the event that produced it: on a GPU this read could see stale or partial data."""
+
+
+class WorkerError(RotapipeError, RuntimeError):
+    """An action failed inside a worker.
+
+    The message names the action (stage, layers, microbatch, worker) and shows the
+    schedule grid with the failing action marked. The original exception is chained
+    as ``__cause__`` and kept in :attr:`cause`. No weight, gradient or optimizer state
+    was changed by the failed call.
+    """
+
+    def __init__(self, message: str, *, action: str | None = None,
+                 worker: int | None = None, cause: BaseException | None = None):
+        super().__init__(message)
+        self.action = action
+        self.worker = worker
+        self.cause = cause
+
+
+@functools.cache
+def worker_error_type(cause: type[RotapipeError]) -> type[WorkerError]:
+    """A :class:`WorkerError` subclass that is also ``cause`` (e.g. an emulated
+    out-of-memory error raised in a worker is both ``WorkerError`` and
+    ``DeviceOutOfMemoryError``), so callers can catch either."""
+    if issubclass(cause, WorkerError):
+        return cause
+    return type("Worker" + cause.__name__, (WorkerError, cause), {})

@@ -1,0 +1,171 @@
+"""The model as layers: validation, parameter/buffer indexing and per-worker shells.
+
+A *layer* is one ``nn.Module`` of the user's ordered list. Parameters are identified by
+object identity, so a weight shared between layers (tied embeddings) has one master and
+one host copy; each stage uploads it once and its gradients from every use are summed.
+
+Workers never run the user's modules directly: two workers may run the same layer at
+once (one its forward stage, another its backward stage), so each worker gets a
+*shell*: a deep copy of every layer whose parameters and buffers are meta tensors, into
+which the device tensors of the stage being run are bound.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+
+def call_layer(layer: nn.Module, x, side):
+    """How every layer is called: ``layer(x)``, or ``layer(x, **side)`` when the model
+    has per-microbatch side inputs (attention masks, rotary tables)."""
+    return layer(x) if side is None else layer(x, **side)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    module: nn.Module   # the submodule of a shell that holds the tensor
+    name: str           # attribute name in its _parameters / _buffers
+    index: int          # parameter id or buffer id
+
+
+class LayerSet:
+    """The user's layers with unique parameters (``params``) and buffers (``buffers``)."""
+
+    def __init__(self, layers: Sequence[nn.Module] | nn.Sequential):
+        if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential,
+                                                                     nn.ModuleList)):
+            raise ConfigError(f"got a single {type(layers).__name__}: pass an "
+                              "nn.Sequential or a list of layer modules")
+        self.layers: list[nn.Module] = list(layers)
+        if not self.layers:
+            raise ConfigError("the model has zero layers: pass at least one nn.Module")
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, nn.Module):
+                raise ConfigError(f"layer {i} is a {type(layer).__name__}, not an "
+                                  "nn.Module: wrap functions in a module")
+            for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+                if t.device.type != "cpu":
+                    raise ConfigError(f"layer {i} holds {name} on {t.device}: keep the "
+                                      "model on the CPU (call .cpu()); rotapipe moves "
+                                      "weights to the workers itself")
+        self.params: list[nn.Parameter] = []
+        self.param_names: list[str] = []
+        self.buffers: list[tuple[nn.Module, str]] = []   # one owner per unique buffer
+        self.buffer_names: list[str] = []
+        pid_of: dict[int, int] = {}
+        bid_of: dict[int, int] = {}
+        self.layer_params: list[list[int]] = []
+        self.layer_buffers: list[list[int]] = []
+        for i, layer in enumerate(self.layers):
+            pids, bids = [], []
+            for mod_name, mod in layer.named_modules(remove_duplicate=False):
+                for name, p in mod._parameters.items():
+                    if p is None:
+                        continue
+                    if id(p) not in pid_of:
+                        pid_of[id(p)] = len(self.params)
+                        self.params.append(p)
+                        self.param_names.append(_join(i, mod_name, name))
+                    pids.append(pid_of[id(p)])
+                for name, b in mod._buffers.items():
+                    if b is None:
+                        continue
+                    if id(b) not in bid_of:
+                        bid_of[id(b)] = len(self.buffers)
+                        self.buffers.append((mod, name))
+                        self.buffer_names.append(_join(i, mod_name, name))
+                    bids.append(bid_of[id(b)])
+            self.layer_params.append(sorted(set(pids)))
+            self.layer_buffers.append(sorted(set(bids)))
+        self._pid_of, self._bid_of = pid_of, bid_of
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def stage_params(self, layers: range) -> list[int]:
+        return sorted({p for l in layers for p in self.layer_params[l]})
+
+    def stage_buffers(self, layers: range) -> list[int]:
+        return sorted({b for l in layers for b in self.layer_buffers[l]})
+
+    def buffer_layers(self) -> frozenset[int]:
+        return frozenset(l for l, bids in enumerate(self.layer_buffers) if bids)
+
+    def buffer_value(self, bid: int) -> torch.Tensor:
+        mod, name = self.buffers[bid]
+        return mod._buffers[name]
+
+    def set_buffer(self, bid: int, value: torch.Tensor) -> None:
+        """Write a buffer's new value into the user's module (in place when it can)."""
+        mod, name = self.buffers[bid]
+        old = mod._buffers[name]
+        if old.shape == value.shape and old.dtype == value.dtype:
+            old.copy_(value)
+        else:
+            for m in self._owners(bid):
+                m[0]._buffers[m[1]] = value.to(old.dtype) if old.is_floating_point() else value
+
+    def _owners(self, bid):
+        target = self.buffer_value(bid)
+        return [(m, n) for layer in self.layers for m in layer.modules()
+                for n, b in m._buffers.items() if b is target]
+
+    def make_shells(self) -> list[Shell]:
+        """One shell per layer for one worker."""
+        return [Shell(layer, self._pid_of, self._bid_of) for layer in self.layers]
+
+    def set_training(self, shells: list[Shell]) -> None:
+        """Copy each layer's train/eval flags onto its shell."""
+        for layer, shell in zip(self.layers, shells):
+            for om, sm in zip(layer.modules(), shell.module.modules()):
+                sm.training = om.training
+
+
+class Shell:
+    """A parameterless copy of one layer into which device tensors are bound."""
+
+    def __init__(self, layer: nn.Module, pid_of: dict[int, int], bid_of: dict[int, int]):
+        memo: dict[int, object] = {}
+        for t in list(layer.parameters()):
+            memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"),
+                                       requires_grad=t.requires_grad)
+        for t in list(layer.buffers()):
+            memo[id(t)] = torch.empty_like(t, device="meta")
+        self.module = copy.deepcopy(layer, memo)
+        self.param_slots: list[_Slot] = []
+        self.buffer_slots: list[_Slot] = []
+        pairs = zip(layer.modules(), self.module.modules())
+        for om, sm in pairs:
+            for name, p in om._parameters.items():
+                if p is not None:
+                    self.param_slots.append(_Slot(sm, name, pid_of[id(p)]))
+            for name, b in om._buffers.items():
+                if b is not None:
+                    self.buffer_slots.append(_Slot(sm, name, bid_of[id(b)]))
+
+    def bind(self, params: dict[int, torch.Tensor], buffers: dict[int, torch.Tensor]) -> None:
+        for s in self.param_slots:
+            s.module._parameters[s.name] = params[s.index]
+        for s in self.buffer_slots:
+            s.module._buffers[s.name] = buffers[s.index]
+
+    def bound_buffers(self) -> dict[int, torch.Tensor]:
+        """Current buffer tensors (a forward may have updated or replaced them)."""
+        return {s.index: s.module._buffers[s.name] for s in self.buffer_slots}
+
+    def unbind(self) -> None:
+        for s in self.param_slots:
+            s.module._parameters[s.name] = None
+        for s in self.buffer_slots:
+            s.module._buffers[s.name] = None
+
+
+def _join(layer: int, mod_name: str, name: str) -> str:
+    return ".".join(x for x in (str(layer), mod_name, name) if x)

@@ -1,0 +1,288 @@
+"""RoundPipe: the training API (wrap layers, forward_backward, step, evaluate, read back).
+
+    pipe = rotapipe.RoundPipe(layers, loss_fn, config=rotapipe.PipeConfig(microbatches=4))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, fused=True)
+    pipe.attach_optimizer(opt)
+    for x, y in data:
+        loss = pipe.forward_backward(x, y)
+        pipe.step()
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .config import PipeConfig
+from .errors import ConfigError, InputError
+from .model import LayerSet
+from .plan import Plan, even_plan
+from .schedule import Schedule, roundpipe_schedule, validate
+from .runtime.devices import make_devices
+from .runtime.executor import Executor
+from .runtime.host import CallGrads, HostState, LossScaler
+from .runtime.kernels import ActionRunner, CallContext
+from .runtime.store import Store
+from .runtime import trees
+
+__all__ = ["RoundPipe"]
+
+
+class RoundPipe:
+    """Trains an ordered list of layers with the RoundPipe schedule.
+
+    Args:
+        layers: an ``nn.Sequential`` or a list of modules, on the CPU. Layer 0 receives
+            the inputs, every later layer the previous layer's output (any pytree).
+        loss_fn: ``loss_fn(output_of_last_layer, labels) -> scalar tensor``, the mean
+            loss over the microbatch it is given.
+        config: how to split, schedule and run (:class:`PipeConfig`).
+        optimizer: a ``torch.optim.Optimizer`` over the layers' parameters (may be
+            built before wrapping), or a callable ``params -> Optimizer``. Optional
+            here; :meth:`attach_optimizer` sets it later.
+        side_inputs: optional ``fn(microbatch_inputs) -> dict`` of tensors every layer
+            reads (masks, rotary tables); computed on the host once per microbatch,
+            uploaded once per microbatch per worker, passed as ``layer(x, **side)``.
+        plan: an explicit :class:`rotapipe.plan.Plan` instead of the even partition.
+        devices: explicit device objects (tests); default from ``config.backend``.
+    """
+
+    def __init__(self, layers: nn.Sequential | Sequence[nn.Module],
+                 loss_fn: Callable[[object, object], torch.Tensor], *,
+                 config: PipeConfig | None = None, optimizer=None,
+                 side_inputs: Callable[[object], dict] | None = None,
+                 plan: Plan | None = None, devices=None):
+        self.config = config = config or PipeConfig()
+        if not callable(loss_fn):
+            raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.layerset = LayerSet(layers)
+        self.loss_fn = loss_fn
+        self.side_inputs = side_inputs
+        self.devices = devices if devices is not None else make_devices(config)
+        w = len(self.devices)
+        n = len(self.layerset)
+        if plan is None:
+            tail = min(config.tail_layers, n)
+            nf = config.forward_stages or 2 * w
+            nb = config.backward_stages or 3 * nf
+            plan = even_plan(n, nf, nb, tail)
+        elif plan.num_layers != n:
+            raise ConfigError(f"the plan covers {plan.num_layers} layers but the model has "
+                              f"{n}: build the plan for {n} layers")
+        self.plan = plan
+        pin = None
+        if self.devices and self.devices[0].torch_device.type == "cuda":
+            from .runtime.cuda import pin
+        self.host = HostState(self.layerset, config.precision, pin)
+        self.scaler = LossScaler(config.precision)
+        check = config.check_races and self.devices[0].torch_device.type == "cpu"
+        self.stores = [Store(f"worker {d.index}", d, check) for d in self.devices]
+        self._check = check
+        self.shells = [self.layerset.make_shells() for _ in self.devices]
+        self._schedules: dict[tuple[bool, int], Schedule] = {}
+        stages = {s.name: s for s in plan.jobs()}
+        self._runner = ActionRunner(self.layerset, self.host, loss_fn, self.devices,
+                                    self.stores, self.shells, stages)
+        self._executor = Executor(self.devices, config.timeout_s)
+        self._lock = threading.Lock()
+        self.calls = 0
+        """Successful calls so far; with ``config.seed`` it defines the random streams."""
+        self.optimizer = None
+        if optimizer is not None:
+            self.attach_optimizer(optimizer if isinstance(optimizer, torch.optim.Optimizer)
+                                  else optimizer(self.parameters()))
+
+    # -- parameters and optimizer ------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The fp32 master weights (trainable parameters only), each once."""
+        for pid in self.host.trainable:
+            yield self.layerset.params[pid]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for pid in self.host.trainable:
+            yield self.layerset.param_names[pid], self.layerset.params[pid]
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Use ``optimizer`` in :meth:`step`. It must hold only this model's trainable
+        parameters (``fused=True`` AdamW is the fast choice on the CPU)."""
+        ours = {id(p) for p in self.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in ours:
+                    raise ConfigError("the optimizer holds a parameter that is not a "
+                                      "trainable parameter of the wrapped layers: build it "
+                                      "over pipe.parameters()")
+        self.optimizer = optimizer
+
+    # -- training ----------------------------------------------------------------------
+    def forward_backward(self, inputs, labels) -> float:
+        """Run forward and backward over one batch; return its mean loss.
+
+        The batch is split along dim 0 into ``config.microbatches`` microbatches. The
+        returned loss is the mean of the per-microbatch losses weighted by microbatch
+        size, i.e. the mean over the whole batch when ``loss_fn`` returns a per-sample
+        mean. Gradients accumulate until :meth:`step`: after several calls they are the
+        gradient of the mean loss over *every* sample since the last step, the same as
+        one call on the concatenated batch. If the call fails, no weight, gradient,
+        buffer or optimizer state changes.
+        """
+        M = self.config.microbatches
+        n = trees.batch_size(inputs, "inputs")
+        n_labels = trees.batch_size(labels, "labels")
+        if n != n_labels:
+            raise InputError(f"inputs hold {n} samples but labels hold {n_labels}: pass "
+                             "one label row per input row")
+        if n < M:
+            raise InputError(f"the batch has {n} samples but config.microbatches={M}: "
+                             f"pass at least {M} samples or lower microbatches")
+        mbs = trees.split(trees.cast_floating(inputs, self.host.dtype), M)
+        lbs = trees.split(labels, M)
+        sizes = [trees.batch_size(x, "inputs") for x in mbs]
+        with self._lock:
+            grads = CallGrads(1.0 / self.scaler.scale)
+            ctx = self._context(True, [s / n for s in sizes], grads)
+            host_store = self._host_store(mbs, ctx)
+            for m, y in enumerate(lbs):
+                host_store.put(("labels", m), y)
+            self._run(self._schedule(True), ctx, host_store)
+            losses = [host_store.get(("loss", m)) for m in range(M)]
+            for bid in range(len(self.layerset.buffers)):
+                if host_store.contains(("buf", bid)):
+                    self.layerset.set_buffer(bid, host_store.get(("buf", bid)))
+            self.host.commit(grads, n)
+            self.calls += 1
+        return float(sum(w * l.item() for w, l in zip(ctx.weights, losses)))
+
+    def step(self) -> bool:
+        """Run the optimizer on the accumulated gradients, refresh the compute-dtype
+        weights, and clear the gradients. With dynamic loss scaling, a step whose
+        gradients overflowed is skipped (and the scale lowered): returns ``False``."""
+        if self.optimizer is None:
+            raise ConfigError("no optimizer: pass optimizer= to RoundPipe or call "
+                              "pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters()))")
+        with self._lock:
+            overflow = self.scaler.dynamic and not self.host.grads_finite()
+            if not overflow:
+                self.optimizer.step()
+                self.host.write_back()
+            self.scaler.update(overflow)
+            self.host.zero_grad()
+        return not overflow
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients without stepping."""
+        with self._lock:
+            self.host.zero_grad()
+
+    @torch.no_grad()
+    def __call__(self, inputs):
+        """Evaluate without gradients: the last layer's output for the whole batch.
+
+        Runs forward stages only (the layers' train/eval flags apply as set; buffer
+        updates made during evaluation are not kept)."""
+        M = min(self.config.microbatches, trees.batch_size(inputs, "inputs"))
+        mbs = trees.split(trees.cast_floating(inputs, self.host.dtype), M)
+        with self._lock:
+            ctx = self._context(False, [1.0 / M] * M, None, M)
+            host_store = self._host_store(mbs, ctx)
+            self._run(self._schedule(False, M), ctx, host_store)
+            outs = [host_store.get(("act", self.plan.num_layers, m)) for m in range(M)]
+            self.calls += 1
+        return trees.concat(outs)
+
+    # -- reading state -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Trained weights (fp32 masters, frozen weights) and buffers, keyed like the
+        ``state_dict`` of ``nn.Sequential(*layers)``."""
+        return nn.Sequential(*self.layerset.layers).state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            nn.Sequential(*self.layerset.layers).load_state_dict(state)
+            self.host.write_back()
+
+    def train(self, mode: bool = True) -> RoundPipe:
+        for layer in self.layerset.layers:
+            layer.train(mode)
+        return self
+
+    def eval(self) -> RoundPipe:
+        return self.train(False)
+
+    def schedule(self, training: bool = True) -> Schedule:
+        """The schedule a call runs (``Schedule.grid()`` prints it)."""
+        return self._schedule(training)
+
+    def peak_memory(self) -> list[int]:
+        """Peak accounted device bytes per worker since construction or reset."""
+        return [d.peak_memory() for d in self.devices]
+
+    def reset_peak_memory(self) -> None:
+        for d in self.devices:
+            d.reset_peak()
+
+    def close(self) -> None:
+        """Stop the worker threads (emulated backend). The pipeline is unusable after."""
+        for d in self.devices:
+            d.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _schedule(self, training: bool, microbatches: int | None = None) -> Schedule:
+        M = microbatches or self.config.microbatches
+        key = (training, M)
+        if key not in self._schedules:
+            s = roundpipe_schedule(self.plan, len(self.devices), M,
+                                   side_inputs=self.side_inputs is not None,
+                                   buffer_layers=self.layerset.buffer_layers(),
+                                   training=training)
+            validate(s)
+            self._schedules[key] = s
+        return self._schedules[key]
+
+    def _context(self, training, weights, grads, microbatches=None) -> CallContext:
+        autocast = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda")
+                    if torch.is_autocast_enabled(dt)]
+        return CallContext(call=self.calls, seed=self.config.seed,
+                           microbatches=microbatches or self.config.microbatches,
+                           weights=weights, loss_scale=self.scaler.scale if training else 1.0,
+                           training=training, grain=self.config.grain,
+                           has_side=self.side_inputs is not None, autocast=autocast,
+                           grads=grads)
+
+    def _host_store(self, mbs, ctx) -> Store:
+        store = Store("host memory", None, self._check)
+        for m, x in enumerate(mbs):
+            store.put(("act", 0, m), x)
+            if self.side_inputs is not None:
+                store.put(("side", m), self.side_inputs(x))
+        return store
+
+    def _run(self, schedule: Schedule, ctx: CallContext, host_store: Store) -> None:
+        runner = self._runner
+        runner.ctx, runner.host_store = ctx, host_store
+        runner.set_schedule(schedule)
+        for shells in self.shells:
+            self.layerset.set_training(shells)
+        rng_state = torch.get_rng_state()
+        try:
+            self._executor.run(schedule, runner.run, self._where)
+        finally:
+            torch.set_rng_state(rng_state)
+            for store in self.stores:
+                store.clear()
+            runner.ctx = runner.host_store = None
+
+    def _where(self, action) -> str:
+        s = self._runner.stages.get(action.stage)
+        if s is None:
+            return action.stage
+        return f"{s.name} (layers {s.start}-{s.stop - 1})"

@@ -1,0 +1,136 @@
+"""The plan as plain data (stages over layer ranges) and the even partitioner."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..errors import PlanError
+
+
+class StageKind(str, enum.Enum):
+    FORWARD = "F"
+    TAIL = "T"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A run of consecutive layers ``[start, stop)`` executed as one job on a worker."""
+
+    kind: StageKind
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def name(self) -> str:
+        """Short name used in schedules: ``F0``, ``F1``..., ``T``, ``B0``, ``B1``..."""
+        return "T" if self.kind is StageKind.TAIL else f"{self.kind.value}{self.index}"
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.start}:{self.stop}]"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Forward stages, fused tail and backward stages of one model.
+
+    Forward stages cover ``[0, tail.start)`` in order; the tail covers
+    ``[tail.start, num_layers)``; backward stages cover ``[0, tail.start)`` in order and
+    are planned independently of the forward stages (usually smaller). The execution
+    order of one step is ``F0 .. Fk-1, T, Bj-1 .. B0``: :meth:`jobs` gives it.
+    """
+
+    num_layers: int
+    forward: tuple[Stage, ...]
+    tail: Stage
+    backward: tuple[Stage, ...]
+
+    def __post_init__(self):
+        n = self.num_layers
+        if n < 1:
+            raise PlanError("a plan needs at least one layer")
+        t = self.tail
+        if t.kind is not StageKind.TAIL or t.stop != n or not 0 <= t.start < n:
+            raise PlanError(f"the tail must be a TAIL stage ending at layer {n}, got {t}")
+        for kind, stages in ((StageKind.FORWARD, self.forward),
+                             (StageKind.BACKWARD, self.backward)):
+            pos = 0
+            for i, s in enumerate(stages):
+                if s.kind is not kind or s.index != i or s.start != pos or s.stop <= s.start:
+                    raise PlanError(f"{kind.name.lower()} stage {i} is {s}: stages must "
+                                    f"be numbered 0.., contiguous and non-empty from layer 0")
+                pos = s.stop
+            if pos != t.start:
+                raise PlanError(f"{kind.name.lower()} stages end at layer {pos} but the "
+                                f"tail starts at layer {t.start}")
+
+    def jobs(self) -> tuple[Stage, ...]:
+        """Stage jobs in execution order: forward stages, the tail, backward stages
+        deepest first. Job ``j`` runs on worker ``j % workers`` (round-robin)."""
+        return self.forward + (self.tail,) + tuple(reversed(self.backward))
+
+    def stage(self, name: str) -> Stage:
+        for s in self.jobs():
+            if s.name == name:
+                return s
+        raise PlanError(f"no stage named {name!r} in plan {self}")
+
+    def checkpoint_boundaries(self) -> frozenset[int]:
+        """Layer indices whose input activation is kept in host memory: every backward
+        stage start and the tail start (forward stages download them)."""
+        return frozenset(s.start for s in self.backward) | {self.tail.start}
+
+    def to_text(self) -> str:
+        return " ".join(str(s) for s in self.forward + (self.tail,) + self.backward)
+
+    @classmethod
+    def from_text(cls, text: str) -> Plan:
+        """Parse the form :meth:`to_text` writes, e.g. ``F0[0:2] T[2:3] B0[0:1] B1[1:2]``."""
+        fwd, bwd, tail = [], [], None
+        for tok in text.split():
+            try:
+                name, rng = tok.rstrip("]").split("[")
+                start, stop = (int(v) for v in rng.split(":"))
+            except ValueError:
+                raise PlanError(f"cannot parse stage {tok!r}: write NAME[start:stop]") from None
+            if name == "T":
+                tail = Stage(StageKind.TAIL, 0, start, stop)
+            elif name[:1] in ("F", "B") and name[1:].isdigit():
+                kind = StageKind(name[0])
+                (fwd if kind is StageKind.FORWARD else bwd).append(
+                    Stage(kind, int(name[1:]), start, stop))
+            else:
+                raise PlanError(f"unknown stage name {name!r} in {tok!r}")
+        if tail is None:
+            raise PlanError(f"plan text {text!r} has no tail stage T[start:stop]")
+        return cls(tail.stop, tuple(fwd), tail, tuple(bwd))
+
+
+def _split(start: int, stop: int, parts: int) -> list[tuple[int, int]]:
+    n = stop - start
+    bounds = [start + (n * i) // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def even_plan(num_layers: int, forward_stages: int, backward_stages: int,
+              tail_layers: int = 1) -> Plan:
+    """Split ``num_layers`` evenly: the last ``tail_layers`` form the fused tail, the
+    rest are cut into ``forward_stages`` and, independently, ``backward_stages``
+    stages (each capped at one layer per stage)."""
+    if num_layers < 1:
+        raise PlanError("the model has zero layers: give at least one layer")
+    if tail_layers > num_layers:
+        raise PlanError(f"tail_layers={tail_layers} exceeds the {num_layers} layers of "
+                        "the model: lower tail_layers")
+    body = num_layers - tail_layers
+    nf = min(forward_stages, body)
+    nb = min(backward_stages, body)
+    fwd = tuple(Stage(StageKind.FORWARD, i, a, b) for i, (a, b) in enumerate(_split(0, body, nf)))
+    bwd = tuple(Stage(StageKind.BACKWARD, i, a, b) for i, (a, b) in enumerate(_split(0, body, nb)))
+    return Plan(num_layers, fwd, Stage(StageKind.TAIL, 0, body, num_layers), bwd)

@@ -1,0 +1,160 @@
+"""The device-backend interface shared by the CUDA and emulated CPU backends.
+
+The executor (``executor.py``) only ever calls the methods below; the backends differ
+only in how a copy, a kernel launch, an event and an allocation happen.
+
+Event protocol (the one note other modules refer to):
+
+1. Every action runs on its worker's stream for its lane; after submitting it, the
+   dispatcher records an event on that stream. A consumer reads an action's results
+   only after its own stream *waited* on that event (``Stream.wait``), or, for host
+   work and memory reuse, after the host *synchronized* on it.
+2. A stream may only wait on an event that was already recorded: dispatchers block on
+   the host until the producing dispatcher recorded the event (not until it ran).
+3. Data handed between actions goes through a :class:`~rotapipe.runtime.store.Store`
+   (one per device, one for the host); with the race checker on, every read checks
+   that rule 1 held, and a violation raises :class:`~rotapipe.errors.RaceError`.
+4. A device tensor produced on one stream and read on another is registered with the
+   reader's stream (``Device.use_on``) so the CUDA caching allocator does not reuse its
+   memory before the reader finished (``record_stream``).
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+
+from ..schedule import Lane
+
+
+class Aborted(Exception):
+    """Raised inside waits when the call was aborted because another action failed."""
+
+
+class Event(abc.ABC):
+    @abc.abstractmethod
+    def synchronize(self, abort: threading.Event | None = None) -> None:
+        """Block the calling host thread until the event completed (or the call aborted,
+        raising :class:`Aborted`)."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """True once the work before the event has completed."""
+
+
+class Stream(abc.ABC):
+    """An ordered queue of work on one device (a CUDA stream or an emulated one)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def submit(self, fn: Callable[[], None], on_error: Callable[[BaseException], None],
+               abort: threading.Event) -> None:
+        """Run ``fn`` in stream order. On CUDA it runs now on the calling thread with
+        the stream current (kernels launch asynchronously); emulated streams run it on
+        their own thread later. An exception goes to ``on_error``; once ``abort`` is set,
+        queued work is skipped."""
+
+    @abc.abstractmethod
+    def wait(self, event: Event) -> None:
+        """Make later work on this stream wait until ``event`` completed."""
+
+    @abc.abstractmethod
+    def record(self) -> Event:
+        """An event that completes when the work submitted so far has completed."""
+
+    def host_wait(self, event: Event, abort: threading.Event | None = None) -> None:
+        """Host thread feeding this stream waits for ``event`` (memory reuse, host work)."""
+        event.synchronize(abort)
+
+
+class Device(abc.ABC):
+    """One worker's device: its streams, copies, memory meter and random generator."""
+
+    index: int
+    torch_device: torch.device
+    budget: int | None
+
+    @abc.abstractmethod
+    def stream(self, lane: Lane) -> Stream: ...
+
+    @abc.abstractmethod
+    def upload(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Copy a host tensor to this device (optionally casting); called on a stream."""
+
+    @abc.abstractmethod
+    def download(self, dev: torch.Tensor) -> torch.Tensor:
+        """Copy a device tensor to (pinned, where it matters) host memory."""
+
+    def use_on(self, tensor: torch.Tensor) -> None:
+        """Tell the allocator ``tensor`` is used on the current stream (rule 4)."""
+
+    @abc.abstractmethod
+    def seeded(self, seed: int) -> AbstractContextManager:
+        """Context in which this device's random generator (and the CPU one, where
+        layers draw there) is seeded with ``seed``."""
+
+    @abc.abstractmethod
+    def drain(self) -> None:
+        """Wait until every stream of the device is idle (after an abort)."""
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` against the budget; raise DeviceOutOfMemoryError past it."""
+
+    @abc.abstractmethod
+    def free(self, nbytes: int) -> None: ...
+
+    def memory_in_use(self) -> int:
+        return 0
+
+    def peak_memory(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class HostStream(Stream):
+    """The host lane: runs work inline on the dispatcher thread."""
+
+    name = "host"
+
+    def __init__(self, clock_owner=None):
+        self.clock_owner = clock_owner
+
+    def submit(self, fn, on_error, abort):
+        if abort.is_set():
+            return
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            on_error(exc)
+
+    def wait(self, event):
+        raise NotImplementedError("the host lane waits with host_wait")
+
+    def record(self) -> Event:
+        return _DoneEvent()
+
+    def host_wait(self, event, abort=None):
+        event.synchronize(abort)
+        if self.clock_owner is not None:
+            self.clock_owner.merge(event)
+
+
+class _DoneEvent(Event):
+    clock: dict = {}
+
+    def synchronize(self, abort=None):
+        return None
+
+    def query(self):
+        return True

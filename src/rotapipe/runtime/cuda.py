@@ -1,0 +1,122 @@
+"""CUDA devices: real streams, events, pinned host buffers and non-blocking copies.
+
+A thin layer: ``submit`` runs the action body now, on the dispatcher thread, with the
+lane's stream current, so its kernels and copies are queued asynchronously; events are
+``torch.cuda.Event``. Everything else (what runs when, on which stream, after which
+event) is the shared executor's logic.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+
+from ..schedule import Lane
+from .backend import Aborted, Device, Event, Stream
+
+
+class CudaEvent(Event):
+    def __init__(self, stream: torch.cuda.Stream):
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def synchronize(self, abort=None):
+        # Poll so that an aborted call does not leave a host thread blocked forever.
+        while not self.event.query():
+            if abort is not None and abort.is_set():
+                raise Aborted()
+            time.sleep(0.0002)
+
+    def query(self):
+        return self.event.query()
+
+
+class CudaStream(Stream):
+    def __init__(self, device: torch.device, name: str):
+        self.name = name
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def submit(self, fn, on_error, abort):
+        if abort.is_set():
+            return
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                fn()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            on_error(exc)
+
+    def wait(self, event):
+        self.stream.wait_event(event.event)
+
+    def record(self):
+        return CudaEvent(self.stream)
+
+
+class CudaDevice(Device):
+    """One GPU. Host tensors it downloads into are pinned so copies overlap compute."""
+
+    def __init__(self, index: int, budget: int | None = None):
+        self.index = index
+        self.torch_device = torch.device("cuda", index)
+        self.budget = budget
+        self._streams = {lane: CudaStream(self.torch_device, f"cuda{index}.{lane.value}")
+                         for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.UPLOAD, Lane.DOWNLOAD)}
+        self._lock = threading.Lock()
+        self._used = 0
+        self._peak = 0
+
+    def stream(self, lane):
+        return self._streams[lane]
+
+    def upload(self, host, dtype=None):
+        out = host.to(self.torch_device, non_blocking=True)
+        return out if dtype is None or out.dtype == dtype else out.to(dtype)
+
+    def download(self, dev):
+        out = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        out.copy_(dev.detach(), non_blocking=True)
+        return out
+
+    def use_on(self, tensor):
+        # Rule 4 of the event protocol: the caching allocator must not hand this
+        # tensor's memory to another allocation before the current stream used it.
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(self.torch_device))
+
+    @contextmanager
+    def seeded(self, seed):
+        torch.cuda.default_generators[self.index].manual_seed(seed)
+        yield
+
+    def allocate(self, nbytes, what):
+        # The real allocator raises torch.cuda.OutOfMemoryError itself; we only count.
+        with self._lock:
+            self._used += nbytes
+            self._peak = max(self._peak, self._used)
+
+    def free(self, nbytes):
+        with self._lock:
+            self._used -= nbytes
+
+    def memory_in_use(self):
+        return self._used
+
+    def peak_memory(self):
+        return max(self._peak, torch.cuda.max_memory_allocated(self.torch_device))
+
+    def reset_peak(self):
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+        with self._lock:
+            self._peak = self._used
+
+    def drain(self):
+        torch.cuda.synchronize(self.torch_device)
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """Pinned copy of a host tensor (used for compute-dtype weights on CUDA)."""
+    return tensor.pin_memory()

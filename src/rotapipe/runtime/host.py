@@ -1,0 +1,138 @@
+"""Model state in host memory: compute-dtype weights, fp32 masters, gradients.
+
+The masters *are* the user's ``nn.Parameter`` objects, converted to fp32 in place, so
+an optimizer built over ``model.parameters()`` (before or after wrapping) steps them
+and ``model.state_dict()`` reads the trained weights. Frozen parameters get no master:
+they are kept in the compute dtype only. The compute-dtype copies the workers upload
+alias the masters in fp32 and are refreshed after each step otherwise.
+
+Gradients of one call are staged (:class:`CallGrads`) and merged into ``param.grad``
+only when the whole call succeeded, so a failed call changes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ..config import PrecisionConfig
+from ..model import LayerSet
+
+
+class HostState:
+    def __init__(self, layerset: LayerSet, precision: PrecisionConfig,
+                 pin: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.layerset = layerset
+        self.dtype = precision.compute_dtype
+        self.compute: list[torch.Tensor] = []
+        self._separate: list[int] = []     # params whose compute copy is not the master
+        for pid, p in enumerate(layerset.params):
+            if p.requires_grad:
+                if p.dtype != torch.float32:
+                    p.data = p.data.float()
+                if self.dtype == torch.float32:
+                    if pin is not None:
+                        p.data = pin(p.data)
+                    self.compute.append(p.data)
+                else:
+                    c = p.data.to(self.dtype)
+                    self.compute.append(pin(c) if pin is not None else c)
+                    self._separate.append(pid)
+            else:
+                if p.is_floating_point() and p.dtype != self.dtype:
+                    p.data = p.data.to(self.dtype)
+                if pin is not None:
+                    p.data = pin(p.data)
+                self.compute.append(p.data)
+        self.trainable = [pid for pid, p in enumerate(layerset.params) if p.requires_grad]
+        self.samples = 0
+        """Samples whose gradients ``param.grad`` holds since the last step/zero_grad."""
+
+    def write_back(self) -> None:
+        """Refresh compute-dtype copies from the masters after an optimizer step."""
+        params = self.layerset.params
+        with torch.no_grad():
+            for pid in self._separate:
+                self.compute[pid].copy_(params[pid].data)
+
+    def commit(self, grads: CallGrads, samples: int) -> None:
+        """Merge one successful call's gradients so that ``param.grad`` is the gradient
+        of the mean loss over every sample since the last step."""
+        total = self.samples + samples
+        keep, new = self.samples / total, samples / total
+        with torch.no_grad():
+            for pid in self.trainable:
+                p = self.layerset.params[pid]
+                g = grads.staged.get(pid)
+                if p.grad is None:
+                    if g is not None:
+                        p.grad = g.mul_(new) if new != 1.0 else g
+                elif g is None:
+                    p.grad.mul_(keep)
+                else:
+                    p.grad.mul_(keep).add_(g, alpha=new)
+        self.samples = total
+
+    def zero_grad(self) -> None:
+        for pid in self.trainable:
+            self.layerset.params[pid].grad = None
+        self.samples = 0
+
+    def grads_finite(self) -> bool:
+        return all(torch.isfinite(self.layerset.params[pid].grad).all()
+                   for pid in self.trainable if self.layerset.params[pid].grad is not None)
+
+
+class CallGrads:
+    """Gradients of one call, summed over stages (tied weights) and unscaled."""
+
+    def __init__(self, inv_scale: float):
+        self.inv_scale = inv_scale
+        self.staged: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def add(self, pid: int, grad: torch.Tensor) -> None:
+        with self._lock, torch.no_grad():
+            cur = self.staged.get(pid)
+            if cur is None:
+                if grad.dtype == torch.float32 and self.inv_scale == 1.0:
+                    self.staged[pid] = grad
+                else:
+                    self.staged[pid] = torch.empty(grad.shape, dtype=torch.float32) \
+                        .copy_(grad).mul_(self.inv_scale)
+            else:
+                cur.add_(grad, alpha=self.inv_scale)
+
+
+class LossScaler:
+    """Dynamic loss scaling as ``torch.amp.GradScaler`` does it: halve the scale and
+    skip the step when gradients overflow, double it after ``growth_interval`` clean
+    steps. A fixed scale never changes."""
+
+    def __init__(self, precision: PrecisionConfig):
+        ls = precision.loss_scale
+        self.dynamic = ls == "dynamic"
+        self.scale = float(precision.init_scale if self.dynamic else (ls or 1.0))
+        self.growth_interval = precision.growth_interval
+        self._good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            self.scale *= 0.5
+            self._good_steps = 0
+        else:
+            self._good_steps += 1
+            if self._good_steps >= self.growth_interval:
+                self.scale *= 2.0
+                self._good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])

@@ -1,0 +1,284 @@
+"""What each action of a schedule does: the bodies the executor submits to streams.
+
+Data flows through the stores (``store.py``) under these keys:
+
+- host: ``("act", boundary, mb)`` activation at a layer boundary; ``("grad", boundary,
+  mb)`` gradient w.r.t. it; ``("labels", mb)``; ``("side", mb)``; ``("loss", mb)``;
+  ``("wgrad", stage)`` downloaded weight gradients; ``("buf", buffer_id)`` buffers
+  updated by this call's forward.
+- device: ``("w", stage)`` (params, buffers); ``("side", mb)``; ``("in", stage, mb)``;
+  ``("labels", mb)``; ``("gout", stage, mb)``; ``("out", stage, mb, boundary)``;
+  ``("gin", stage, mb)``; ``("loss", mb)``; ``("graph", stage, mb)``; ``("wgrad", stage)``;
+  ``("bufout", stage)``.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..config import RecomputeGrain
+from ..errors import InputError
+from ..model import LayerSet, call_layer
+from ..plan import Stage, StageKind
+from ..schedule import Action, ActionKind as K
+from .backend import Device
+from .host import CallGrads, HostState
+from .rng import layer_seed
+from .store import Store
+from .trees import map_tensors
+
+
+@dataclass
+class CallContext:
+    """Everything one call's actions share (built by the pipeline per call)."""
+
+    call: int                  # call counter, part of the random stream
+    seed: int
+    microbatches: int
+    weights: list[float]       # loss weight of each microbatch (its share of the batch)
+    loss_scale: float
+    training: bool
+    grain: RecomputeGrain
+    has_side: bool
+    autocast: list             # [(device_type, dtype)] captured from the caller
+    grads: CallGrads | None
+
+
+class ActionRunner:
+    """Runs single actions on a worker's device; one per pipeline, reused per call."""
+
+    def __init__(self, layerset: LayerSet, host: HostState, loss_fn, devices: list[Device],
+                 stores: list[Store], shells: list, stages: dict[str, Stage]):
+        self.ls, self.host, self.loss_fn = layerset, host, loss_fn
+        self.devices, self.stores, self.shells, self.stages = devices, stores, shells, stages
+        self.host_store: Store | None = None
+        self.ctx: CallContext | None = None
+
+    def run(self, a: Action) -> None:
+        getattr(self, "_" + a.kind.name.lower())(a)
+
+    # -- uploads --------------------------------------------------------------------
+    def _upload_weights(self, a: Action) -> None:
+        s, dev = self.stages[a.stage], self.devices[a.worker]
+        grad = self.ctx.training and s.kind is not StageKind.FORWARD
+        params = {}
+        for pid in self.ls.stage_params(s.layers):
+            t = dev.upload(self.host.compute[pid])
+            params[pid] = nn.Parameter(t, requires_grad=grad and self.ls.params[pid].requires_grad)
+        buffers = {}
+        for bid in self.ls.stage_buffers(s.layers):
+            src = self.host_store.get(("buf", bid)) if self.host_store.contains(("buf", bid)) \
+                else self.ls.buffer_value(bid)
+            buffers[bid] = dev.upload(src)
+        self.stores[a.worker].put(("w", s.name), (params, buffers), f"weights of stage {s}")
+
+    def _upload_side(self, a: Action) -> None:
+        side = self.host_store.get(("side", a.mb))
+        self.stores[a.worker].put(("side", a.mb), self._up(a, side), f"side inputs of mb {a.mb}")
+
+    def _upload_act(self, a: Action) -> None:
+        x = self.host_store.get(("act", a.at, a.mb))
+        store = self.stores[a.worker]
+        store.put(("in", a.stage, a.mb), self._up(a, x), f"input of {a.stage} mb {a.mb}")
+        if self.stages[a.stage].kind is StageKind.TAIL and self.ctx.training:
+            store.put(("labels", a.mb), self._up(a, self.host_store.get(("labels", a.mb))))
+
+    def _upload_grad(self, a: Action) -> None:
+        g = self.host_store.get(("grad", a.at, a.mb))
+        self.stores[a.worker].put(("gout", a.stage, a.mb), self._up(a, g),
+                                  f"output gradient of {a.stage} mb {a.mb}")
+
+    def _up(self, a: Action, tree):
+        return map_tensors(self.devices[a.worker].upload, tree)
+
+    # -- compute --------------------------------------------------------------------
+    @contextmanager
+    def _bound(self, a: Action):
+        """Bind the stage's device weights into this worker's shells, with the caller's
+        autocast state re-entered (it is thread-local)."""
+        s = self.stages[a.stage]
+        params, buffers = self.stores[a.worker].get(("w", s.name))
+        shells = self.shells[a.worker]
+        for l in s.layers:
+            shells[l].bind(params, buffers)
+        try:
+            with ExitStack() as stack:
+                for device_type, dtype in self.ctx.autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                yield params
+        finally:
+            for l in s.layers:
+                shells[l].unbind()
+
+    def _layers(self, a: Action, layers, x, side, keep=None):
+        dev, shells = self.devices[a.worker], self.shells[a.worker]
+        for l in layers:
+            with dev.seeded(layer_seed(self.ctx.seed, self.ctx.call, a.mb, l)):
+                x = call_layer(shells[l].module, x, side)
+            if keep is not None:
+                keep(l + 1, x)
+        return x
+
+    def _side(self, a: Action):
+        return self.stores[a.worker].get(("side", a.mb)) if self.ctx.has_side else None
+
+    def _forward(self, a: Action) -> None:
+        s, store = self.stages[a.stage], self.stores[a.worker]
+        x = store.pop(("in", s.name, a.mb))
+        wanted = self._downloads.get((s.name, a.mb), ())
+
+        def keep(boundary, y):
+            if boundary in wanted:
+                store.put(("out", s.name, a.mb, boundary), _detach(y),
+                          f"activation at layer {boundary} mb {a.mb}")
+
+        with self._bound(a), torch.no_grad():
+            self._layers(a, s.layers, x, self._side(a), keep)
+            if a.mb == self.ctx.microbatches - 1:
+                self._keep_buffers(a, s)
+
+    def _fused(self, a: Action) -> None:
+        s, store = self.stages[a.stage], self.stores[a.worker]
+        x = store.pop(("in", s.name, a.mb))
+        labels = store.pop(("labels", a.mb))
+        with self._bound(a) as params, torch.enable_grad():
+            x = _leaf(x) if s.start > 0 else x
+            out = self._layers(a, s.layers, x, self._side(a))
+            loss = self.loss_fn(out, labels)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+                raise InputError(f"the loss function returned {shape}, not a scalar "
+                                 "tensor: reduce it (e.g. .mean()) inside loss_fn")
+            coef = self.ctx.weights[a.mb] * self.ctx.loss_scale
+            (loss.float().reshape(()) * coef).backward()
+            store.put(("gin", s.name, a.mb), _input_grads(x) if s.start > 0 else None)
+            store.put(("loss", a.mb), loss.detach().float().reshape(()))
+            if a.mb == self.ctx.microbatches - 1:
+                self._keep_wgrads(a, params)
+                self._keep_buffers(a, s)
+
+    def _recompute(self, a: Action) -> None:
+        s, store = self.stages[a.stage], self.stores[a.worker]
+        x = store.pop(("in", s.name, a.mb))
+        with self._bound(a):
+            if self.ctx.grain is RecomputeGrain.STAGE:
+                with torch.enable_grad():
+                    x = _leaf(x) if s.start > 0 else x
+                    out = self._layers(a, s.layers, x, self._side(a))
+                graph = (x, out)
+            else:
+                inputs = [x]
+                with torch.no_grad():
+                    self._layers(a, list(s.layers)[:-1], x, self._side(a),
+                                 lambda _b, y: inputs.append(y))
+                graph = inputs
+        store.put(("graph", s.name, a.mb), graph, f"recompute state of {s.name} mb {a.mb}")
+
+    def _backward(self, a: Action) -> None:
+        s, store = self.stages[a.stage], self.stores[a.worker]
+        graph = store.pop(("graph", s.name, a.mb))
+        g = store.pop(("gout", s.name, a.mb))
+        with self._bound(a) as params:
+            if self.ctx.grain is RecomputeGrain.STAGE:
+                x, out = graph
+                _backward(out, g)
+                gin = _input_grads(x) if s.start > 0 else None
+            else:
+                side = self._side(a)
+                for i in reversed(range(len(s.layers))):
+                    l = s.start + i
+                    with torch.enable_grad():
+                        xi = _leaf(graph[i]) if l > 0 else graph[i]
+                        y = self._layers(a, [l], xi, side)
+                        _backward(y, g)
+                    g = _input_grads(xi) if l > 0 else None
+                    graph[i] = None
+                gin = g
+            if s.start > 0:
+                store.put(("gin", s.name, a.mb), gin, f"input gradient of {s.name} mb {a.mb}")
+            if a.mb == self.ctx.microbatches - 1:
+                self._keep_wgrads(a, params)
+
+    def _free(self, a: Action) -> None:
+        self.stores[a.worker].pop(("w", a.stage))
+
+    def _keep_wgrads(self, a: Action, params: dict) -> None:
+        grads = {pid: p.grad for pid, p in params.items() if p.grad is not None}
+        for p in params.values():
+            p.grad = None
+        self.stores[a.worker].put(("wgrad", a.stage), grads, f"weight gradients of {a.stage}")
+
+    def _keep_buffers(self, a: Action, s: Stage) -> None:
+        if not self.ctx.training or not self.ls.stage_buffers(s.layers):
+            return
+        shells = self.shells[a.worker]
+        bufs = {}
+        for l in s.layers:
+            bufs.update(shells[l].bound_buffers())
+        self.stores[a.worker].put(("bufout", s.name), bufs)
+
+    # -- downloads and host work -----------------------------------------------------
+    def _down(self, a: Action, tree):
+        return map_tensors(self.devices[a.worker].download, tree)
+
+    def _download_act(self, a: Action) -> None:
+        y = self.stores[a.worker].pop(("out", a.stage, a.mb, a.at))
+        self.host_store.put(("act", a.at, a.mb), self._down(a, y))
+
+    def _download_grad(self, a: Action) -> None:
+        store = self.stores[a.worker]
+        g = store.pop(("gin", a.stage, a.mb))
+        if self.stages[a.stage].start > 0:
+            self.host_store.put(("grad", a.at, a.mb), self._down(a, g))
+        if self.stages[a.stage].kind is StageKind.TAIL:
+            self.host_store.put(("loss", a.mb), self._down(a, store.pop(("loss", a.mb))))
+
+    def _download_buffers(self, a: Action) -> None:
+        for bid, t in self.stores[a.worker].pop(("bufout", a.stage)).items():
+            self.host_store.put(("buf", bid), self._down(a, t))
+
+    def _download_wgrad(self, a: Action) -> None:
+        grads = self.stores[a.worker].pop(("wgrad", a.stage))
+        self.host_store.put(("wgrad", a.stage), self._down(a, grads))
+
+    def _optimizer(self, a: Action) -> None:
+        for pid, g in self.host_store.pop(("wgrad", a.stage)).items():
+            self.ctx.grads.add(pid, g)
+
+    # -- per-schedule data -----------------------------------------------------------
+    def set_schedule(self, schedule) -> None:
+        """Remember which boundaries each forward microbatch must keep for download."""
+        self._downloads: dict[tuple[str, int], set[int]] = {}
+        for act in schedule.actions:
+            if act.kind is K.DOWNLOAD_ACT:
+                self._downloads.setdefault((act.stage, act.mb), set()).add(act.at)
+
+
+def _detach(tree):
+    return map_tensors(lambda t: t.detach(), tree)
+
+
+def _leaf(tree):
+    """Detached copies of the floating leaves that require grad (stage inputs)."""
+    return tree_map(lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() else t, tree)
+
+
+def _input_grads(tree):
+    return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) and t.requires_grad
+                    else None, tree)
+
+
+def _backward(out, grad) -> None:
+    """Backpropagate ``grad`` (same tree as ``out``, ``None`` where no gradient)."""
+    outs, _ = tree_flatten(out)
+    grads, _ = tree_flatten(grad)
+    pairs = [(o, g) for o, g in zip(outs, grads)
+             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

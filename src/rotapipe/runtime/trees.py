@@ -1,0 +1,57 @@
+"""Pytree helpers: splitting a batch into microbatches and joining outputs back."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ..errors import InputError
+
+
+def batch_size(tree, what: str) -> int:
+    """The common dim-0 size of every tensor leaf of ``tree``."""
+    leaves, _ = tree_flatten(tree)
+    sizes = {}
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor):
+            if t.device.type != "cpu":
+                raise InputError(f"{what} leaf {i} is on {t.device}: pass CPU tensors; "
+                                 "rotapipe moves each microbatch to its worker itself")
+            if t.dim() == 0:
+                raise InputError(f"{what} leaf {i} is a 0-dim tensor: every tensor needs "
+                                 "a batch dimension 0")
+            sizes[i] = t.shape[0]
+    if not sizes:
+        raise InputError(f"{what} holds no tensor: pass a tensor or a tuple/list/dict "
+                         "of tensors with the batch in dimension 0")
+    if len(set(sizes.values())) > 1:
+        detail = ", ".join(f"leaf {i}: {n}" for i, n in sizes.items())
+        raise InputError(f"{what} tensors disagree on the batch size ({detail}): give "
+                         "every tensor the same dimension 0")
+    return next(iter(sizes.values()))
+
+
+def split(tree, parts: int) -> list:
+    """Split every tensor leaf along dim 0 into ``parts`` near-equal microbatches."""
+    leaves, spec = tree_flatten(tree)
+    chunks = [torch.tensor_split(t, parts) if isinstance(t, torch.Tensor) else [t] * parts
+              for t in leaves]
+    return [tree_unflatten([c[m] for c in chunks], spec) for m in range(parts)]
+
+
+def concat(trees: list):
+    """Join per-microbatch outputs along dim 0 (inverse of :func:`split`)."""
+    flat = [tree_flatten(t) for t in trees]
+    spec = flat[0][1]
+    cols = zip(*(leaves for leaves, _ in flat))
+    return tree_unflatten([torch.cat(c) if isinstance(c[0], torch.Tensor) else c[0]
+                           for c in cols], spec)
+
+
+def cast_floating(tree, dtype: torch.dtype):
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() and t.dtype != dtype else t, tree)
+
+
+def map_tensors(fn, tree):
+    return tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, tree)
