@@ -216,6 +216,18 @@ class RoundPipe:
         """The schedule a call runs (``Schedule.grid()`` prints it)."""
         return self._schedule(training)
 
+    def use_schedule(self, schedule: Schedule) -> None:
+        """Run ``schedule`` instead of the generated one for calls of its kind (training
+        when its name does not end in ``-eval``) and microbatch count. It must be for
+        this pipeline's plan and worker count; it is validated (a dry run) first."""
+        if schedule.plan != self.plan or schedule.workers != len(self.devices):
+            raise ConfigError(f"the schedule is for {schedule.workers} workers and plan "
+                              f"{schedule.plan.to_text()}; this pipeline has "
+                              f"{len(self.devices)} workers and plan {self.plan.to_text()}")
+        validate(schedule)
+        training = not schedule.name.endswith("-eval")
+        self._schedules[(training, schedule.microbatches)] = schedule
+
     def peak_memory(self) -> list[int]:
         """Peak accounted device bytes per worker since construction or reset."""
         return [d.peak_memory() for d in self.devices]
