@@ -9,6 +9,8 @@ from ..errors import PlanError
 
 
 class StageKind(str, enum.Enum):
+    """Forward stage, fused tail stage, or backward stage; the value is the name prefix."""
+
     FORWARD = "F"
     TAIL = "T"
     BACKWARD = "B"

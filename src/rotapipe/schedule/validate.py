@@ -38,18 +38,47 @@ def validate(schedule: Schedule) -> None:
                 raise ScheduleError(f"{kind.name.lower()} of stage {stage} microbatch {m} "
                                     "is missing")
     order = _dry_run(schedule)
-    pos = {k: i for i, k in enumerate(order)}
+    before = _happens_before(schedule, order)
+
+    def requires(later: str, earlier: str) -> bool:
+        return bool(before[later] >> before["#"][earlier] & 1)
+
     for s in plan.backward:
         for m in range(M):
-            if pos[f"B:{s.name}:m{m}"] < pos[f"FT:T:m{m}"]:
-                raise ScheduleError(f"backward of {s.name} microbatch {m} can run before the "
-                                    "fused tail of that microbatch")
-    for s in plan.forward:
-        for m in range(M):
-            for b in plan.backward:
-                if b.start in s.layers and pos[f"R:{b.name}:m{m}"] < pos[f"F:{s.name}:m{m}"]:
-                    raise ScheduleError(f"recompute of {b.name} microbatch {m} can run "
-                                        f"before the forward of {s.name}")
+            if not requires(f"B:{s.name}:m{m}", f"FT:T:m{m}"):
+                raise ScheduleError(f"backward of {s.name} microbatch {m} does not wait for "
+                                    "the fused tail of that microbatch")
+    for b in plan.backward:
+        producer = [s for s in plan.forward if s.start < b.start <= s.stop]
+        for s in producer:
+            for m in range(M):
+                if not requires(f"R:{b.name}:m{m}", f"F:{s.name}:m{m}"):
+                    raise ScheduleError(f"recompute of {b.name} microbatch {m} does not wait "
+                                        f"for the forward of {s.name} that checkpoints its input")
+
+
+def _happens_before(schedule: Schedule, order: list[str]) -> dict:
+    """For each action, a bitmask of the actions that must complete before it (through
+    dependencies and lane order). ``result["#"]`` maps keys to bit positions."""
+    pos = {k: i for i, k in enumerate(order)}
+    by_key = schedule.by_key()
+    prev_in_lane: dict[str, str] = {}
+    last: dict[tuple[int, str], str] = {}
+    for a in schedule.actions:
+        lane = (a.worker, a.lane.value)
+        if lane in last:
+            prev_in_lane[a.key] = last[lane]
+        last[lane] = a.key
+    anc: dict = {}
+    for k in order:
+        a = by_key[k]
+        mask = 0
+        preds = a.deps + a.host_deps + ((prev_in_lane[k],) if k in prev_in_lane else ())
+        for p in preds:
+            mask |= anc[p] | (1 << pos[p])
+        anc[k] = mask
+    anc["#"] = pos
+    return anc
 
 
 def _dry_run(schedule: Schedule) -> list[str]:
