@@ -89,7 +89,9 @@ class RoundPipe:
         self._executor = Executor(self.devices, config.timeout_s)
         self._lock = threading.Lock()
         self.calls = 0
-        """Successful calls so far; with ``config.seed`` it defines the random streams."""
+        """Successful ``forward_backward`` calls so far; with ``config.seed`` it defines
+        the random streams (see :func:`rotapipe.layer_seed`)."""
+        self._evals = 0
         self.optimizer = None
         if optimizer is not None:
             self.attach_optimizer(optimizer if isinstance(optimizer, torch.optim.Optimizer)
@@ -187,10 +189,12 @@ class RoundPipe:
         mbs = trees.split(trees.cast_floating(inputs, self.host.dtype), M)
         with self._lock:
             ctx = self._context(False, [1.0 / M] * M, None, M)
+            # Evaluation draws from its own streams so that it never shifts training's.
+            ctx.call = -1 - self._evals
             host_store = self._host_store(mbs, ctx)
             self._run(self._schedule(False, M), ctx, host_store)
             outs = [host_store.get(("act", self.plan.num_layers, m)) for m in range(M)]
-            self.calls += 1
+            self._evals += 1
         return trees.concat(outs)
 
     # -- reading state -----------------------------------------------------------------
