@@ -301,4 +301,6 @@ class RoundPipe:
         s = self._runner.stages.get(action.stage)
         if s is None:
             return action.stage
-        return f"{s.name} (layers {s.start}-{s.stop - 1})"
+        layers = f"layer {s.start}" if s.stop - s.start == 1 else \
+            f"layers {s.start}-{s.stop - 1}"
+        return f"{s.name} ({layers})"

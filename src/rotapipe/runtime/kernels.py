@@ -146,7 +146,8 @@ class ActionRunner:
         s, store = self.stages[a.stage], self.stores[a.worker]
         x = store.pop(("in", s.name, a.mb))
         labels = store.pop(("labels", a.mb))
-        with self._bound(a) as params, torch.enable_grad():
+        with self._bound(a) as params, torch.enable_grad(), \
+                _WorkingSet(self.devices[a.worker], params, f"working set of {a.key}"):
             x = _leaf(x) if s.start > 0 else x
             out = self._layers(a, s.layers, x, self._side(a))
             loss = self.loss_fn(out, labels)
@@ -165,19 +166,21 @@ class ActionRunner:
     def _recompute(self, a: Action) -> None:
         s, store = self.stages[a.stage], self.stores[a.worker]
         x = store.pop(("in", s.name, a.mb))
-        with self._bound(a):
+        with self._bound(a) as params:
+            saved = 0
             if self.ctx.grain is RecomputeGrain.STAGE:
-                with torch.enable_grad():
+                with torch.enable_grad(), _SavedBytes(params) as counter:
                     x = _leaf(x) if s.start > 0 else x
                     out = self._layers(a, s.layers, x, self._side(a))
-                graph = (x, out)
+                graph, saved = (x, out), counter.bytes
             else:
                 inputs = [x]
                 with torch.no_grad():
                     self._layers(a, list(s.layers)[:-1], x, self._side(a),
                                  lambda _b, y: inputs.append(y))
                 graph = inputs
-        store.put(("graph", s.name, a.mb), graph, f"recompute state of {s.name} mb {a.mb}")
+        store.put(("graph", s.name, a.mb), graph, f"recompute state of {s.name} mb {a.mb}",
+                  extra_bytes=saved)
 
     def _backward(self, a: Action) -> None:
         s, store = self.stages[a.stage], self.stores[a.worker]
@@ -192,7 +195,8 @@ class ActionRunner:
                 side = self._side(a)
                 for i in reversed(range(len(s.layers))):
                     l = s.start + i
-                    with torch.enable_grad():
+                    with torch.enable_grad(), _WorkingSet(self.devices[a.worker], params,
+                                                          f"working set of {a.key} layer {l}"):
                         xi = _leaf(graph[i]) if l > 0 else graph[i]
                         y = self._layers(a, [l], xi, side)
                         _backward(y, g)
@@ -257,6 +261,47 @@ class ActionRunner:
         for act in schedule.actions:
             if act.kind is K.DOWNLOAD_ACT:
                 self._downloads.setdefault((act.stage, act.mb), set()).add(act.at)
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward (the activation working set),
+    each storage once, weights excluded (they are accounted as weights)."""
+
+    def __init__(self, params: dict):
+        self._skip = {p.untyped_storage().data_ptr() for p in params.values()}
+        self._seen: set[int] = set()
+        self.bytes = 0
+
+    def _pack(self, t):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self._skip and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.bytes += st.nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _WorkingSet(_SavedBytes):
+    """Like :class:`_SavedBytes` for work whose graph dies inside the action: the bytes
+    are charged to the device (a budget check, and the peak) and released at exit."""
+
+    def __init__(self, device: Device, params: dict, what: str):
+        super().__init__(params)
+        self._device, self._what = device, what
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if exc[0] is None and self.bytes:
+            self._device.allocate(self.bytes, self._what)
+            self._device.free(self.bytes)
 
 
 def _detach(tree):

@@ -81,10 +81,12 @@ class Store:
         self._items: dict[Any, tuple[Any, str | None, int, int]] = {}
         self._lock = threading.Lock()
 
-    def put(self, key, value, what: str | None = None) -> None:
+    def put(self, key, value, what: str | None = None, extra_bytes: int = 0) -> None:
+        """Store ``value``; its tensor bytes (plus ``extra_bytes``, e.g. the autograd
+        graph it keeps alive) count against the device budget until popped."""
         actor = current_actor()
         writer, seq = (actor.name, actor.clock[actor.name]) if actor else (None, 0)
-        nbytes = tensor_bytes(value) if self.device is not None else 0
+        nbytes = tensor_bytes(value) + extra_bytes if self.device is not None else 0
         if nbytes:
             self.device.allocate(nbytes, what or _describe(key))
         with self._lock:
