@@ -99,8 +99,9 @@ class Device(abc.ABC):
         layers draw there) is seeded with ``seed``."""
 
     @abc.abstractmethod
-    def drain(self) -> None:
-        """Wait until every stream of the device is idle (after an abort)."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every stream of the device is idle (after an abort); False if
+        that took longer than ``timeout`` seconds."""
 
     @abc.abstractmethod
     def allocate(self, nbytes: int, what: str) -> None:

@@ -113,8 +113,14 @@ class CudaDevice(Device):
         with self._lock:
             self._peak = self._used
 
-    def drain(self):
-        torch.cuda.synchronize(self.torch_device)
+    def drain(self, timeout=None):
+        events = [s.record() for s in self._streams.values()]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(ev.query() for ev in events):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 def pin(tensor: torch.Tensor) -> torch.Tensor:

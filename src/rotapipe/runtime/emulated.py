@@ -145,9 +145,9 @@ class EmulatedDevice(Device):
         with self._lock:
             self._peak = self._used
 
-    def drain(self):
-        for s in self._streams.values():
-            s.record().synchronize()
+    def drain(self, timeout=None):
+        events = [s.record() for s in self._streams.values()]
+        return all(ev.done.wait(timeout) for ev in events)
 
     def close(self):
         for s in self._streams.values():

@@ -40,19 +40,39 @@ class Executor:
         self.timeout_s = timeout_s
         self.host_actor = Actor("host")
         self.host_stream = HostStream(self.host_actor)
+        self.drain_timeout_s = min(timeout_s, 60.0)
+        self.broken: str | None = None
 
     def run(self, schedule: Schedule, body: Callable[[Action], None],
             describe: Callable[[Action], str] = lambda a: "") -> None:
         """Run every action of ``schedule`` with ``body``; raise on the first failure."""
+        if self.broken:
+            raise WorkerError(self.broken)
         run = _Run(self, schedule, body)
         run.start()
-        failure = run.wait()
+        try:
+            failure = run.wait()
+        except BaseException:
+            # KeyboardInterrupt in the caller: stop the workers before unwinding.
+            run.abort.set()
+            self._drain()
+            raise
         if failure is None:
             return
         action, exc = failure
-        for d in self.devices:
-            d.drain()
+        self._drain()
         raise self._error(schedule, action, exc, describe(action)) from exc
+
+    def _drain(self) -> None:
+        """Wait for every stream to finish what it is running (queued work of the
+        aborted call is skipped). A stream stuck in user code makes the pipeline
+        unusable rather than hanging the caller."""
+        for d in self.devices:
+            if not d.drain(self.drain_timeout_s):
+                self.broken = (f"worker {d.index} did not stop within "
+                               f"{self.drain_timeout_s:.0f} s after a failure (a layer is "
+                               "stuck): this pipeline cannot run again; build a new one")
+                raise WorkerError(self.broken)
 
     def _error(self, schedule, action, exc, where) -> Exception:
         who = "the host" if action.worker == HOST else f"worker {action.worker}"
