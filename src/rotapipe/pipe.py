@@ -83,7 +83,7 @@ class RoundPipe:
         self._check = check
         self.shells = [self.layerset.make_shells() for _ in self.devices]
         self._schedules: dict[tuple[bool, int], Schedule] = {}
-        stages = {s.name: s for s in plan.jobs()}
+        stages = {s.name: s for s in plan.eval_jobs() + plan.jobs()}
         self._runner = ActionRunner(self.layerset, self.host, loss_fn, self.devices,
                                     self.stores, self.shells, stages)
         self._executor = Executor(self.devices, config.timeout_s)

@@ -77,6 +77,12 @@ class Plan:
         deepest first. Job ``j`` runs on worker ``j % workers`` (round-robin)."""
         return self.forward + (self.tail,) + tuple(reversed(self.backward))
 
+    def eval_jobs(self) -> tuple[Stage, ...]:
+        """Stage jobs of an evaluation call: the forward stages, then the tail's layers
+        as one more forward stage (no loss, no backward)."""
+        return self.forward + (Stage(StageKind.FORWARD, len(self.forward),
+                                     self.tail.start, self.tail.stop),)
+
     def stage(self, name: str) -> Stage:
         for s in self.jobs():
             if s.name == name:
@@ -115,6 +121,8 @@ class Plan:
 
 
 def _split(start: int, stop: int, parts: int) -> list[tuple[int, int]]:
+    if parts == 0:   # every layer is in the fused tail (e.g. a one-layer model)
+        return []
     n = stop - start
     bounds = [start + (n * i) // parts for i in range(parts + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(parts)]

@@ -68,8 +68,11 @@ class Stream(abc.ABC):
         """An event that completes when the work submitted so far has completed."""
 
     def host_wait(self, event: Event, abort: threading.Event | None = None) -> None:
-        """Host thread feeding this stream waits for ``event`` (memory reuse, host work)."""
+        """Host thread feeding this stream waits for ``event`` (memory reuse, host work).
+        Work submitted afterwards is ordered after the event, so the stream also waits
+        on it (free on a completed event; it tells the race checker, too)."""
         event.synchronize(abort)
+        self.wait(event)
 
 
 class Device(abc.ABC):

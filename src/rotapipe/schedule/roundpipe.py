@@ -37,8 +37,7 @@ def roundpipe_schedule(plan: Plan, workers: int, microbatches: int, *,
     if not training:
         # Evaluation: forward stages only, the tail's layers run as one more forward
         # stage, nothing is checkpointed and no buffer update is kept.
-        gen.jobs = plan.forward + (Stage(StageKind.FORWARD, len(plan.forward),
-                                         plan.tail.start, plan.tail.stop),)
+        gen.jobs = plan.eval_jobs()
         gen.checkpoints = frozenset()
         gen.buffer_layers = frozenset()
     for j, stage in enumerate(gen.jobs):

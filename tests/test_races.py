@@ -1,0 +1,188 @@
+"""The stream-race checker flags a deliberately missing wait.
+
+At the backend level: data written on one emulated stream and read on another that did
+not wait on an event recorded after the write raises :class:`rotapipe.RaceError`; a
+wait (direct or transitive) makes the same read legal. At the schedule level: a
+schedule with one data dependency deleted fails with a race naming the action, while
+the generated schedule passes; a schedule whose dependencies form a cycle is rejected
+before it runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+import rotapipe
+from rotapipe.runtime.emulated import EmulatedDevice
+from rotapipe.runtime.store import Store
+from rotapipe.schedule import Lane
+from models import emulated, lm_loss, reference_forward_backward, tiny_transformer, token_batch
+
+
+# -- backend level -----------------------------------------------------------------------
+
+@pytest.fixture
+def device():
+    dev = EmulatedDevice(0)
+    yield dev
+    dev.close()
+
+
+def on(stream, fn) -> list[BaseException]:
+    """Run ``fn`` on ``stream``; block the host until it ran; return its errors."""
+    errors: list[BaseException] = []
+    stream.submit(fn, errors.append, threading.Event())
+    stream.record().synchronize()
+    return errors
+
+
+def write(stream, store: Store, key, value):
+    """Write on ``stream``; return the event recorded after the write. The host waits
+    for it, so the data is certainly in the store when the reader runs: only the
+    reader's stream-side wait is missing."""
+    assert on(stream, lambda: store.put(key, value)) == []
+    event = stream.record()
+    event.synchronize()
+    return event
+
+
+def test_read_without_wait_is_a_race_and_a_wait_fixes_it(device):
+    store = Store("worker 0", device, check=True)
+    upload, compute = device.stream(Lane.UPLOAD), device.stream(Lane.COMPUTE)
+    written = write(upload, store, ("in", "F0", 0), torch.ones(4))
+
+    errors = on(compute, lambda: store.get(("in", "F0", 0)))
+    assert len(errors) == 1 and isinstance(errors[0], rotapipe.RaceError)
+    msg = str(errors[0])
+    assert "w0.compute read in(F0, 0)" in msg and "written by w0.upload" in msg, msg
+    assert "without waiting" in msg
+
+    compute.wait(written)
+    got = []
+    assert on(compute, lambda: got.append(store.get(("in", "F0", 0)))) == []
+    assert torch.equal(got[0], torch.ones(4))
+
+
+def test_wait_orders_transitively_through_a_third_stream(device):
+    store = Store("worker 0", device, check=True)
+    upload = device.stream(Lane.UPLOAD)
+    download, compute = device.stream(Lane.DOWNLOAD), device.stream(Lane.COMPUTE)
+    written = write(upload, store, "x", torch.ones(2))
+    download.wait(written)
+    relayed = download.record()           # recorded after download waited on the write
+    compute.wait(relayed)
+    assert on(compute, lambda: store.get("x")) == []
+
+
+def test_a_wait_before_a_newer_write_does_not_cover_it(device):
+    """Waiting on an old event does not make a later overwrite visible (stale data)."""
+    store = Store("worker 0", device, check=True)
+    upload, compute = device.stream(Lane.UPLOAD), device.stream(Lane.COMPUTE)
+    compute.wait(write(upload, store, "x", torch.zeros(2)))
+    assert on(compute, lambda: store.get("x")) == []
+    write(upload, store, "x", torch.ones(2))
+    errors = on(compute, lambda: store.get("x"))
+    assert len(errors) == 1 and isinstance(errors[0], rotapipe.RaceError)
+
+
+def test_read_before_any_write_is_reported(device):
+    store = Store("worker 0", device, check=True)
+    errors = on(device.stream(Lane.COMPUTE), lambda: store.get(("gout", "B1", 2)))
+    assert len(errors) == 1 and isinstance(errors[0], rotapipe.RaceError)
+    assert "before any action wrote it" in str(errors[0])
+    assert "gout(B1, 2)" in str(errors[0])
+
+
+def test_checker_off_lets_the_same_read_through(device):
+    """The error above comes from the checker, not from the stores themselves."""
+    store = Store("worker 0", device, check=False)
+    upload, compute = device.stream(Lane.UPLOAD), device.stream(Lane.COMPUTE)
+    write(upload, store, "x", torch.ones(2))
+    assert on(compute, lambda: store.get("x")) == []
+
+
+# -- schedule level ------------------------------------------------------------------------
+
+def edit_deps(schedule: rotapipe.Schedule, key: str, *, drop: str | None = None,
+              add: str | None = None) -> rotapipe.Schedule:
+    """The schedule with action ``key`` losing dependency ``drop`` or gaining ``add``
+    (schedules are data), read back through the text form."""
+    actions = []
+    for a in schedule.actions:
+        if a.key == key:
+            assert drop is None or drop in a.deps, a.to_line()
+            deps = tuple(d for d in a.deps if d != drop) + ((add,) if add else ())
+            a = dataclasses.replace(a, deps=deps)
+        actions.append(a)
+    edited = dataclasses.replace(schedule, actions=tuple(actions))
+    return rotapipe.Schedule.from_text(edited.to_text())
+
+
+@pytest.mark.parametrize("key, dep, read", [
+    # w1's activation upload no longer waits for w0's download: it reads host memory
+    # that w0 has not written yet, or wrote on a stream w1 never waited for.
+    ("UA:F1:m0@1", "DA:F0:m0@1", "act(1, 0)"),
+    # w0's forward of microbatch 1 no longer waits for its own upload of that input.
+    ("F:F0:m1", "UA:F0:m1@0", "in(F0, 1)"),
+], ids=["host-memory", "device-memory"])
+def test_schedule_missing_a_wait_fails_with_a_race(key, dep, read):
+    model = tiny_transformer()
+    ref = copy.deepcopy(model)
+    x, y = token_batch(8, 5)
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2)) as pipe:
+        generated = pipe.schedule()
+        pipe.use_schedule(edit_deps(generated, key, drop=dep))
+        for _ in range(3):            # whichever way the threads interleave
+            with pytest.raises(rotapipe.RaceError) as info:
+                pipe.forward_backward(x, y)
+            err = info.value
+            assert isinstance(err, rotapipe.WorkerError)
+            assert err.action == key and f">>{key}<<" in str(err), str(err)
+            assert read in str(err)
+        assert pipe.calls == 0 and all(p.grad is None for p in pipe.parameters())
+
+        pipe.use_schedule(generated)  # the unmodified schedule passes the checker
+        loss = pipe.forward_backward(x, y)
+        ref_loss = reference_forward_backward(ref, x, y, 2, call=0)
+        assert abs(loss - ref_loss) < 1e-5
+        for p, q in zip(pipe.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_generated_schedules_pass_the_checker_across_workers():
+    x, y = token_batch(6, 5)
+    for workers in (1, 3, 4):
+        with rotapipe.RoundPipe(tiny_transformer(), lm_loss,
+                                config=emulated(workers, 3, check_races=True)) as pipe:
+            pipe.forward_backward(x, y)
+
+
+def test_backward_without_its_gradient_dependency_is_rejected_statically():
+    """Dropping the gradient upload's dependency lets the backward run before the fused
+    tail: the validator refuses it before anything runs."""
+    with rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(2, 2)) as pipe:
+        deepest, t = pipe.plan.backward[-1], pipe.plan.tail.start
+        edited = edit_deps(pipe.schedule(), f"UG:{deepest.name}:m0@{t}", drop=f"DG:T:m0@{t}")
+        with pytest.raises(rotapipe.ScheduleError, match="fused tail"):
+            pipe.use_schedule(edited)
+
+
+@pytest.mark.parametrize("key, extra", [
+    ("UA:F0:m0@0", "F:F0:m0"),   # on one worker: the upload waits for its own consumer
+    ("UW:F1", "X:F2"),           # across workers: F1 waits for F2, which needs F1's output
+], ids=["same-worker", "across-workers"])
+def test_dependency_cycle_is_rejected_as_a_deadlock(key, extra):
+    with rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(2, 2)) as pipe:
+        cyclic = edit_deps(pipe.schedule(), key, add=extra)
+        assert extra in cyclic.by_key()[key].deps
+        with pytest.raises(rotapipe.ScheduleError, match="deadlock"):
+            rotapipe.validate(cyclic)
+        with pytest.raises(rotapipe.ScheduleError, match="deadlock"):
+            pipe.use_schedule(cyclic)
+        x, y = token_batch(4, 5)
+        pipe.forward_backward(x, y)   # the pipeline kept its valid schedule
