@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from .errors import ConfigError, InputError
 from .model import LayerSet
 from .plan import Plan, even_plan
 from .schedule import Schedule, roundpipe_schedule, validate
+from .runtime.backend import Device
 from .runtime.devices import make_devices
 from .runtime.executor import Executor
 from .runtime.host import CallGrads, HostState, LossScaler
@@ -54,14 +56,29 @@ class RoundPipe:
                  loss_fn: Callable[[object, object], torch.Tensor], *,
                  config: PipeConfig | None = None, optimizer=None,
                  side_inputs: Callable[[object], dict] | None = None,
-                 plan: Plan | None = None, devices=None):
+                 plan: Plan | None = None, devices: Sequence[Device] | None = None):
         self.config = config = config or PipeConfig()
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.layerset = LayerSet(layers)
+        # state_dict keys follow the user's container (named nn.Sequential keeps names).
+        self._container = layers if isinstance(layers, nn.Module) else \
+            nn.Sequential(*self.layerset.layers)
         self.loss_fn = loss_fn
         self.side_inputs = side_inputs
         self.devices = devices if devices is not None else make_devices(config)
+        # Devices we created are closed (their threads joined) when the pipeline is
+        # closed or garbage collected, or the constructor fails; devices passed in
+        # belong to the caller.
+        self._finalizer = weakref.finalize(self, _close, self.devices) \
+            if devices is None else None
+        try:
+            self._build(layers, loss_fn, config, optimizer, side_inputs, plan)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, layers, loss_fn, config, optimizer, side_inputs, plan) -> None:
         w = len(self.devices)
         n = len(self.layerset)
         if plan is None:
@@ -77,6 +94,7 @@ class RoundPipe:
         if self.devices and self.devices[0].torch_device.type == "cuda":
             from .runtime.cuda import pin
         self.host = HostState(self.layerset, config.precision, pin)
+        self._check_budget()
         self.scaler = LossScaler(config.precision)
         check = config.check_races and self.devices[0].torch_device.type == "cpu"
         self.stores = [Store(f"worker {d.index}", d, check) for d in self.devices]
@@ -104,6 +122,7 @@ class RoundPipe:
             yield self.layerset.params[pid]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, master)`` pairs; names are ``"<layer index>.<path>"``."""
         for pid in self.host.trainable:
             yield self.layerset.param_names[pid], self.layerset.params[pid]
 
@@ -200,15 +219,19 @@ class RoundPipe:
     # -- reading state -----------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Trained weights (fp32 masters, frozen weights) and buffers, keyed like the
-        ``state_dict`` of ``nn.Sequential(*layers)``."""
-        return nn.Sequential(*self.layerset.layers).state_dict()
+        ``state_dict`` of the container passed in (``nn.Sequential(*layers)`` for a
+        list). The tensors are the live masters: copy them to keep a snapshot."""
+        return self._container.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights and buffers (keys as :meth:`state_dict`) into the masters and
+        refresh the compute-dtype copies the workers upload."""
         with self._lock:
-            nn.Sequential(*self.layerset.layers).load_state_dict(state)
+            self._container.load_state_dict(state)
             self.host.write_back()
 
     def train(self, mode: bool = True) -> RoundPipe:
+        """Set the layers' training flag (dropout, BatchNorm), as ``nn.Module.train``."""
         for layer in self.layerset.layers:
             layer.train(mode)
         return self
@@ -242,8 +265,8 @@ class RoundPipe:
 
     def close(self) -> None:
         """Stop the worker threads (emulated backend). The pipeline is unusable after."""
-        for d in self.devices:
-            d.close()
+        if self._finalizer is not None:
+            self._finalizer()
 
     def __enter__(self):
         return self
@@ -297,6 +320,22 @@ class RoundPipe:
                 store.clear()
             runner.ctx = runner.host_store = None
 
+    def _check_budget(self) -> None:
+        """Fail before any work when one stage's weights alone exceed a worker budget."""
+        budgets = [d.budget for d in self.devices if d.budget is not None]
+        if not budgets:
+            return
+        budget = min(budgets)
+        for s in self.plan.jobs():
+            need = sum(self.host.compute[p].numel() * self.host.compute[p].element_size()
+                       for p in self.layerset.stage_params(s.layers))
+            if need > budget:
+                raise ConfigError(
+                    f"stage {s} needs {need / 2**20:.2f} MiB for its weights alone, over the "
+                    f"worker memory budget of {budget / 2**20:.2f} MiB: use smaller stages "
+                    "(raise forward_stages / backward_stages, lower tail_layers) or raise "
+                    "device_memory")
+
     def _where(self, action) -> str:
         s = self._runner.stages.get(action.stage)
         if s is None:
@@ -304,3 +343,8 @@ class RoundPipe:
         layers = f"layer {s.start}" if s.stop - s.start == 1 else \
             f"layers {s.start}-{s.stop - 1}"
         return f"{s.name} ({layers})"
+
+
+def _close(devices) -> None:
+    for d in devices:
+        d.close()

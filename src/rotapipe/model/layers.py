@@ -106,8 +106,8 @@ class LayerSet:
         """Write a buffer's new value into the user's module (in place when it can)."""
         mod, name = self.buffers[bid]
         old = mod._buffers[name]
-        if old.shape == value.shape and old.dtype == value.dtype:
-            old.copy_(value)
+        if old.shape == value.shape:
+            old.copy_(value)   # in place (casting): references to the buffer stay valid
         else:
             for m in self._owners(bid):
                 m[0]._buffers[m[1]] = value.to(old.dtype) if old.is_floating_point() else value

@@ -9,6 +9,7 @@ them and can be waited on from any other stream. Every stream carries a vector c
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from contextlib import contextmanager
@@ -61,7 +62,11 @@ class EmulatedStream(Stream):
         return ev
 
     def close(self):
+        # Join: a daemon thread still freeing tensors while the interpreter shuts down
+        # aborts the process ("terminate called without an active exception").
         self._q.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _loop(self):
         while True:
@@ -99,6 +104,11 @@ class EmulatedDevice(Device):
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0
+        # Copies land in reused blocks, as on CUDA (caching allocator on the device,
+        # pinned buffer pool on the host): fresh memory would be page-faulted in on
+        # every step, costing more CPU than the copy itself.
+        self._device_blocks = BlockPool()
+        self._host_blocks = BlockPool()
 
     def __repr__(self):
         return f"EmulatedDevice({self.index}, budget={self.budget})"
@@ -107,12 +117,14 @@ class EmulatedDevice(Device):
         return self._streams[lane]
 
     def upload(self, host, dtype=None):
-        out = torch.empty(host.shape, dtype=dtype or host.dtype)
+        out = self._device_blocks.empty(host.shape, dtype or host.dtype)
         out.copy_(host)
         return out
 
     def download(self, dev):
-        return dev.detach().clone()
+        out = self._host_blocks.empty(dev.shape, dev.dtype)
+        out.copy_(dev.detach())
+        return out
 
     @contextmanager
     def seeded(self, seed):
@@ -152,6 +164,40 @@ class EmulatedDevice(Device):
     def close(self):
         for s in self._streams.values():
             s.close()
+        self._device_blocks = self._host_blocks = BlockPool()
+
+
+class BlockPool:
+    """Reusable CPU storages for copies, keyed by byte size.
+
+    A block is handed out again only when no tensor uses its storage any more (its use
+    count is the pool's own reference), so reuse can never alias live data, whoever
+    holds it (a stage's weights, an autograd graph, ``param.grad``). Small tensors come
+    from the ordinary allocator: malloc reuses them without page faults.
+    """
+
+    MIN_BYTES = 1 << 16
+
+    def __init__(self):
+        self._blocks: dict[int, list[torch.UntypedStorage]] = {}
+        self._lock = threading.Lock()
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` with undefined contents."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        with self._lock:
+            blocks = self._blocks.setdefault(nbytes, [])
+            for i, block in enumerate(blocks):
+                if torch._C._storage_Use_Count(block._cdata) == 1:
+                    blocks.append(blocks.pop(i))   # least recently taken first next time
+                    break
+            else:
+                block = torch.UntypedStorage(nbytes)
+                blocks.append(block)
+            # Claimed under the lock: the tensor's reference makes the block busy.
+            return torch.empty(0, dtype=dtype).set_(block, 0, shape)
 
 
 def _fmt(n: int) -> str:

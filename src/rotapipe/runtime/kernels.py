@@ -74,7 +74,10 @@ class ActionRunner:
         for bid in self.ls.stage_buffers(s.layers):
             src = self.host_store.get(("buf", bid)) if self.host_store.contains(("buf", bid)) \
                 else self.ls.buffer_value(bid)
-            buffers[bid] = dev.upload(src)
+            # Floating buffers (BatchNorm statistics) compute in the compute dtype, as
+            # they would in a model cast with .to(dtype); the host keeps their dtype.
+            dtype = self.host.dtype if src.is_floating_point() else None
+            buffers[bid] = dev.upload(src, dtype)
         self.stores[a.worker].put(("w", s.name), (params, buffers), f"weights of stage {s}")
 
     def _upload_side(self, a: Action) -> None:

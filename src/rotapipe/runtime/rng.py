@@ -22,7 +22,9 @@ def _mix(z: int) -> int:
 
 def layer_seed(seed: int, call: int, microbatch: int, layer: int) -> int:
     """Seed of layer ``layer`` for microbatch ``microbatch`` of the ``call``-th
-    ``forward_backward``/forward call since the pipeline was built (counting from 0)."""
+    successful ``forward_backward`` call since the pipeline was built (counting from
+    0; ``RoundPipe.calls``). Evaluation calls ``pipe(x)`` use calls -1, -2, ... so
+    they never shift training's streams."""
     z = _mix(seed & _MASK)
     for v in (call, microbatch, layer):
         z = _mix(z ^ (v & _MASK))
