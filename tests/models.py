@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import rotapipe
+from rotapipe.model import tiny
 
 VOCAB = 61
 
@@ -27,27 +28,9 @@ class Embed(nn.Module):
         return self.emb(ids)
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention + MLP of width ``hidden``."""
-
-    def __init__(self, dim: int, hidden: int, heads: int = 2, dropout: float = 0.0):
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads) \
-            .permute(2, 0, 3, 1, 4)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.down(torch.relu(self.up(self.norm2(x)))))
+def Block(dim: int, hidden: int, heads: int = 2, dropout: float = 0.0) -> nn.Module:
+    """Pre-norm transformer block with an MLP of width ``hidden`` (uneven per layer)."""
+    return tiny.Block(dim, heads, dropout=dropout, hidden=hidden)
 
 
 class RunningNorm(nn.Module):

@@ -33,17 +33,19 @@ class Embed(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x-wide GELU MLP."""
+    """Pre-norm transformer block: causal self-attention, then a GELU MLP of width
+    ``hidden`` (default ``4 * dim``)."""
 
-    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, hidden: int | None = None):
         super().__init__()
         self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
+        hidden = hidden or 4 * dim
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
