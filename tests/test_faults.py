@@ -360,3 +360,52 @@ def test_threads_return_to_baseline_after_a_failed_call_and_close():
     finally:
         pipe.close()
     assert_threads_back_to(baseline)
+
+
+class _Sleepy(nn.Module):
+    """Stalls the first time it runs (a stuck kernel), then behaves."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seconds = seconds
+
+    def forward(self, x):
+        if self.seconds:
+            time.sleep(self.seconds)
+        return self.lin(x)
+
+
+def test_a_stalled_worker_times_out_instead_of_hanging():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Sleepy(1.6), nn.Linear(4, 4))
+    config = emulated(2, 2, timeout_s=1.0)
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=config) as pipe:
+        x, y = torch.randn(4, 4), torch.randn(4, 4)
+        t0 = time.monotonic()
+        with pytest.raises(rotapipe.WorkerError, match=r"no action completed for \d+ s "
+                                                       r"\(timeout_s=1.0\)") as info:
+            pipe.forward_backward(x, y)
+        assert isinstance(info.value.cause, TimeoutError)
+        assert ">>" in str(info.value)
+        assert time.monotonic() - t0 < 5.0
+        assert all(p.grad is None for p in pipe.parameters())
+        for shell in pipe.shells:       # the stall is over: the next call works
+            shell[1].module.seconds = 0
+        assert pipe.forward_backward(x, y) > 0
+
+
+def test_a_worker_stuck_past_the_drain_timeout_retires_the_pipeline():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Sleepy(2.5), nn.Linear(4, 4))
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss,
+                            config=emulated(1, 1, timeout_s=0.5)) as pipe:
+        x, y = torch.randn(4, 4), torch.randn(4, 4)
+        t0 = time.monotonic()
+        with pytest.raises(rotapipe.WorkerError) as info:
+            pipe.forward_backward(x, y)
+        assert time.monotonic() - t0 < 2.0          # the caller is not held hostage
+        msg = str(info.value)
+        assert "no action completed" in msg and "cannot run again" in msg
+        with pytest.raises(rotapipe.WorkerError, match="cannot run again"):
+            pipe.forward_backward(x, y)

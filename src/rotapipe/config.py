@@ -110,7 +110,9 @@ class PipeConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Compute dtype and loss scaling."""
     timeout_s: float = 600.0
-    """A call whose workers make no progress for this long fails instead of hanging."""
+    """A call whose workers make no progress for this long fails instead of hanging;
+    a worker still stuck in an action this long after a failure retires the pipeline
+    (later calls raise at once) rather than blocking the caller."""
 
     def __post_init__(self):
         object.__setattr__(self, "grain", _enum(RecomputeGrain, self.grain, "grain"))

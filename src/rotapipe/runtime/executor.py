@@ -40,7 +40,7 @@ class Executor:
         self.timeout_s = timeout_s
         self.host_actor = Actor("host")
         self.host_stream = HostStream(self.host_actor)
-        self.drain_timeout_s = min(timeout_s, 60.0)
+        self.drain_timeout_s = timeout_s
         self.broken: str | None = None
 
     def run(self, schedule: Schedule, body: Callable[[Action], None],
@@ -55,24 +55,30 @@ class Executor:
         except BaseException:
             # KeyboardInterrupt in the caller: stop the workers before unwinding.
             run.abort.set()
+            run.join()
             self._drain()
             raise
         if failure is None:
             return
         action, exc = failure
-        self._drain()
-        raise self._error(schedule, action, exc, describe(action)) from exc
+        drained = self._drain()
+        error = self._error(schedule, action, exc, describe(action))
+        if not drained:
+            error.args = (error.args[0] + f"\n\n{self.broken}",)
+        raise error from exc
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
         """Wait for every stream to finish what it is running (queued work of the
-        aborted call is skipped). A stream stuck in user code makes the pipeline
-        unusable rather than hanging the caller."""
+        aborted call is skipped). A stream stuck in user code for longer than
+        ``drain_timeout_s`` makes the pipeline unusable instead of hanging the caller."""
+        deadline = time.monotonic() + self.drain_timeout_s
         for d in self.devices:
-            if not d.drain(self.drain_timeout_s):
+            if not d.drain(max(0.0, deadline - time.monotonic())):
                 self.broken = (f"worker {d.index} did not stop within "
-                               f"{self.drain_timeout_s:.0f} s after a failure (a layer is "
+                               f"{self.drain_timeout_s:g} s after the failure (an action is "
                                "stuck): this pipeline cannot run again; build a new one")
-                raise WorkerError(self.broken)
+                return False
+        return True
 
     def _error(self, schedule, action, exc, where) -> Exception:
         who = "the host" if action.worker == HOST else f"worker {action.worker}"
@@ -149,6 +155,10 @@ class _Run:
             self.body(a)
             self.last_progress = time.monotonic()
         return run
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
 
     def wait(self):
         """Wait for the dispatchers, then for every stream; return the failure if any."""
