@@ -456,3 +456,25 @@ def test_pytree_activations(workers, grain, tail):
     got = train_pipe(tree_model(), None, emulated(workers, 3, grain=grain, tail_layers=tail),
                      "adamw", loss_fn=tree_loss, data=data)
     assert_close_trained(got, want)
+
+
+def test_loss_weight_gives_the_token_mean_over_the_whole_batch():
+    """With ``loss_weight`` counting non-ignored tokens, the gradient is that of the mean
+    over every non-ignored token of the batch (Hugging Face loss semantics), not the
+    mean of per-microbatch means."""
+    def token_loss(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 labels.reshape(-1), ignore_index=-100)
+
+    x, y = token_batch(8, 6)
+    y = y.clone()
+    y[:3, 2:] = -100          # uneven: microbatch 0 has far fewer counted tokens
+    model, ref = tiny_transformer(), tiny_transformer()
+    with rotapipe.RoundPipe(model, token_loss, config=emulated(2, 4),
+                            loss_weight=lambda lab: int((lab != -100).sum())) as pipe:
+        loss = pipe.forward_backward(x, y)
+    want = token_loss(ref(x), y)
+    want.backward()
+    assert loss == pytest.approx(want.item(), rel=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

@@ -48,6 +48,12 @@ class RoundPipe:
         side_inputs: optional ``fn(microbatch_inputs) -> dict`` of tensors every layer
             reads (masks, rotary tables); computed on the host once per microbatch,
             uploaded once per microbatch per worker, passed as ``layer(x, **side)``.
+        loss_weight: optional ``fn(microbatch_labels) -> number`` of the items
+            ``loss_fn`` averages over in that microbatch (e.g. the non-ignored tokens
+            of a language-model loss). Default: the microbatch's sample count. Each
+            microbatch's loss is weighted by its share of the batch's total, so the
+            result is the mean over every item of the batch (and, across accumulated
+            calls, over every item since the last step).
         plan: an explicit :class:`rotapipe.plan.Plan` instead of the even partition.
         devices: explicit device objects (tests); default from ``config.backend``.
     """
@@ -56,6 +62,7 @@ class RoundPipe:
                  loss_fn: Callable[[object, object], torch.Tensor], *,
                  config: PipeConfig | None = None, optimizer=None,
                  side_inputs: Callable[[object], dict] | None = None,
+                 loss_weight: Callable[[object], float] | None = None,
                  plan: Plan | None = None, devices: Sequence[Device] | None = None):
         self.config = config = config or PipeConfig()
         if not callable(loss_fn):
@@ -66,6 +73,7 @@ class RoundPipe:
             nn.Sequential(*self.layerset.layers)
         self.loss_fn = loss_fn
         self.side_inputs = side_inputs
+        self.loss_weight = loss_weight
         self.devices = devices if devices is not None else make_devices(config)
         # Devices we created are closed (their threads joined) when the pipeline is
         # closed or garbage collected, or the constructor fails; devices passed in
@@ -144,11 +152,11 @@ class RoundPipe:
 
         The batch is split along dim 0 into ``config.microbatches`` microbatches. The
         returned loss is the mean of the per-microbatch losses weighted by microbatch
-        size, i.e. the mean over the whole batch when ``loss_fn`` returns a per-sample
-        mean. Gradients accumulate until :meth:`step`: after several calls they are the
-        gradient of the mean loss over *every* sample since the last step, the same as
-        one call on the concatenated batch. If the call fails, no weight, gradient,
-        buffer or optimizer state changes.
+        size (or by ``loss_weight``), i.e. the mean over the whole batch when
+        ``loss_fn`` returns a per-sample mean. Gradients accumulate until :meth:`step`:
+        after several calls they are the gradient of the mean loss over *every* sample
+        since the last step, the same as one call on the concatenated batch. If the
+        call fails, no weight, gradient, buffer or optimizer state changes.
         """
         M = self.config.microbatches
         n = trees.batch_size(inputs, "inputs")
@@ -161,10 +169,18 @@ class RoundPipe:
                              f"pass at least {M} samples or lower microbatches")
         mbs = trees.split(trees.cast_floating(inputs, self.host.dtype), M)
         lbs = trees.split(labels, M)
-        sizes = [trees.batch_size(x, "inputs") for x in mbs]
+        if self.loss_weight is None:
+            units = [float(trees.batch_size(x, "inputs")) for x in mbs]
+        else:
+            units = [float(self.loss_weight(y)) for y in lbs]
+        total = sum(units)
+        if not total > 0 or any(u < 0 for u in units):
+            raise InputError(f"loss_weight gave {units} for the microbatches: the items "
+                             "the loss averages over must be >= 0 and not all 0 (are all "
+                             "labels ignored?)")
         with self._lock:
             grads = CallGrads(1.0 / self.scaler.scale)
-            ctx = self._context(True, [s / n for s in sizes], grads)
+            ctx = self._context(True, [u / total for u in units], grads)
             host_store = self._host_store(mbs, ctx)
             for m, y in enumerate(lbs):
                 host_store.put(("labels", m), y)
@@ -173,7 +189,7 @@ class RoundPipe:
             for bid in range(len(self.layerset.buffers)):
                 if host_store.contains(("buf", bid)):
                     self.layerset.set_buffer(bid, host_store.get(("buf", bid)))
-            self.host.commit(grads, n)
+            self.host.commit(grads, total)
             self.calls += 1
         return float(sum(w * l.item() for w, l in zip(ctx.weights, losses)))
 

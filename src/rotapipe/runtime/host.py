@@ -47,8 +47,9 @@ class HostState:
                     p.data = pin(p.data)
                 self.compute.append(p.data)
         self.trainable = [pid for pid, p in enumerate(layerset.params) if p.requires_grad]
-        self.samples = 0
-        """Samples whose gradients ``param.grad`` holds since the last step/zero_grad."""
+        self.samples = 0.0
+        """Loss items (samples, or ``loss_weight`` units) whose gradients ``param.grad``
+        holds since the last step/zero_grad."""
 
     def write_back(self) -> None:
         """Refresh compute-dtype copies from the masters after an optimizer step."""
@@ -57,7 +58,7 @@ class HostState:
             for pid in self._separate:
                 self.compute[pid].copy_(params[pid].data)
 
-    def commit(self, grads: CallGrads, samples: int) -> None:
+    def commit(self, grads: CallGrads, samples: float) -> None:
         """Merge one successful call's gradients so that ``param.grad`` is the gradient
         of the mean loss over every sample since the last step."""
         total = self.samples + samples
@@ -78,7 +79,7 @@ class HostState:
     def zero_grad(self) -> None:
         for pid in self.trainable:
             self.layerset.params[pid].grad = None
-        self.samples = 0
+        self.samples = 0.0
 
     def grads_finite(self) -> bool:
         return all(torch.isfinite(self.layerset.params[pid].grad).all()
