@@ -164,7 +164,11 @@ class EmulatedDevice(Device):
     def close(self):
         for s in self._streams.values():
             s.close()
-        self._device_blocks = self._host_blocks = BlockPool()
+        self._device_blocks, self._host_blocks = BlockPool(), BlockPool()
+
+
+# References to a storage (tensors, views, autograd's saved tensors); None: no pooling.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class BlockPool:
@@ -185,12 +189,12 @@ class BlockPool:
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of ``shape`` and ``dtype`` with undefined contents."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.MIN_BYTES:
+        if nbytes < self.MIN_BYTES or _use_count is None:
             return torch.empty(shape, dtype=dtype)
         with self._lock:
             blocks = self._blocks.setdefault(nbytes, [])
             for i, block in enumerate(blocks):
-                if torch._C._storage_Use_Count(block._cdata) == 1:
+                if _use_count(block._cdata) == 1:
                     blocks.append(blocks.pop(i))   # least recently taken first next time
                     break
             else:

@@ -101,8 +101,9 @@ class CallGrads:
                 if grad.dtype == torch.float32 and self.inv_scale == 1.0:
                     self.staged[pid] = grad
                 else:
-                    self.staged[pid] = torch.empty(grad.shape, dtype=torch.float32) \
-                        .copy_(grad).mul_(self.inv_scale)
+                    g32 = torch.empty(grad.shape, dtype=torch.float32).copy_(grad)
+                    self.staged[pid] = g32.mul_(self.inv_scale) if self.inv_scale != 1.0 \
+                        else g32
             else:
                 cur.add_(grad, alpha=self.inv_scale)
 
