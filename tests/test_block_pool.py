@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rotapipe.runtime.emulated import BlockPool
+from rotapipe.runtime.pool import BlockPool
 
 BIG = (256, 256)   # 256 KiB of fp32: pooled
 

@@ -16,6 +16,7 @@ import torch
 
 from ..schedule import Lane
 from .backend import Aborted, Device, Event, Stream
+from .pool import BlockPool
 
 
 class CudaEvent(Event):
@@ -68,6 +69,7 @@ class CudaDevice(Device):
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0
+        self._pinned = BlockPool(pin=True)   # download targets, reused (TRAPS.md)
 
     def stream(self, lane):
         return self._streams[lane]
@@ -77,7 +79,7 @@ class CudaDevice(Device):
         return out if dtype is None or out.dtype == dtype else out.to(dtype)
 
     def download(self, dev):
-        out = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        out = self._pinned.empty(dev.shape, dev.dtype)
         out.copy_(dev.detach(), non_blocking=True)
         return out
 

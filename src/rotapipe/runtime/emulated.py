@@ -9,7 +9,6 @@ them and can be waited on from any other stream. Every stream carries a vector c
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 from contextlib import contextmanager
@@ -19,6 +18,7 @@ import torch
 from ..errors import DeviceOutOfMemoryError
 from ..schedule import Lane
 from .backend import Aborted, Device, Event, Stream
+from .pool import BlockPool
 from .store import Actor
 
 # torch's CPU generator is one per process and shared by every thread (TRAPS.md), so
@@ -165,43 +165,6 @@ class EmulatedDevice(Device):
         for s in self._streams.values():
             s.close()
         self._device_blocks, self._host_blocks = BlockPool(), BlockPool()
-
-
-# References to a storage (tensors, views, autograd's saved tensors); None: no pooling.
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-class BlockPool:
-    """Reusable CPU storages for copies, keyed by byte size.
-
-    A block is handed out again only when no tensor uses its storage any more (its use
-    count is the pool's own reference), so reuse can never alias live data, whoever
-    holds it (a stage's weights, an autograd graph, ``param.grad``). Small tensors come
-    from the ordinary allocator: malloc reuses them without page faults.
-    """
-
-    MIN_BYTES = 1 << 16
-
-    def __init__(self):
-        self._blocks: dict[int, list[torch.UntypedStorage]] = {}
-        self._lock = threading.Lock()
-
-    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` and ``dtype`` with undefined contents."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.MIN_BYTES or _use_count is None:
-            return torch.empty(shape, dtype=dtype)
-        with self._lock:
-            blocks = self._blocks.setdefault(nbytes, [])
-            for i, block in enumerate(blocks):
-                if _use_count(block._cdata) == 1:
-                    blocks.append(blocks.pop(i))   # least recently taken first next time
-                    break
-            else:
-                block = torch.UntypedStorage(nbytes)
-                blocks.append(block)
-            # Claimed under the lock: the tensor's reference makes the block busy.
-            return torch.empty(0, dtype=dtype).set_(block, 0, shape)
 
 
 def _fmt(n: int) -> str:

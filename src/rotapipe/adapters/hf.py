@@ -1,0 +1,341 @@
+"""Hugging Face causal LMs (and PEFT models around them) as rotapipe layers.
+
+    wrapped = rotapipe.adapters.wrap_hf(model)          # discovers the pieces
+    pipe = wrapped.pipe(rotapipe.PipeConfig(microbatches=4))
+    loss = pipe.forward_backward({"input_ids": ids, "attention_mask": mask}, labels)
+
+Layout (``len(wrapped.layers) == num_hidden_layers + 2``): layer 0 embeds the tokens,
+layers 1..N are the decoder blocks, the last layer is the final norm + LM head whose
+loss runs chunked (:mod:`.loss`). Masks, rotary tables and position ids are side inputs
+(:mod:`.side`), computed once per microbatch on the host by the model's own forward.
+
+Pieces are found from structure, not class names: the input embeddings
+(``get_input_embeddings()``), the module that owns them and the ``nn.ModuleList`` of
+``config.num_hidden_layers`` blocks next to them, the one other parameterised child of
+that module (the final norm), the output embeddings (``get_output_embeddings()``), and
+MoE routers from ``_can_record_outputs``. Per-family differences are config values the
+model's forward applies outside any block: ``embedding_multiplier`` and
+``logits_scaling`` (Granite), ``final_logit_softcapping`` (Gemma 2/3). Attention
+soft-capping and sliding windows live inside the blocks and the mask helpers, so they
+need nothing here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..config import PipeConfig
+from .errors import AdapterError
+from .layers import DecoderLayer, EmbedLayer, HeadLayer
+from .loss import TokenCount, lm_loss
+from .moe import MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class
+from .side import SideInputs
+
+__all__ = ["AdapterError", "HFModel", "CausalLMLoss", "wrap_hf", "hf_pipe", "load_hf"]
+
+
+class CausalLMLoss:
+    """``loss_fn`` of a wrapped model: Hugging Face's causal-LM loss (chunked), plus
+    ``coef * load-balancing loss`` for MoE models whose config enables it."""
+
+    def __init__(self, chunk_tokens: int | None = None, ignore_index: int = -100,
+                 moe: MoESpec | None = None):
+        self.chunk_tokens, self.ignore_index, self.moe = chunk_tokens, ignore_index, moe
+
+    def __call__(self, out, labels: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(out.hidden, labels, out.head, chunk_tokens=self.chunk_tokens,
+                       ignore_index=self.ignore_index)
+        if self.moe is not None and out.moe is not None:
+            loss = loss + self.moe.coef * aux_loss(out.moe, self.moe).to(loss.device)
+        return loss
+
+
+class HFModel:
+    """A wrapped Hugging Face model: the rotapipe ``layers``, ``loss_fn``,
+    ``side_inputs`` and ``loss_weight``, and the original model's ``config``,
+    ``generation_config`` and ``save_pretrained``.
+
+    The layers hold the model's own modules: training updates the model's parameters in
+    place (trainable ones become fp32 masters), so ``save_pretrained`` writes the
+    trained weights (a PEFT model writes its adapter).
+    """
+
+    def __init__(self, model: nn.Module, base: nn.Module, layers: list[nn.Module],
+                 loss_fn: CausalLMLoss, side_inputs: SideInputs, parts: dict[str, str]):
+        self.model, self.base = model, base
+        self.layers = layers
+        self.loss_fn = loss_fn
+        self.side_inputs = side_inputs
+        self.loss_weight = TokenCount(loss_fn.ignore_index)
+        self.parts = parts
+        """Where each piece was found, e.g. ``{"layers": "model.layers", ...}``."""
+
+    @property
+    def config(self):
+        return self.base.config
+
+    @property
+    def generation_config(self):
+        return getattr(self.base, "generation_config", None)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype the side inputs (masks, rotary tables) are built in: the pipeline's
+        compute dtype (:meth:`pipe` sets it from the config)."""
+        return self.side_inputs.dtype
+
+    @compute_dtype.setter
+    def compute_dtype(self, dtype: torch.dtype) -> None:
+        self.side_inputs.dtype = dtype
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """The wrapped model's ``save_pretrained`` (safetensors; a PEFT model saves its
+        adapter in PEFT format)."""
+        return self.model.save_pretrained(save_directory, **kwargs)
+
+    def pipe_kwargs(self) -> dict:
+        """Keyword arguments for :class:`rotapipe.RoundPipe` (add ``config=``)."""
+        return dict(layers=self.layers, loss_fn=self.loss_fn,
+                    side_inputs=self.side_inputs, loss_weight=self.loss_weight)
+
+    def pipe(self, config: PipeConfig | None = None, **kwargs):
+        """Build the :class:`rotapipe.RoundPipe` (side inputs in the config's compute
+        dtype). Extra keyword arguments go to ``RoundPipe``."""
+        from ..pipe import RoundPipe
+        config = config or PipeConfig()
+        self.compute_dtype = config.precision.compute_dtype
+        return RoundPipe(**self.pipe_kwargs(), config=config, **kwargs)
+
+    @staticmethod
+    def inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> dict:
+        """The pipeline inputs of a batch (a dict without ``None`` entries)."""
+        d = {"input_ids": input_ids, "attention_mask": attention_mask,
+             "position_ids": position_ids}
+        return {k: v for k, v in d.items() if v is not None}
+
+    def layer_params(self) -> list[int]:
+        """Parameter count of each layer (a weight shared by two layers counts in
+        both): what the planner needs, also for a model on the meta device."""
+        return [sum(p.numel() for p in layer.parameters()) for layer in self.layers]
+
+
+def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
+            loss_chunk_tokens: int | None = None, ignore_index: int = -100,
+            moe_aux_loss: bool | None = None, layers_path: str | None = None,
+            norm_path: str | None = None) -> HFModel:
+    """Adapt a ``transformers`` causal LM (or a ``peft.PeftModel`` around one).
+
+    Args:
+        model: the model, on the CPU (or the meta device, to inspect the layers only).
+        compute_dtype: dtype of the side inputs; default the embedding weight's dtype.
+            :meth:`HFModel.pipe` sets it from the pipeline config.
+        loss_chunk_tokens: tokens per LM-head chunk; default: 256 MiB of fp32 logits.
+        ignore_index: label value that does not count (HF: -100).
+        moe_aux_loss: add the load-balancing loss; default ``config.output_router_logits``
+            (as the model's own forward does).
+        layers_path / norm_path: dotted paths (from the causal-LM model, e.g.
+            ``"model.layers"``, ``"model.norm"``; ``""`` for no final norm) when the
+            decoder list or final norm cannot be found automatically.
+    """
+    base = _unwrap_peft(model)
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") \
+        else base.config
+    embed = _get(base, "get_input_embeddings", "input embeddings")
+    head = _get(base, "get_output_embeddings", "output embeddings (LM head)")
+    inner_path, inner, list_name, blocks = _find_decoder(base, embed, config, layers_path)
+    norm_name, norm = _find_norm(base, inner, inner_path, embed, blocks, norm_path)
+    n = int(getattr(config, "num_hidden_layers", len(blocks)) or len(blocks))
+    blocks = list(blocks)[:n]
+
+    multiplier = getattr(config, "embedding_multiplier", None)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    divide = getattr(config, "logits_scaling", None)
+    router = router_class(base)
+    routers = [find_routers(b, router) for b in blocks]
+    moe = _moe_spec(base, config, moe_aux_loss) if any(routers) else None
+
+    if compute_dtype is None:
+        w = getattr(embed, "weight", None)
+        compute_dtype = w.dtype if w is not None and w.is_floating_point() else torch.float32
+    side = SideInputs(inner, list_name, n, int(config.hidden_size), compute_dtype,
+                      moe=any(routers))
+    layers: list[nn.Module] = [EmbedLayer(embed, multiplier, moe)]
+    layers += [DecoderLayer(b, i, routers[i], moe) for i, b in enumerate(blocks)]
+    layers.append(HeadLayer(norm, head, softcap, divide, moe))
+    if not _on_meta(base):
+        _check_probe(side, multiplier, type(inner).__name__)
+
+    p = (inner_path + ".") if inner_path else ""
+    parts = {"embed": _path(base, embed), "layers": p + list_name,
+             "norm": norm_name, "head": _path(base, head),
+             "routers": sorted({r for rs in routers for r, _ in rs})}
+    return HFModel(model, base, layers, CausalLMLoss(loss_chunk_tokens, ignore_index, moe),
+                   side, parts)
+
+
+def hf_pipe(model: nn.Module, config: PipeConfig | None = None, **wrap_kwargs):
+    """``wrap_hf(model, **wrap_kwargs).pipe(config)``: the pipeline in one call."""
+    return wrap_hf(model, **wrap_kwargs).pipe(config)
+
+
+def load_hf(path, *, dtype: torch.dtype | str | None = None, adapter: str | None = None,
+            trainable: bool = True, **kwargs) -> nn.Module:
+    """Load a causal LM from a local directory (safetensors, memory-mapped by
+    ``transformers``, so host RAM holds the weights once), optionally with a PEFT
+    adapter from ``adapter`` (trainable unless ``trainable=False``)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if adapter is not None:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter, is_trainable=trainable)
+    return model
+
+
+# -- discovery -------------------------------------------------------------------------
+def _unwrap_peft(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and hasattr(model, "peft_config"):
+        return get_base()
+    return model
+
+
+def _get(base: nn.Module, method: str, what: str) -> nn.Module:
+    fn = getattr(base, method, None)
+    found = None
+    if callable(fn):
+        try:
+            found = fn()
+        except (NotImplementedError, AttributeError):
+            found = None
+    if not isinstance(found, nn.Module):
+        raise AdapterError(f"{type(base).__name__}.{method}() gave no module: rotapipe "
+                           f"needs the {what} of a causal LM; build the layers yourself "
+                           "and pass them to rotapipe.RoundPipe")
+    return found
+
+
+def _path(root: nn.Module, module: nn.Module) -> str:
+    for name, m in root.named_modules(remove_duplicate=False):
+        if m is module:
+            return name
+    return "?"
+
+
+def _find_decoder(base, embed, config, layers_path):
+    """``(inner path, inner module, list name, blocks)``."""
+    if layers_path:
+        try:
+            blocks = base.get_submodule(layers_path)
+        except AttributeError:
+            raise AdapterError(f"layers_path={layers_path!r} names no submodule of "
+                               f"{type(base).__name__}") from None
+        inner_path, _, name = layers_path.rpartition(".")
+        return inner_path, base.get_submodule(inner_path), name, blocks
+    owners = [(n, m) for n, m in base.named_modules()
+              if any(c is embed for c in m.children())]
+    if not owners:
+        raise AdapterError(f"the input embeddings are not a direct child of any module "
+                           f"of {type(base).__name__}: pass the decoder list with "
+                           "wrap_hf(model, layers_path='model.layers')")
+    inner_path, inner = owners[0]
+    lists = [(n, c) for n, c in inner.named_children() if isinstance(c, nn.ModuleList)]
+    want = getattr(config, "num_hidden_layers", None)
+    match = [(n, c) for n, c in lists if len(c) == want] or \
+        (lists if len(lists) == 1 and want is None else [])
+    if len(match) != 1:
+        where = f"{type(base).__name__}.{inner_path}" if inner_path else type(base).__name__
+        children = ", ".join(f"{n} ({type(c).__name__})" for n, c in inner.named_children())
+        raise AdapterError(
+            f"no decoder layer list found on {where}: expected one nn.ModuleList of "
+            f"config.num_hidden_layers={want} blocks among its children ({children}); "
+            "pass its path: wrap_hf(model, layers_path='model.layers'), or build the "
+            "layers yourself and pass them to rotapipe.RoundPipe")
+    return inner_path, inner, match[0][0], match[0][1]
+
+
+def _find_norm(base, inner, inner_path, embed, blocks, norm_path):
+    if norm_path is not None:
+        if norm_path == "":
+            return "", None
+        return norm_path, base.get_submodule(norm_path)
+    cands = [(n, c) for n, c in inner.named_children()
+             if c is not embed and c is not blocks and next(c.parameters(), None) is not None]
+    p = (inner_path + ".") if inner_path else ""
+    if len(cands) > 1:
+        names = ", ".join(p + n for n, _ in cands)
+        raise AdapterError(f"more than one candidate final norm next to the decoder "
+                           f"layers ({names}): pass the one the model applies after its "
+                           f"last layer, e.g. wrap_hf(model, norm_path={p + cands[-1][0]!r})"
+                           " (or norm_path='' for none)")
+    if not cands:
+        return "", None
+    return p + cands[0][0], cands[0][1]
+
+
+def _moe_spec(base, config, enabled: bool | None) -> MoESpec | None:
+    if enabled is None:
+        enabled = bool(getattr(config, "output_router_logits", False))
+    if not enabled:
+        return None
+
+    def pick(*names):
+        for obj in (base, config):
+            for name in names:
+                v = getattr(obj, name, None)
+                if v is not None:
+                    return v
+        raise AdapterError(f"MoE auxiliary loss: none of {names} found on the model or "
+                           "its config; pass moe_aux_loss=False to train without it")
+
+    spec = MoESpec(int(pick("num_experts", "num_local_experts")),
+                   int(pick("num_experts_per_tok", "top_k")),
+                   float(pick("router_aux_loss_coef")))
+    _check_aux_formula(base, spec)
+    return spec
+
+
+def _check_aux_formula(base, spec: MoESpec) -> None:
+    """The model's ``load_balancing_loss_func`` must be the Switch formula we carry
+    through the pipeline; checked on random logits with a padding mask."""
+    fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+    if fn is None:
+        raise AdapterError(f"{type(base).__name__} enables a router auxiliary loss but its "
+                           "module has no load_balancing_loss_func: pass moe_aux_loss=False")
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(6, spec.num_experts, generator=g) for _ in range(3)]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    want = fn(tuple(layers), spec.num_experts, spec.top_k, mask)
+    acc = aux_zero(spec.num_experts, torch.device("cpu"))
+    for logits in layers:
+        acc = aux_add(acc, logits, mask.reshape(-1), spec)
+    if not torch.allclose(aux_loss(acc, spec), torch.as_tensor(want), rtol=1e-5, atol=1e-7):
+        raise AdapterError(f"{type(base).__name__}'s load_balancing_loss_func is not the "
+                           "Switch-Transformer formula rotapipe carries through the "
+                           "pipeline: pass moe_aux_loss=False")
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def _check_probe(side: SideInputs, multiplier: float | None, name: str) -> None:
+    """Run the model's forward once on a tiny batch: every block is reached, and the
+    hidden states reach block 0 unchanged (or scaled by the known multiplier) and pass
+    from block to block untouched."""
+    ones = torch.ones(1, 2, side.hidden_size, dtype=side.dtype)
+    calls = side.run(ones, torch.ones(1, 2, dtype=torch.long), None)
+    first = calls[0][0]
+    if first is not ones:
+        if multiplier is None or not torch.equal(first, ones * multiplier):
+            raise AdapterError(f"{name}.forward changes the input embeddings before the "
+                               "first decoder layer in a way rotapipe does not know: build "
+                               "the layers yourself and pass them to rotapipe.RoundPipe")
+    for i in range(1, len(calls)):
+        if calls[i][0] is not calls[i - 1][0]:
+            raise AdapterError(f"{name}.forward changes the hidden states between decoder "
+                               f"layers {i - 1} and {i}: build the layers yourself and pass "
+                               "them to rotapipe.RoundPipe")

@@ -1,0 +1,267 @@
+"""Chunked LM head + cross-entropy: the causal-LM loss without [tokens x vocab] logits.
+
+The head (final projection, plus any soft-capping or scaling of the logits) runs on
+``chunk_tokens`` tokens at a time. Each chunk's logits live only long enough to give its
+loss and its gradients, which the forward computes at once (the loss is always
+backpropagated right after, in the fused tail stage) and the backward only scales by the
+incoming gradient. For a plain ``nn.Linear`` head without logit transforms the gradient
+``softmax - one_hot`` is built in place in the chunk's fp32 logits, so the working set is
+about two chunks of fp32 logits (``benchmarks/chunked_loss_memory.py``) instead of about
+three full [tokens x vocab] tensors; the gradient is the unchunked one up to the order
+in which chunk contributions to the weight gradient are summed.
+
+Loss semantics are Hugging Face's (``ForCausalLMLoss``): labels are shifted left by one
+inside the loss, ``ignore_index`` (-100) positions do not count, and the loss is the mean
+over the counted positions. Across microbatches the pipeline weights each microbatch by
+its counted positions (:class:`TokenCount` as ``loss_weight``), so the result is the mean
+over every counted token of the global batch, as one Hugging Face forward computes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["LMHead", "TokenCount", "shift_labels", "chunked_cross_entropy", "lm_loss",
+           "DEFAULT_LOGITS_BYTES"]
+
+DEFAULT_LOGITS_BYTES = 256 * 2**20
+"""Default chunk size: as many tokens as fit 256 MiB of fp32 logits (about 440 tokens
+for a 150K vocabulary)."""
+
+
+class LMHead:
+    """The output projection (as bound in the worker that runs it) with the model's
+    logit transforms.
+
+    ``module`` is the (bound) output-embedding module; ``softcap`` applies
+    ``tanh(x / c) * c`` (Gemma 2/3 ``final_logit_softcapping``) and ``divide`` applies
+    ``x / d`` (Granite ``logits_scaling``), in the order and dtype the models use.
+    """
+
+    def __init__(self, module: nn.Module, softcap: float | None = None,
+                 divide: float | None = None):
+        self.module, self.softcap, self.divide = module, softcap, divide
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.divide is not None:
+            logits = logits / self.divide
+        return logits
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for ``hidden`` (any leading shape)."""
+        return self.transform(self.module(hidden))
+
+    def linear(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """``(weight, bias)`` when the head is a plain ``nn.Linear`` (the fast path:
+        explicit matmuls, weight gradient accumulated in place); else ``None``."""
+        m = self.module
+        if type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks):
+            return m.weight, m.bias
+        return None
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Targets of every position: the next label, ``ignore_index`` after the last
+    (``ForCausalLMLoss``'s pad-and-shift)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+class TokenCount:
+    """``loss_weight`` for :class:`rotapipe.RoundPipe`: the positions of a microbatch the
+    causal-LM loss averages over (shifted labels that are not ``ignore_index``)."""
+
+    def __init__(self, ignore_index: int = -100):
+        self.ignore_index = ignore_index
+
+    def __call__(self, labels: torch.Tensor) -> int:
+        return int((labels[..., 1:] != self.ignore_index).sum())
+
+
+def chunk_size(vocab: int, chunk_tokens: int | None) -> int:
+    if chunk_tokens is not None:
+        return max(1, int(chunk_tokens))
+    return max(16, DEFAULT_LOGITS_BYTES // (4 * max(vocab, 1)))
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """Sum of cross-entropy over tokens, head applied chunk by chunk.
+
+    ``forward(hidden [N, H], targets [N], head, chunk, ignore_index, *params)`` returns
+    an fp32 scalar; ``params`` are the head's parameters (gradients flow to them).
+    Gradients (w.r.t. ``hidden`` and the head's ``params``) are computed in forward
+    chunk by chunk and scaled by the incoming gradient in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, targets, head: LMHead, chunk: int, ignore_index: int, *params):
+        want_h = ctx.needs_input_grad[0]
+        want_p = [ctx.needs_input_grad[5 + i] for i in range(len(params))]
+        grads = want_h or any(want_p)
+        lin = head.linear()
+        g_h = torch.zeros_like(hidden) if want_h else None
+        g_p: list[torch.Tensor | None] = [None] * len(params)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            h, t = hidden[s:s + chunk], targets[s:s + chunk]
+            if lin is not None:
+                loss, gh, gps = _linear_chunk(h, t, head, lin, ignore_index, want_h,
+                                              want_p, g_p, grads)
+            else:
+                loss, gh, gps = _module_chunk(h, t, head, params, ignore_index, want_h,
+                                              want_p, grads)
+            total += loss
+            if gh is not None:
+                g_h[s:s + chunk] = gh
+            for i, g in enumerate(gps):
+                if g is not None:
+                    g_p[i] = g if g_p[i] is None else g_p[i].add_(g)
+        ctx.grads = (g_h, g_p)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        g_h, g_p = ctx.grads
+        ctx.grads = None
+        # In place (the buffers are ours), by an fp32 scalar: a bf16/fp16 gradient is
+        # scaled in fp32 and rounded once, with no second [V, H] buffer.
+        scale = grad_out.detach().to(torch.float32)
+        out_h = None if g_h is None else g_h.mul_(scale)
+        out_p = [None if g is None else g.mul_(scale) for g in g_p]
+        return (out_h, None, None, None, None, *out_p)
+
+
+def _ce_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    # As ForCausalLMLoss: upcast the logits, then sum over the counted positions.
+    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index,
+                           reduction="sum")
+
+
+def _ce_and_grad(raw: torch.Tensor, t: torch.Tensor, head: LMHead, ignore_index: int,
+                 grads: bool):
+    """Cross-entropy sum over one chunk and its gradient w.r.t. the head's raw output
+    ``raw`` [C, V] (which this function may overwrite).
+
+    Without logit transforms the gradient ``softmax - one_hot`` is built in place in the
+    fp32 logits (``raw`` itself in fp32): one [C, V] buffer plus the log-sum-exp's
+    temporary. With soft-capping or scaling, autograd runs through the transform (as
+    the model would), keeping a few [C, V] buffers.
+    """
+    if head.softcap is not None or head.divide is not None:
+        if not grads:
+            return _ce_sum(head.transform(raw), t, ignore_index), None
+        with torch.enable_grad():
+            r = raw.detach().requires_grad_()
+            loss = _ce_sum(head.transform(r), t, ignore_index)
+            (g,) = torch.autograd.grad(loss, r)
+        return loss.detach(), g
+    valid = t != ignore_index
+    safe = torch.where(valid, t, torch.zeros_like(t))
+    logits = raw.float()                                   # as ForCausalLMLoss
+    lse = torch.logsumexp(logits, dim=-1)                  # [C]
+    picked = logits.gather(1, safe[:, None]).squeeze(1)    # [C]
+    loss = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+    if not grads:
+        return loss, None
+    g = logits.sub_(lse[:, None]).exp_()                   # softmax, in place
+    g.scatter_add_(1, safe[:, None], -valid[:, None].to(g.dtype))
+    g.mul_(valid[:, None])
+    return loss, g.to(raw.dtype)
+
+
+def _linear_chunk(h, t, head: LMHead, lin, ignore_index, want_h, want_p, acc, grads):
+    """Plain ``nn.Linear`` head: logits by one matmul, then the loss and its gradient
+    (:func:`_ce_and_grad`), then the two matmuls of the linear's backward written out
+    (as autograd would), the weight gradient accumulated in place into ``acc`` (no
+    [V, H] temporary per chunk)."""
+    weight, bias = lin
+    with torch.no_grad():
+        raw = F.linear(h, weight, bias)                   # [C, V]
+        loss, g_raw = _ce_and_grad(raw, t, head, ignore_index, grads)
+        del raw
+        params = head.parameters()
+        gps: list[torch.Tensor | None] = [None] * len(params)
+        if g_raw is None:
+            return loss, None, gps
+        for i, p in enumerate(params):
+            if not want_p[i]:
+                continue
+            if p is weight:
+                if acc[i] is None:
+                    acc[i] = g_raw.t().mm(h)              # [V, H]
+                else:
+                    acc[i].addmm_(g_raw.t(), h)
+            elif p is bias:
+                gps[i] = g_raw.sum(0)
+        gh = g_raw.mm(weight) if want_h else None         # [C, H]
+    return loss, gh, gps
+
+
+def _module_chunk(h, t, head: LMHead, params, ignore_index, want_h, want_p, grads):
+    """Any other head module (LoRA on the LM head, ...): autograd through the module."""
+    if not grads:
+        with torch.no_grad():
+            return _ce_sum(head(h), t, ignore_index), None, [None] * len(params)
+    with torch.enable_grad():
+        hc = h.detach().requires_grad_(want_h)
+        loss = _ce_sum(head(hc), t, ignore_index)
+        inputs = ([hc] if want_h else []) + [p for p, w in zip(params, want_p) if w]
+        got = list(torch.autograd.grad(loss, inputs, allow_unused=True)) if inputs else []
+    gh = got.pop(0) if want_h else None
+    gps = [got.pop(0) if w else None for w in want_p]
+    return loss.detach(), gh, gps
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, head: LMHead, *,
+                          chunk_tokens: int | None = None,
+                          ignore_index: int = -100) -> torch.Tensor:
+    """Sum over tokens of ``cross_entropy(head(hidden), targets)`` (fp32 scalar), with
+    the head applied to ``chunk_tokens`` tokens at a time.
+
+    ``hidden`` is ``[..., H]`` and ``targets`` the matching ``[...]`` (already shifted);
+    positions equal to ``ignore_index`` add nothing.
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1).to(h.device)
+    params = head.parameters()
+    vocab = _vocab(head)
+    return _ChunkedCE.apply(h, t, head, chunk_size(vocab, chunk_tokens), ignore_index,
+                            *params)
+
+
+def lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: LMHead | Callable, *,
+            chunk_tokens: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (shift, ignore ``ignore_index``, mean over counted
+    positions), computed chunk by chunk. A microbatch with no counted position gives 0
+    (its pipeline weight is 0 too), not NaN."""
+    if not isinstance(head, LMHead):
+        head = LMHead(head)
+    targets = shift_labels(labels, ignore_index)
+    total = chunked_cross_entropy(hidden, targets, head, chunk_tokens=chunk_tokens,
+                                  ignore_index=ignore_index)
+    count = (targets != ignore_index).sum().to(total.device)
+    return total / count.clamp(min=1).to(total.dtype)
+
+
+def _vocab(head: LMHead) -> int:
+    lin = head.linear()
+    if lin is not None:
+        return lin[0].shape[0]
+    out = getattr(head.module, "out_features", None)
+    return int(out) if out is not None else 32_000
+
+
+def unchunked_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
+                      ignore_index: int = -100) -> torch.Tensor:
+    """The reference: ``ForCausalLMLoss`` on full logits (tests and benchmarks)."""
+    targets = shift_labels(labels, ignore_index).reshape(-1)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets,
+                           ignore_index=ignore_index)

@@ -1,0 +1,215 @@
+"""Mixture-of-experts: routers found from the model's own metadata, routing recorded in
+forward and replayed in recompute, and the load-balancing loss carried through the
+pipeline.
+
+**Routers.** Hugging Face MoE models declare the module whose output is the router
+logits in ``_can_record_outputs["router_logits"]`` (a class, or an ``OutputRecorder``
+with the output index); every submodule of a decoder block of that class is a router.
+
+**Replay.** A router picks experts with ``torch.topk``. The first run of a layer for a
+microbatch (the forward stage, or the fused tail) records the indices every ``topk``
+inside the router returns, in a :class:`RoutingLog` that belongs to that microbatch's
+side inputs; later runs (recompute at stage or layer grain) return the recorded indices
+and gather the matching values, so the experts a recompute uses are the forward's, even
+if a recomputed logit differed in the last bit. On CUDA the indices are copied to pinned
+host memory behind an event in forward; recompute only waits on that (long completed)
+event and uploads them: no device-to-host synchronisation in recompute.
+
+**Load-balancing loss** (``load_balancing_loss_func`` of Mixtral, Qwen2/3-MoE, OLMoE:
+Switch Transformer eqs. 4-6). Hugging Face concatenates the router logits of all layers:
+
+    aux = E * sum_e (T_e / R) * (P_e / R)
+
+with ``T_e`` the (mask-weighted) top-k assignments to expert e summed over all layers,
+``P_e`` the routing probabilities summed likewise, ``R`` the counted rows over all layers.
+That is not a sum of per-layer terms, but the sums are: each MoE layer adds its ``T``,
+``P`` and ``R`` to three accumulators that travel with the hidden states through the
+pipeline (``P`` keeps its autograd graph, ``T`` and ``R`` are counts), and the loss
+function evaluates the formula in the tail. Gradients flow back through ``P`` by the
+pipeline's ordinary activation gradients. The sums cover one microbatch: the loss is
+exact against Hugging Face for one microbatch per call, and with several microbatches it
+is each microbatch's own auxiliary loss (what a Hugging Face forward on that microbatch
+computes), weighted like the cross-entropy.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["MoESpec", "RoutingLog", "RouterTap", "router_class", "find_routers",
+           "aux_zero", "aux_add", "aux_loss"]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What the load-balancing loss needs (no spec: the loss is off)."""
+
+    num_experts: int
+    top_k: int
+    coef: float
+    """``router_aux_loss_coef``: the loss is ``cross_entropy + coef * aux``."""
+
+
+def router_class(model: nn.Module) -> tuple[type, int] | None:
+    """``(router module class, index of the logits in its output)`` from the model's
+    ``_can_record_outputs`` metadata, or ``None`` for a dense model."""
+    spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if spec is None:
+        return None
+    if isinstance(spec, type):
+        return spec, 0
+    cls = getattr(spec, "target_class", None)
+    if cls is None:
+        return None
+    return cls, int(getattr(spec, "index", 0) or 0)
+
+
+def find_routers(block: nn.Module,
+                 router: tuple[type, int] | None) -> tuple[tuple[str, int], ...]:
+    """``(path inside block, logits index)`` of every router submodule of ``block``."""
+    if router is None:
+        return ()
+    cls, index = router
+    return tuple((name, index) for name, m in block.named_modules()
+                 if name and isinstance(m, cls))
+
+
+class RoutingLog:
+    """The expert choices of one microbatch of one call, keyed by (layer, router, n-th
+    topk). Lives in the side inputs; shared (by reference) by every worker."""
+
+    def __init__(self):
+        self._saved: dict[tuple, tuple[torch.Tensor, object]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+    def record(self, key: tuple, indices: torch.Tensor) -> None:
+        if indices.device.type == "cuda":
+            host = torch.empty(indices.shape, dtype=indices.dtype, pin_memory=True)
+            host.copy_(indices, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()   # on the current (the worker's compute) stream
+            entry = (host, event)
+        else:
+            entry = (indices, None)
+        with self._lock:
+            self._saved.setdefault(key, entry)
+
+    def replay(self, key: tuple, device: torch.device) -> torch.Tensor | None:
+        with self._lock:
+            entry = self._saved.get(key)
+        if entry is None:
+            return None
+        t, event = entry
+        if event is not None:
+            event.synchronize()   # the forward's copy, finished long before
+            return t.to(device, non_blocking=True)
+        return t if t.device == device else t.to(device)
+
+
+class _TopkTape(TorchFunctionMode):
+    """Inside one router call: record ``topk`` indices, or replay recorded ones."""
+
+    def __init__(self, log: RoutingLog, key: tuple):
+        super().__init__()
+        self.log, self.key, self.n = log, key, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.topk and func is not torch.Tensor.topk:
+            return func(*args, **kwargs)
+        key = (*self.key, self.n)
+        self.n += 1
+        x = args[0]
+        saved = self.log.replay(key, x.device)
+        if saved is None:
+            out = func(*args, **kwargs)
+            self.log.record(key, out[1])
+            return out
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+        return torch.return_types.topk((x.gather(dim, saved), saved))
+
+
+class RouterTap:
+    """Context manager around one decoder block call: routes every router's ``topk``
+    through the routing log and keeps each router's logits (for the auxiliary loss).
+
+    It overrides ``forward`` on the router *instance* of a worker's shell (one thread
+    uses a shell at a time), and restores it on exit.
+    """
+
+    def __init__(self, block: nn.Module, routers, log: RoutingLog | None, layer: int):
+        self.block, self.routers, self.log, self.layer = block, routers, log, layer
+        self.logits: list[torch.Tensor] = []
+
+    def __enter__(self):
+        self._patched = []
+        for path, index in self.routers:
+            m = self.block.get_submodule(path)
+            m.forward = self._wrap(m, path, index)
+            self._patched.append(m)
+        return self
+
+    def __exit__(self, *exc):
+        for m in self._patched:
+            del m.forward
+
+    def _wrap(self, module: nn.Module, path: str, index: int):
+        forward = type(module).forward
+
+        def routed(*args, **kwargs):
+            if self.log is None:
+                out = forward(module, *args, **kwargs)
+            else:
+                with _TopkTape(self.log, (self.layer, path)):
+                    out = forward(module, *args, **kwargs)
+            self.logits.append(out[index] if isinstance(out, (tuple, list)) else out)
+            return out
+        return routed
+
+
+# -- load-balancing loss accumulators --------------------------------------------------
+# (tokens [E], probs [E], rows [1]) in fp32: the three sums of load_balancing_loss_func.
+
+def aux_zero(num_experts: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    z = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    return z, z.clone(), torch.zeros(1, dtype=torch.float32, device=device)
+
+
+def aux_add(acc, logits: torch.Tensor, mask: torch.Tensor | None, spec: MoESpec):
+    """Add one router's sums for one microbatch (``logits`` [rows, E], ``mask`` the
+    flattened attention mask [rows] or ``None``), exactly as Hugging Face does."""
+    tokens, probs, rows = acc
+    weights = torch.softmax(logits, dim=-1)
+    with torch.no_grad():
+        _, selected = torch.topk(weights, spec.top_k, dim=-1)
+        if mask is None:
+            counts = torch.histc(selected.reshape(-1).to(torch.float32),
+                                 bins=spec.num_experts, min=0, max=spec.num_experts)
+            n = torch.full((1,), float(weights.shape[0]), device=weights.device)
+        else:
+            m = mask.to(device=weights.device, dtype=torch.float32)
+            counts = torch.zeros(spec.num_experts, dtype=torch.float32,
+                                 device=weights.device).scatter_add_(
+                0, selected.reshape(-1), m.repeat_interleave(spec.top_k))
+            n = m.sum().reshape(1)
+    if mask is None:
+        p = weights.float().sum(dim=0)
+    else:
+        p = (weights.float() * m.unsqueeze(-1)).sum(dim=0)
+    return tokens + counts, probs + p, rows + n
+
+
+def aux_loss(acc, spec: MoESpec) -> torch.Tensor:
+    """``load_balancing_loss_func`` from the accumulated sums."""
+    tokens, probs, rows = acc
+    tokens_per_expert = tokens / rows
+    prob_per_expert = probs / rows
+    return torch.sum(tokens_per_expert * prob_per_expert.unsqueeze(0)) * spec.num_experts

@@ -1,0 +1,151 @@
+"""Side inputs of a Hugging Face decoder: what the model's own forward hands each block.
+
+Decoder blocks of ``transformers`` 5.x take their attention mask (built by the model's
+mask helpers: causal, sliding-window, padding, per layer type), rotary ``cos``/``sin``
+(per layer type for Gemma 3) and position ids from the model's forward. Rather than
+re-implementing that per family, :class:`SideInputs` runs the model's *own* forward on
+the host, once per microbatch, with each decoder block replaced by a stub that records
+the arguments it receives, and stops at the last block (so the final norm and anything
+after it never run). Embeddings are not computed: a zero-stride placeholder of the right
+shape and dtype stands in for them.
+
+The recorded arguments are de-duplicated by identity (one mask tensor serves every
+full-attention layer) into a tuple of tensors plus a per-layer :class:`Layout` that says
+which tensor goes to which argument. That pair is the side input the pipeline uploads
+once per microbatch per worker; :class:`~rotapipe.adapters.layers.DecoderLayer` ``i``
+rebuilds its own arguments from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .errors import AdapterError
+from .moe import RoutingLog
+
+__all__ = ["SideInputs", "Layout", "unpack_inputs"]
+
+
+def unpack_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(input_ids, attention_mask, position_ids)`` from a tensor of ids or a dict."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs, None, None
+    if isinstance(inputs, dict) and "input_ids" in inputs:
+        unknown = set(inputs) - {"input_ids", "attention_mask", "position_ids"}
+        if unknown:
+            raise AdapterError(f"inputs hold {sorted(unknown)}: a wrapped Hugging Face "
+                               "model takes input_ids, attention_mask and position_ids "
+                               "(pass labels separately)")
+        return inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids")
+    raise AdapterError(f"inputs are a {type(inputs).__name__}: pass a tensor of token ids "
+                       "or a dict with input_ids (and optionally attention_mask, "
+                       "position_ids)")
+
+
+@dataclass(frozen=True)
+class _Ref:
+    index: int   # position in the side input's tensor tuple
+
+
+class Layout:
+    """Per layer: the tree of ``(args, kwargs)`` the model passed, tensors replaced by
+    references into the shared tensor tuple. A plain object: the pipeline passes it to
+    workers by reference (only tensors are uploaded)."""
+
+    def __init__(self, calls: list[tuple[tuple, dict]]):
+        tensors: list[torch.Tensor] = []
+        seen: dict[int, int] = {}
+        self.layers = []
+        for args, kwargs in calls:
+            leaves, spec = tree_flatten((args, kwargs))
+            out = []
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    if id(leaf) not in seen:
+                        seen[id(leaf)] = len(tensors)
+                        tensors.append(leaf)
+                    out.append(_Ref(seen[id(leaf)]))
+                else:
+                    out.append(leaf)
+            self.layers.append((spec, out))
+        self.tensors = tuple(tensors)
+
+    def arguments(self, layer: int, tensors) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of decoder layer ``layer`` with the given (uploaded)
+        tensors."""
+        spec, leaves = self.layers[layer]
+        return tree_unflatten([tensors[x.index] if isinstance(x, _Ref) else x
+                               for x in leaves], spec)
+
+
+class _Stop(Exception):
+    """Raised by the last stub: the probe has what it needs."""
+
+
+class _Stub(nn.Module):
+    def __init__(self, index: int, sink: list, last: bool):
+        super().__init__()
+        self.index, self.sink, self.last = index, sink, last
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.sink.append((hidden_states, args, kwargs))
+        if self.last:
+            raise _Stop
+        return hidden_states
+
+
+class SideInputs:
+    """``side_inputs`` for :class:`rotapipe.RoundPipe`: ``fn(microbatch inputs) -> dict``.
+
+    Keys: ``hf_tensors`` (tuple of tensors), ``hf_layout`` (:class:`Layout`), and for
+    MoE models ``hf_routing`` (a fresh :class:`RoutingLog`) and ``hf_moe_mask`` (the
+    flattened attention mask, or ``None``).
+    """
+
+    def __init__(self, inner: nn.Module, layers_name: str, num_layers: int,
+                 hidden_size: int, dtype: torch.dtype, moe: bool):
+        self.num_layers, self.hidden_size, self.dtype, self.moe = \
+            num_layers, hidden_size, dtype, moe
+        self._sink: list = []
+        stubs = nn.ModuleList(_Stub(i, self._sink, i == num_layers - 1)
+                              for i in range(num_layers))
+        # A shallow clone of the inner model sharing every submodule but the decoder
+        # list: the user's model is never modified.
+        probe = object.__new__(type(inner))
+        probe.__dict__.update(inner.__dict__)
+        probe._modules = dict(inner._modules)
+        probe._modules[layers_name] = stubs
+        self._probe = probe
+        self._name = type(inner).__name__
+
+    def run(self, hidden: torch.Tensor, attention_mask, position_ids) -> list:
+        """Run the model's forward with stub blocks; ``[(hidden, args, kwargs)]``."""
+        self._sink.clear()
+        try:
+            with torch.no_grad():
+                self._probe(inputs_embeds=hidden, attention_mask=attention_mask,
+                            position_ids=position_ids, use_cache=False)
+        except _Stop:
+            pass
+        calls, self._sink[:] = list(self._sink), []
+        if len(calls) != self.num_layers:
+            raise AdapterError(f"{self._name}.forward called {len(calls)} of its "
+                               f"{self.num_layers} decoder layers: rotapipe cannot derive "
+                               "their inputs; pass layers explicitly to RoundPipe")
+        return calls
+
+    def __call__(self, inputs) -> dict:
+        ids, mask, pos = unpack_inputs(inputs)
+        b, t = ids.shape[:2]
+        placeholder = torch.zeros((), dtype=self.dtype).expand(b, t, self.hidden_size)
+        calls = self.run(placeholder, mask, pos)
+        layout = Layout([(args, kwargs) for _, args, kwargs in calls])
+        side = {"hf_tensors": layout.tensors, "hf_layout": layout}
+        if self.moe:
+            side["hf_routing"] = RoutingLog()
+            side["hf_moe_mask"] = None if mask is None else mask.reshape(-1)
+        return side

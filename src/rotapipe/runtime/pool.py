@@ -1,0 +1,52 @@
+"""Pools of reusable host storages for device copies.
+
+Fresh host memory is page-faulted in on first touch (and pinned memory is slow to
+allocate: TRAPS.md), costing more than the copy itself; the CUDA caching allocator
+solves this on the device, these pools on the host (and, for emulated devices, on the
+"device" too).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+# References to a storage (tensors, views, autograd's saved tensors); None: no pooling.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class BlockPool:
+    """Reusable host storages for copies, keyed by byte size (pinned with ``pin``).
+
+    A block is handed out again only when no tensor uses its storage any more (its use
+    count is the pool's own reference), so reuse can never alias live data, whoever
+    holds it (a stage's weights, an autograd graph, ``param.grad``). Small tensors come
+    from the ordinary allocator: malloc reuses them without page faults.
+    """
+
+    MIN_BYTES = 1 << 16
+
+    def __init__(self, pin: bool = False):
+        self.pin = pin
+        self._blocks: dict[int, list[torch.UntypedStorage]] = {}
+        self._lock = threading.Lock()
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` with undefined contents."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES or _use_count is None:
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        with self._lock:
+            blocks = self._blocks.setdefault(nbytes, [])
+            for i, block in enumerate(blocks):
+                if _use_count(block._cdata) == 1:
+                    blocks.append(blocks.pop(i))   # least recently taken first next time
+                    break
+            else:
+                block = torch.empty(nbytes, dtype=torch.uint8,
+                                    pin_memory=self.pin).untyped_storage()
+                blocks.append(block)
+            # Claimed under the lock: the tensor's reference makes the block busy.
+            return torch.empty(0, dtype=dtype).set_(block, 0, shape)

@@ -1,0 +1,128 @@
+"""Loading, saving and inspecting wrapped models: a full fine-tune round trip through
+``save_pretrained`` / ``from_pretrained``, loading from a local directory, a 32B-class
+config on the meta device, and the errors for models the adapter cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import rotapipe
+import rotapipe.adapters
+from rotapipe.adapters import AdapterError, load_hf, wrap_hf
+from hf_models import batch, tiny, transformers
+
+
+def test_train_save_load_round_trip(tmp_path):
+    """3 AdamW steps, save_pretrained, AutoModelForCausalLM.from_pretrained: the loaded
+    model's logits equal the pipeline's (evaluation) and the wrapped model's own."""
+    model = tiny("qwen3")   # tied embeddings
+    before = model.lm_head.weight.detach().clone()
+    wrapped = wrap_hf(model, loss_chunk_tokens=5)
+    ids, mask, labels = batch()
+    cfg = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated")
+    with wrapped.pipe(cfg) as pipe:
+        pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2))
+        losses = []
+        for _ in range(3):
+            losses.append(pipe.forward_backward(wrapped.inputs(ids, mask), labels))
+            pipe.step()
+        assert losses[-1] < losses[0]
+        logits = pipe(wrapped.inputs(ids, mask))
+    assert not torch.equal(model.lm_head.weight, before)
+    assert model.lm_head.weight is model.model.embed_tokens.weight   # still tied
+    wrapped.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager")
+    with torch.no_grad():
+        want = loaded(input_ids=ids, attention_mask=mask).logits
+        own = model(input_ids=ids, attention_mask=mask).logits
+    assert logits.shape == want.shape == (8, 7, 97)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(own, want, rtol=0, atol=0)
+
+
+def test_load_from_local_directory(tmp_path):
+    model = tiny("llama")
+    model.save_pretrained(tmp_path)
+    loaded = load_hf(tmp_path, dtype=torch.float32, attn_implementation="sdpa")
+    want = model.state_dict()
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
+    assert len(wrap_hf(loaded).layers) == 3 + 2
+
+
+def test_32b_config_on_meta_device():
+    """Qwen3-32B's shape: 64 decoder layers -> 66 rotapipe layers (embedding, 64 blocks,
+    norm + LM head), no weights allocated."""
+    cfg = transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+        num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.Qwen3ForCausalLM(cfg)
+    wrapped = wrap_hf(model, compute_dtype=torch.bfloat16)
+    assert len(wrapped.layers) == 66
+    sizes = wrapped.layer_params()
+    assert sizes[0] == sizes[-1] - 5120 == 151936 * 5120      # head = norm + lm_head
+    assert len(set(sizes[1:-1])) == 1
+    assert 32.7e9 < sum(sizes) < 32.9e9
+
+
+def test_no_decoder_list_names_where_it_looked():
+    model = tiny("qwen3")
+    model.model.layers = nn.Sequential(*model.model.layers)
+    with pytest.raises(AdapterError, match=r"no decoder layer list found on "
+                                           r"Qwen3ForCausalLM\.model.*layers_path="):
+        wrap_hf(model)
+
+
+def test_explicit_paths():
+    model = tiny("qwen3")
+    wrapped = wrap_hf(model, layers_path="model.layers", norm_path="model.norm")
+    assert wrapped.parts["layers"] == "model.layers"
+    with pytest.raises(AdapterError, match="names no submodule"):
+        wrap_hf(model, layers_path="model.blocks")
+
+
+def test_model_that_changes_embeddings_in_forward_is_refused():
+    """GPT-2 adds learned position embeddings in its forward: not replayable by the
+    generic layers, so wrapping says so instead of training a different model."""
+    cfg = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4,
+                                  n_positions=16, bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with pytest.raises(AdapterError, match=r"candidate final norm.*transformer\.wpe, "
+                                           r"transformer\.ln_f.*norm_path="):
+        wrap_hf(model)
+    with pytest.raises(AdapterError, match="changes the input embeddings"):
+        wrap_hf(model, norm_path="transformer.ln_f")
+
+
+def test_side_inputs_in_the_wrong_dtype_are_caught():
+    model = tiny("qwen3")
+    wrapped = wrap_hf(model)            # side inputs in fp32 ...
+    cfg = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated",
+                              precision=rotapipe.PrecisionConfig("bf16"))
+    ids, mask, labels = batch()
+    with rotapipe.RoundPipe(**wrapped.pipe_kwargs(), config=cfg) as pipe:   # ... bf16 run
+        with pytest.raises(rotapipe.WorkerError, match="wrapped.pipe"):
+            pipe.forward_backward(wrapped.inputs(ids, mask), labels)
+
+
+def test_bad_inputs():
+    wrapped = wrap_hf(tiny("qwen3"))
+    with pytest.raises(AdapterError, match="labels separately"):
+        wrapped.side_inputs({"input_ids": torch.zeros(1, 2, dtype=torch.long),
+                             "labels": torch.zeros(1, 2, dtype=torch.long)})
+
+
+def test_finetune_example_runs():
+    import pathlib
+    import subprocess
+    import sys
+    script = pathlib.Path(__file__).parent.parent / "examples" / "finetune_hf.py"
+    out = subprocess.run([sys.executable, str(script), "--steps", "3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("reloaded model's logits vs the pipeline's") == 2

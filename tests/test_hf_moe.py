@@ -1,0 +1,133 @@
+"""MoE (Qwen3-MoE): routing recorded in forward and replayed in recompute, and the
+load-balancing loss.
+
+Hugging Face's auxiliary loss is ``E * sum_e (T_e / R) * (P_e / R)`` with T, P and R
+summed over *all* layers and over the rows of the batch one forward sees. The adapter
+carries the three sums with the hidden states, so one microbatch per call equals the
+whole-batch forward exactly (``test_hf_families.py``); with several microbatches each
+microbatch gets its own auxiliary loss (what a Hugging Face forward on that microbatch
+computes), weighted like its cross-entropy. Both are checked element by element here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rotapipe.adapters
+from rotapipe.adapters import moe
+from hf_models import (COMMON, assert_grads_equal, batch, clone, hf_backward,
+                       pipe_backward, tiny, transformers)
+
+
+def per_microbatch_reference(model, ids, mask, labels, microbatches: int) -> float:
+    """sum_m w_m * HF(microbatch m).loss, w_m = its share of the counted tokens."""
+    total = (labels[:, 1:] != -100).sum()
+    loss = 0.0
+    for x, a, y in zip(ids.tensor_split(microbatches), mask.tensor_split(microbatches),
+                       labels.tensor_split(microbatches)):
+        w = (y[:, 1:] != -100).sum() / total
+        out = model(input_ids=x, attention_mask=a, labels=y).loss * w
+        out.backward()
+        loss += out.item()
+    return loss
+
+
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_several_microbatches_each_get_their_own_aux_loss(grain):
+    model = tiny("qwen3moe")
+    ref = clone(model)
+    want = per_microbatch_reference(ref, *batch(), 4)
+    m = clone(model)
+    got = pipe_backward(m, *batch(), 3, 4, grain=grain)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
+def test_without_aux_loss_several_microbatches_equal_the_whole_batch():
+    model = tiny("qwen3moe")
+    model.config.output_router_logits = False
+    ref = clone(model)
+    want = hf_backward(ref, *batch())
+    m = clone(model)
+    got = pipe_backward(m, *batch(), 2, 4)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
+def test_routers_found_from_model_metadata():
+    wrapped = rotapipe.adapters.wrap_hf(tiny("qwen3moe"))
+    assert wrapped.parts["routers"] == ["mlp.gate"]
+    routed = [len(layer.routers) for layer in wrapped.layers[1:-1]]
+    assert routed == [1, 0, 1]      # layer 1 is in mlp_only_layers
+    assert wrapped.loss_fn.moe == moe.MoESpec(num_experts=4, top_k=2, coef=0.5)
+
+
+def _experts_input(block, log, layer=0):
+    """Run ``block`` through a RouterTap; return the expert indices the experts got."""
+    seen = []
+    hook = block.mlp.experts.register_forward_pre_hook(
+        lambda mod, args: seen.append(args[1].clone()))
+    h = torch.randn(2, 5, COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))
+    cos = torch.ones(1, 5, 8)
+    try:
+        with moe.RouterTap(block, (("mlp.gate", 0),), log, layer) as tap:
+            block(h, attention_mask=None, position_embeddings=(cos, cos * 0))
+    finally:
+        hook.remove()
+    return seen[0], tap.logits[0]
+
+
+def test_recompute_replays_the_forward_routing():
+    block = tiny("qwen3moe").model.layers[0]
+    log = moe.RoutingLog()
+    first, _ = _experts_input(block, log)
+    assert len(log) == 1
+    with torch.no_grad():       # a recompute whose router would now choose otherwise
+        block.mlp.gate.weight.copy_(torch.randn_like(block.mlp.gate.weight) * 10)
+    replayed, logits = _experts_input(block, log)
+    fresh, _ = _experts_input(block, moe.RoutingLog())
+    assert torch.equal(replayed, first)
+    assert not torch.equal(fresh, first)
+    assert logits.shape == (10, 4)
+    assert "forward" not in vars(block.mlp.gate)    # the instance patch is undone
+
+
+def test_pipeline_records_in_forward_and_replays_in_recompute(monkeypatch):
+    counts = {"record": 0, "replay": 0}
+    record, replay = moe.RoutingLog.record, moe.RoutingLog.replay
+
+    def counting_record(self, key, idx):
+        counts["record"] += 1
+        return record(self, key, idx)
+
+    def counting_replay(self, key, device):
+        out = replay(self, key, device)
+        counts["replay"] += out is not None
+        return out
+
+    monkeypatch.setattr(moe.RoutingLog, "record", counting_record)
+    monkeypatch.setattr(moe.RoutingLog, "replay", counting_replay)
+    pipe_backward(tiny("qwen3moe"), *batch(), 2, 4)
+    # 2 sparse layers x 4 microbatches: recorded by the forward stages, replayed by the
+    # recompute of the backward stages.
+    assert counts == {"record": 2 * 4, "replay": 2 * 4}
+    counts.update(record=0, replay=0)
+    # Layer grain, one backward stage over layers 0-3: the pass without autograd runs
+    # layers 0-2 (one sparse block), the backward re-runs all four (two).
+    pipe_backward(tiny("qwen3moe"), *batch(), 2, 4, grain="layer", backward_stages=1)
+    assert counts == {"record": 2 * 4, "replay": (1 + 2) * 4}
+
+
+def test_aux_formula_is_checked_against_the_model():
+    model = tiny("qwen3moe")
+    spec = moe.MoESpec(num_experts=4, top_k=2, coef=0.5)
+    rotapipe.adapters.hf._check_aux_formula(model, spec)     # Qwen3-MoE: Switch formula
+    mod = transformers.models.qwen3_moe.modeling_qwen3_moe
+    orig = mod.load_balancing_loss_func
+    try:
+        mod.load_balancing_loss_func = lambda *a, **k: orig(*a, **k) * 2
+        with pytest.raises(rotapipe.adapters.AdapterError, match="moe_aux_loss=False"):
+            rotapipe.adapters.wrap_hf(model)
+    finally:
+        mod.load_balancing_loss_func = orig
