@@ -1,4 +1,4 @@
-"""The pure core (plan, schedule, model description, config) never imports the runtime,
+"""The pure core (plan, schedule, simulator, config) never imports the runtime,
 threads or CUDA: what we simulate and validate must not depend on a device."""
 
 import ast
@@ -9,7 +9,7 @@ import sys
 import rotapipe
 
 PKG = pathlib.Path(rotapipe.__file__).parent
-PURE = ["plan", "schedule", "config.py", "errors.py"]
+PURE = ["plan", "schedule", "sim", "config.py", "errors.py"]
 FORBIDDEN = ("rotapipe.runtime", "threading", "queue", "torch.cuda")
 
 

@@ -1,8 +1,14 @@
-"""Schedules as data: the action vocabulary, generators and the validator."""
+"""Schedules as data: the action vocabulary, generators (RoundPipe and the bound
+baselines), the memory model and the validator."""
 
-from .actions import HOST, Action, ActionKind, Lane, Schedule
-from .roundpipe import roundpipe_schedule
+from .actions import HOST, Action, ActionKind, Lane, Schedule, action_key
+from .bound import (gpipe_schedule, interleaved_1f1b_schedule, looped_bfs_schedule,
+                    one_f_one_b_schedule)
+from .memory import MemorySizes
+from .roundpipe import roundpipe_schedule, roundpipe_stale_schedule
 from .validate import validate
 
-__all__ = ["HOST", "Action", "ActionKind", "Lane", "Schedule", "roundpipe_schedule",
+__all__ = ["HOST", "Action", "ActionKind", "Lane", "MemorySizes", "Schedule", "action_key",
+           "gpipe_schedule", "interleaved_1f1b_schedule", "looped_bfs_schedule",
+           "one_f_one_b_schedule", "roundpipe_schedule", "roundpipe_stale_schedule",
            "validate"]

@@ -6,11 +6,21 @@ actions it depends on. The executor (``rotapipe.runtime``) does exactly what the
 say; the validator dry-runs them. Within one worker, actions of the same *lane* run in
 list order; different lanes of a worker (its compute, weight-upload, activation-upload
 and download streams) run concurrently, ordered only by dependencies.
+
+Two families of schedules share the vocabulary. RoundPipe's (``roundpipe.py``) uploads
+every stage's weights, recomputes backward stages from host checkpoints and dispatches
+stage jobs round-robin. The baselines (``bound.py``: GPipe, 1F1B, interleaved 1F1B,
+looped BFS) bind stages to devices: weights stay resident (no ``UW``), a forward keeps
+its autograd graph on the device (``FK``) for the backward that uses it (``BK``), and a
+boundary between two devices is a download to the host and an upload from it (consumer
+GPUs have no peer-to-peer). A schedule may span several calls (RoundPipe with the stale
+optimizer overlaps them): every action then carries its call number.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 from ..errors import ScheduleError
@@ -43,6 +53,9 @@ class ActionKind(str, enum.Enum):
     FUSED = "FT"             # fused tail: forward + loss + backward, no recompute
     RECOMPUTE = "R"          # re-run a backward stage's forward from its checkpoint
     BACKWARD = "B"           # backward of a backward stage
+    FORWARD_KEEP = "FK"      # forward keeping its autograd graph on the device (bound
+                             # stages; for the tail also the loss): no recompute later
+    BACKWARD_KEPT = "BK"     # backward through the graph the stage's FK kept (frees it)
     FREE = "X"               # drop a stage's weights from the device
     DOWNLOAD_ACT = "DA"      # activation at a layer boundary -> host (checkpoint/input)
     DOWNLOAD_GRAD = "DG"     # gradient w.r.t. a stage's input (+ loss, tail) -> host
@@ -61,6 +74,7 @@ _LANES = {
     ActionKind.UPLOAD_GRAD: Lane.UPLOAD,
     ActionKind.FORWARD: Lane.COMPUTE, ActionKind.FUSED: Lane.COMPUTE,
     ActionKind.RECOMPUTE: Lane.COMPUTE, ActionKind.BACKWARD: Lane.COMPUTE,
+    ActionKind.FORWARD_KEEP: Lane.COMPUTE, ActionKind.BACKWARD_KEPT: Lane.COMPUTE,
     ActionKind.FREE: Lane.COMPUTE,
     ActionKind.DOWNLOAD_ACT: Lane.DOWNLOAD, ActionKind.DOWNLOAD_GRAD: Lane.DOWNLOAD,
     ActionKind.DOWNLOAD_BUFFERS: Lane.DOWNLOAD, ActionKind.DOWNLOAD_WGRAD: Lane.DOWNLOAD,
@@ -77,6 +91,8 @@ class Action:
     (no host thread blocks). ``host_deps`` must have *completed* before this action is
     even issued: they guard memory reuse (an upload allocates only after the free it
     replaces has run) and host-side work (the optimizer reads downloaded gradients).
+    ``call`` numbers the call an action belongs to in a schedule spanning several
+    (0 otherwise).
     """
 
     kind: ActionKind
@@ -86,16 +102,13 @@ class Action:
     at: int | None = None
     deps: tuple[str, ...] = field(default=(), compare=False)
     host_deps: tuple[str, ...] = field(default=(), compare=False)
+    call: int = 0
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """Unique name of the action, e.g. ``F:F1:m0`` or ``DA:F0:m2@3``."""
-        k = f"{self.kind.value}:{self.stage}"
-        if self.mb is not None:
-            k += f":m{self.mb}"
-        if self.at is not None:
-            k += f"@{self.at}"
-        return k
+        """Unique name of the action, e.g. ``F:F1:m0``, ``DA:F0:m2@3``, or ``F:F1:m0/c2``
+        (call 2 of a multi-call schedule)."""
+        return action_key(self.kind, self.stage, self.mb, self.at, self.call)
 
     @property
     def lane(self) -> Lane:
@@ -121,16 +134,32 @@ class Action:
         try:
             who, key = line.split()
             worker = HOST if who == "host" else int(who.removeprefix("w"))
+            key, _, call = key.partition("/c")
             kind, stage, mb, at = parse_key(key)
+            call = int(call) if call else 0
         except ValueError:
             raise ScheduleError(f"cannot parse action line {line!r}: expected "
-                                "'w<N> KIND:STAGE[:m<MB>][@<LAYER>] [<- deps] [<~ deps]'"
-                                ) from None
+                                "'w<N> KIND:STAGE[:m<MB>][@<LAYER>][/c<CALL>] [<- deps] "
+                                "[<~ deps]'") from None
         return cls(kind, worker, stage, mb, at, tuple(dep_part.split()),
-                   tuple(host_part.split()))
+                   tuple(host_part.split()), call)
+
+
+def action_key(kind: ActionKind, stage: str, mb: int | None = None, at: int | None = None,
+               call: int = 0) -> str:
+    """The key :attr:`Action.key` gives an action with these fields."""
+    k = f"{kind.value}:{stage}"
+    if mb is not None:
+        k += f":m{mb}"
+    if at is not None:
+        k += f"@{at}"
+    if call:
+        k += f"/c{call}"
+    return k
 
 
 def parse_key(key: str) -> tuple[ActionKind, str, int | None, int | None]:
+    """Kind, stage, microbatch and layer boundary of a key without a call suffix."""
     at = None
     if "@" in key:
         key, at_s = key.split("@")
@@ -146,13 +175,20 @@ def parse_key(key: str) -> tuple[ActionKind, str, int | None, int | None]:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-worker ordered action lists for one call, plus the plan they execute."""
+    """Per-worker ordered action lists for one call (or several overlapping calls),
+    plus the plan they execute. ``name`` says which generator made it (``roundpipe``,
+    ``1f1b``, ...); a name ending in ``-eval`` marks an evaluation call."""
 
     plan: Plan
     workers: int
     microbatches: int
     actions: tuple[Action, ...]
     name: str = "roundpipe"
+
+    @property
+    def calls(self) -> int:
+        """How many calls the schedule spans (1 unless calls overlap)."""
+        return 1 + max((a.call for a in self.actions), default=0)
 
     def worker_actions(self, worker: int) -> tuple[Action, ...]:
         """The ordered list of one worker (``HOST`` for the host lane)."""

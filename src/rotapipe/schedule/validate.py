@@ -1,60 +1,211 @@
-"""Checks that a schedule is complete, consistent and free of deadlock (a dry run)."""
+"""Checks that a schedule is complete, consistent, within memory and free of deadlock."""
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
 
 from ..errors import ScheduleError
-from .actions import ActionKind as K, Schedule
+from ..plan import Stage
+from .actions import Action, ActionKind as K, Lane, Schedule, action_key
+from .memory import MemorySizes, check_limit, peak_memory
+
+_FORWARD_KINDS = (K.FORWARD, K.FORWARD_KEEP, K.FUSED, K.RECOMPUTE)
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` unless every (stage, microbatch, pass) runs exactly
-    once, every dependency names an action of the schedule, every backward depends
-    (transitively) on the fused tail of its microbatch, and a dry run in lane order
-    finishes."""
-    actions = schedule.actions
-    keys = [a.key for a in actions]
-    seen = set()
-    for k in keys:
-        if k in seen:
-            raise ScheduleError(f"action {k} appears twice")
-        seen.add(k)
-    by_key = schedule.by_key()
-    for a in actions:
+def validate(schedule: Schedule, *, dataflow: bool = False,
+             sizes: MemorySizes | None = None, memory_limit: int | None = None) -> None:
+    """Raise :class:`ScheduleError` unless the schedule is sound:
+
+    - no action appears twice, every dependency names an action of the schedule, every
+      compute action names a stage of the plan and a microbatch in range;
+    - every (stage, microbatch, pass) of every call runs exactly once: a forward stage's
+      forward (``F`` or ``FK``), the tail (``FT``, or ``FK`` then ``BK``), a backward
+      stage's backward (``R`` then ``B``, or ``BK``);
+    - a dry run in lane order finishes (no deadlock), and in it every backward follows
+      its microbatch's tail, a recompute follows the forward checkpointing its input,
+      and a ``BK`` the ``FK`` whose graph it uses;
+    - with ``dataflow=True``, inputs are produced before use: a stage's forward follows
+      the forward producing its input, a backward the backward producing its output
+      gradient, an upload depends on the download that brought its data to the host, a
+      download on the compute that made it, a compute on the uploads of its stage and
+      microbatch. (Off by default: the runtime accepts edited schedules with a missing
+      transfer wait so that the emulated backend's race checker can catch it at run
+      time; generators' output passes with it on.)
+    - with ``memory_limit`` (bytes) and ``sizes``: no worker's device memory exceeds the
+      limit in the unit-time dry run (every action takes one step; see ``memory.py``).
+    """
+    by_key = _unique(schedule)
+    eval_call = schedule.name.endswith("-eval")
+    if not eval_call:
+        _check_passes(schedule, by_key)
+    rounds = _dry_run(schedule)
+    if memory_limit is not None:
+        if sizes is None:
+            raise ScheduleError("a memory limit needs the per-layer sizes (sizes=...)")
+        peaks = peak_memory(schedule, sizes, rounds, {k: r + 1 for k, r in rounds.items()})
+        check_limit(peaks, memory_limit, "in the unit-time dry run at step")
+    if not eval_call:
+        order = sorted(rounds, key=rounds.__getitem__)
+        _check_order(schedule, by_key, _happens_before(schedule, order), dataflow)
+    if dataflow:
+        _check_data(schedule, by_key)
+
+
+def _unique(schedule: Schedule) -> dict[str, Action]:
+    by_key: dict[str, Action] = {}
+    for a in schedule.actions:
+        if a.key in by_key:
+            raise ScheduleError(f"action {a.key} appears twice")
+        by_key[a.key] = a
+    for a in schedule.actions:
         for d in a.deps + a.host_deps:
             if d not in by_key:
                 raise ScheduleError(f"action {a.key} depends on {d}, which is not in the "
                                     "schedule")
+    return by_key
+
+
+def _of_call(schedule: Schedule, c: int) -> str:
+    return f" of call {c}" if schedule.calls > 1 else ""
+
+
+def _check_passes(schedule: Schedule, by_key: dict[str, Action]) -> None:
     plan, M = schedule.plan, schedule.microbatches
-    if schedule.name.endswith("-eval"):
-        _dry_run(schedule)
-        return
-    need = {(K.FORWARD, s.name) for s in plan.forward} | {(K.FUSED, plan.tail.name)}
-    need |= {(k, s.name) for s in plan.backward for k in (K.RECOMPUTE, K.BACKWARD)}
-    for kind, stage in need:
+    names = {s.name for s in plan.jobs()}
+    for a in schedule.actions:
+        if a.lane is Lane.COMPUTE and a.kind is not K.FREE:
+            if a.stage not in names:
+                raise ScheduleError(f"action {a.key} names stage {a.stage}, which is not "
+                                    f"in the plan {plan.to_text()}")
+            if a.mb is None or not 0 <= a.mb < M:
+                raise ScheduleError(f"action {a.key} names microbatch {a.mb}; the schedule "
+                                    f"has microbatches 0..{M - 1}")
+    for c in range(schedule.calls):
         for m in range(M):
-            if f"{kind.value}:{stage}:m{m}" not in by_key:
-                raise ScheduleError(f"{kind.name.lower()} of stage {stage} microbatch {m} "
-                                    "is missing")
-    order = _dry_run(schedule)
-    before = _happens_before(schedule, order)
+            def has(kind, stage):
+                return action_key(kind, stage.name, m, call=c) in by_key
 
-    def requires(later: str, earlier: str) -> bool:
-        return bool(before[later] >> before["#"][earlier] & 1)
+            def fail(what, stage):
+                raise ScheduleError(f"{what} of stage {stage.name} microbatch {m}"
+                                    f"{_of_call(schedule, c)} is missing")
 
-    for s in plan.backward:
+            for s in plan.forward:
+                if has(K.FORWARD, s) and has(K.FORWARD_KEEP, s):
+                    raise ScheduleError(f"stage {s.name} microbatch {m} runs its forward "
+                                        "twice (F and FK)")
+                if not (has(K.FORWARD, s) or has(K.FORWARD_KEEP, s)):
+                    fail("forward", s)
+            t = plan.tail
+            if has(K.FUSED, t) and (has(K.FORWARD_KEEP, t) or has(K.BACKWARD_KEPT, t)):
+                raise ScheduleError(f"the tail microbatch {m} runs both fused (FT) and "
+                                    "split (FK/BK)")
+            if not has(K.FUSED, t):
+                if not has(K.FORWARD_KEEP, t):
+                    fail("fused", t)
+                if not has(K.BACKWARD_KEPT, t):
+                    fail("backward", t)
+            for s in plan.backward:
+                if has(K.BACKWARD_KEPT, s):
+                    if has(K.RECOMPUTE, s) or has(K.BACKWARD, s):
+                        raise ScheduleError(f"stage {s.name} microbatch {m} runs its "
+                                            "backward twice (BK and R/B)")
+                    continue
+                if not has(K.RECOMPUTE, s):
+                    fail("recompute", s)
+                if not has(K.BACKWARD, s):
+                    fail("backward", s)
+
+
+def _check_data(schedule: Schedule, by_key: dict[str, Action]) -> None:
+    """Each transfer and compute depends directly on the action producing its data."""
+    consumers = {K.UPLOAD_ACT: _FORWARD_KINDS, K.UPLOAD_GRAD: (K.BACKWARD, K.BACKWARD_KEPT)}
+    sources = {K.UPLOAD_ACT: K.DOWNLOAD_ACT, K.UPLOAD_GRAD: K.DOWNLOAD_GRAD}
+    computes = (K.FORWARD, K.FORWARD_KEEP, K.FUSED, K.BACKWARD, K.BACKWARD_KEPT)
+    for a in schedule.actions:
+        if a.mb is None:
+            continue
+        if a.kind in sources and (a.at or a.kind is K.UPLOAD_GRAD):
+            want = sources[a.kind]
+            if not any(by_key[d].kind is want and (by_key[d].mb, by_key[d].at, by_key[d].call)
+                       == (a.mb, a.at, a.call) for d in a.deps):
+                raise ScheduleError(f"upload {a.key} does not depend on a {want.name} of "
+                                    f"microbatch {a.mb} at layer {a.at}: its data would not "
+                                    "be in host memory yet")
+        if a.kind in (K.DOWNLOAD_ACT, K.DOWNLOAD_GRAD):
+            if not any(by_key[d].kind in computes and by_key[d].stage == a.stage
+                       and by_key[d].mb == a.mb for d in a.deps):
+                raise ScheduleError(f"download {a.key} does not depend on the compute of "
+                                    f"stage {a.stage} microbatch {a.mb} that produces it")
+        if a.kind in consumers:
+            for kind in consumers[a.kind]:
+                user = by_key.get(action_key(kind, a.stage, a.mb, call=a.call))
+                if user is not None and a.key not in user.deps:
+                    raise ScheduleError(f"{user.key} does not depend on {a.key}, the upload "
+                                        "of its input")
+
+
+def _check_order(schedule: Schedule, by_key: dict[str, Action], before: dict,
+                 dataflow: bool) -> None:
+    plan, M = schedule.plan, schedule.microbatches
+    pos = before["#"]
+
+    def first(stage: Stage, m: int, c: int, kinds) -> str:
+        for kind in kinds:
+            k = action_key(kind, stage.name, m, call=c)
+            if k in by_key:
+                return k
+        raise AssertionError(f"pass check missed {stage.name} m{m}")
+
+    def need(later: str, earlier: str, message: str) -> None:
+        if not before[later] >> pos[earlier] & 1:
+            raise ScheduleError(message)
+
+    tail = plan.tail
+    for c in range(schedule.calls):
+        of = _of_call(schedule, c)
         for m in range(M):
-            if not requires(f"B:{s.name}:m{m}", f"FT:T:m{m}"):
-                raise ScheduleError(f"backward of {s.name} microbatch {m} does not wait for "
-                                    "the fused tail of that microbatch")
-    for b in plan.backward:
-        producer = [s for s in plan.forward if s.start < b.start <= s.stop]
-        for s in producer:
-            for m in range(M):
-                if not requires(f"R:{b.name}:m{m}", f"F:{s.name}:m{m}"):
-                    raise ScheduleError(f"recompute of {b.name} microbatch {m} does not wait "
-                                        f"for the forward of {s.name} that checkpoints its input")
+            fwd = {s.name: first(s, m, c, (K.FORWARD, K.FORWARD_KEEP, K.FUSED))
+                   for s in plan.forward + (tail,)}
+            bwd = {s.name: first(s, m, c, (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED))
+                   for s in plan.backward + (tail,)}
+            fused = bwd[tail.name].startswith("FT:")
+            what = "the fused tail" if fused else "the tail's backward"
+            for s in plan.backward:
+                need(bwd[s.name], bwd[tail.name], f"backward of {s.name} microbatch {m}{of} "
+                     f"does not wait for {what} of that microbatch")
+            for prev, s in zip(plan.forward, plan.forward[1:] + (tail,)) if dataflow else ():
+                need(fwd[s.name], fwd[prev.name], f"forward of {s.name} microbatch {m}{of} "
+                     f"does not wait for the forward of {prev.name} that produces its input")
+            deeper = plan.backward[1:] + (tail,)
+            for s, d in zip(plan.backward, deeper) if dataflow else ():
+                need(bwd[s.name], bwd[d.name], f"backward of {s.name} microbatch {m}{of} does "
+                     f"not wait for the backward of {d.name} that produces its output gradient")
+            for b in plan.backward:
+                r = action_key(K.RECOMPUTE, b.name, m, call=c)
+                if r in by_key:
+                    for s in plan.forward:
+                        if s.start < b.start <= s.stop:
+                            need(r, fwd[s.name], f"recompute of {b.name} microbatch {m}{of} "
+                                 f"does not wait for the forward of {s.name} that "
+                                 "checkpoints its input")
+                else:
+                    _check_kept(b, plan.forward, fwd, bwd, need, m, of)
+            if not fused:
+                need(bwd[tail.name], fwd[tail.name], f"backward of the tail microbatch {m}{of} "
+                     "does not wait for its forward")
+
+
+def _check_kept(b, forward, fwd, bwd, need, m, of) -> None:
+    twin = [s for s in forward if (s.start, s.stop) == (b.start, b.stop)]
+    if not twin:
+        raise ScheduleError(f"{bwd[b.name]} needs a forward stage with layers "
+                            f"[{b.start}:{b.stop}] that keeps its graph (FK); the plan has none")
+    s = twin[0]
+    if not fwd[s.name].startswith("FK:"):
+        raise ScheduleError(f"{bwd[b.name]} uses the graph of {s.name}, but {fwd[s.name]} "
+                            "keeps none: run it as FK (or recompute B with R)")
+    need(bwd[b.name], fwd[s.name], f"backward of {b.name} microbatch {m}{of} does not wait "
+         f"for the forward {fwd[s.name]} whose graph it uses")
 
 
 def _happens_before(schedule: Schedule, order: list[str]) -> dict:
@@ -81,25 +232,28 @@ def _happens_before(schedule: Schedule, order: list[str]) -> dict:
     return anc
 
 
-def _dry_run(schedule: Schedule) -> list[str]:
-    """Fire actions in lane order as their dependencies complete; return the order."""
+def _dry_run(schedule: Schedule) -> dict[str, int]:
+    """Run the lanes in unit time steps: in each step every lane whose head's
+    dependencies finished in an earlier step runs that head. Return each action's step;
+    raise if some lane head can never run (a deadlock)."""
     lanes: dict[tuple[int, str], deque] = defaultdict(deque)
     for a in schedule.actions:
         lanes[(a.worker, a.lane.value)].append(a)
-    done: set[str] = set()
-    order: list[str] = []
-    progress = True
-    while progress:
-        progress = False
-        for q in lanes.values():
-            while q and all(d in done for d in q[0].deps + q[0].host_deps):
-                a = q.popleft()
-                done.add(a.key)
-                order.append(a.key)
-                progress = True
-    stuck = [q[0] for q in lanes.values() if q]
-    if stuck:
-        lines = [f"  {a.to_line()}" for a in stuck]
-        raise ScheduleError("the schedule deadlocks; these lane heads wait forever:\n"
-                            + "\n".join(lines) + "\n" + schedule.grid())
-    return order
+    step_of: dict[str, int] = {}
+    queues = [q for q in lanes.values() if q]
+    step = 0
+    while queues:
+        fired = []
+        for q in queues:
+            head = q[0]
+            if all(d in step_of for d in head.deps) and all(d in step_of for d in head.host_deps):
+                fired.append(q.popleft())
+        if not fired:
+            lines = [f"  {q[0].to_line()}" for q in queues]
+            raise ScheduleError("the schedule deadlocks; these lane heads wait forever:\n"
+                                + "\n".join(lines) + "\n" + schedule.grid())
+        for a in fired:
+            step_of[a.key] = step
+        queues = [q for q in queues if q]
+        step += 1
+    return step_of

@@ -1,0 +1,197 @@
+"""Cost-balanced partitions: bound plans for the baseline schedules, and a searched
+RoundPipe plan for simulation.
+
+``bound_plan`` cuts the layers into contiguous chunks minimising the heaviest chunk,
+the best a stage-to-device binding can do. ``roundpipe_plan`` sizes RoundPipe's stages
+near the heaviest single job (usually the fused LM-head tail) and picks the stage
+counts with a fast job-level estimate of the step time. It balances time only; the
+planner with memory limits (issue 4) supersedes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ..errors import PlanError
+from .costs import ModelCosts
+from .partition import Plan, Stage, StageKind
+
+__all__ = ["split_balanced", "bound_plan", "roundpipe_plan", "roundpipe_plans",
+           "estimate_roundpipe_ms"]
+
+
+def split_balanced(costs: Sequence[float], parts: int) -> list[tuple[int, int]]:
+    """Cut ``costs`` into ``parts`` contiguous non-empty runs ``[start, stop)`` whose
+    largest sum is as small as possible.
+
+    Runs are filled greedily up to that sum from the front, so equal-cost layers give
+    runs of one size first and the remainder last. (Spreading the remainder evenly
+    looks fairer but is worse for a pipeline: a microbatch flows at the pace of the
+    slowest of consecutive stages, so alternating sizes idle the smaller ones.)"""
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise PlanError(f"cannot cut {n} layers into {parts} non-empty stages: use 1..{n}")
+    eps = 1e-9 * max(sum(costs), 1.0)
+
+    def greedy(limit: float) -> list[tuple[int, int]] | None:
+        """Fewest runs with sums <= limit, filled from the front (None: impossible)."""
+        runs, start, run = [], 0, 0.0
+        for i, x in enumerate(costs):
+            if x > limit + eps:
+                return None
+            if run + x > limit + eps:
+                runs.append((start, i))
+                start, run = i, x
+            else:
+                run += x
+        return runs + [(start, n)]
+
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    candidates = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        runs = greedy(candidates[mid])
+        if runs is None or len(runs) > parts:
+            lo = mid + 1
+        else:
+            hi = mid
+    runs = greedy(candidates[lo])
+    while len(runs) < parts:   # split the longest run: no run gets heavier
+        i = max(range(len(runs)), key=lambda k: runs[k][1] - runs[k][0])
+        a, b = runs[i]
+        runs[i:i + 1] = [(a, a + 1), (a + 1, b)]
+    return runs
+
+
+def _plan(num_layers: int, fwd, tail: tuple[int, int], bwd) -> Plan:
+    return Plan(num_layers,
+                tuple(Stage(StageKind.FORWARD, i, a, b) for i, (a, b) in enumerate(fwd)),
+                Stage(StageKind.TAIL, 0, *tail),
+                tuple(Stage(StageKind.BACKWARD, i, a, b) for i, (a, b) in enumerate(bwd)))
+
+
+def bound_plan(costs: ModelCosts | Sequence[float], chunks: int, *, devices: int | None = None,
+               recompute: bool = False) -> Plan:
+    """A plan for the baselines: ``chunks`` contiguous chunks of forward + backward
+    (+ recompute) time; the last chunk is the tail and backward stage ``Bi`` covers the
+    same layers as forward stage ``Fi``. ``costs`` may be a list of per-layer weights.
+
+    The cut minimises the heaviest chunk (the pipeline moves at the pace of its
+    slowest stage), then, among such cuts, the most loaded device when chunk ``c``
+    runs on device ``c % devices`` (``devices`` defaults to ``chunks``): from the
+    min-max cut it moves single boundaries while that helps."""
+    if isinstance(costs, ModelCosts):
+        weights = [l.forward_ms + l.backward_ms + (l.recompute_ms if recompute else 0.0)
+                   for l in costs.layers]
+    else:
+        weights = list(costs)
+    p = devices or chunks
+    runs = split_balanced(weights, chunks)
+    if p < chunks:
+        runs = _balance_devices(weights, runs, p)
+    return _plan(len(weights), runs[:-1], runs[-1], runs[:-1])
+
+
+def _balance_devices(weights: Sequence[float], runs, p: int):
+    cuts = [b for _, b in runs[:-1]]
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def score(cuts):
+        bounds = [0] + cuts + [n]
+        chunk = [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
+        load = [sum(chunk[d::p]) for d in range(p)]
+        return (round(max(chunk), 9), round(max(load), 9))
+
+    best = score(cuts)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(len(cuts)):
+            for step in (-1, 1):
+                c = cuts[i] + step
+                lo = cuts[i - 1] if i else 0
+                hi = cuts[i + 1] if i + 1 < len(cuts) else n
+                if lo < c < hi:
+                    trial = cuts[:i] + [c] + cuts[i + 1:]
+                    s = score(trial)
+                    if s < best:
+                        cuts, best, improved = trial, s, True
+    bounds = [0] + cuts + [n]
+    return list(zip(bounds, bounds[1:]))
+
+
+def estimate_roundpipe_ms(plan: Plan, costs: ModelCosts, workers: int,
+                          microbatches: int, calls: int = 1) -> float:
+    """Step time of RoundPipe at job grain: job ``j`` runs on worker ``j % workers``,
+    its microbatch ``m`` starts after the worker is free and after microbatch ``m`` of
+    job ``j - 1`` has crossed to the host and back (two hops). With ``calls > 1`` the
+    calls overlap (stale optimizer: the round-robin continues, a call's first job
+    waits for nothing) and the result is the mean period from the first call's end.
+    Ignores link contention and weight uploads (prefetched); the simulator models both."""
+    jobs = []   # (time before the input is needed, time after, hop from the last job)
+    for s in plan.jobs():
+        fwd = costs.sum("forward_ms", s.start, s.stop)
+        bwd = costs.sum("backward_ms", s.start, s.stop)
+        if s.kind is StageKind.FORWARD:
+            jobs.append((0.0, fwd, 2 * costs.boundary_hop_ms(s.start)))
+        elif s.kind is StageKind.TAIL:
+            jobs.append((0.0, fwd + bwd, 2 * costs.boundary_hop_ms(s.start)))
+        else:   # the recompute needs only the checkpoint: it runs before the gradient
+            jobs.append((costs.sum("recompute_ms", s.start, s.stop), bwd,
+                         2 * costs.boundary_hop_ms(s.stop)))
+    free = [0.0] * workers
+    ends = []
+    g = 0
+    for _ in range(calls):
+        ready = [0.0] * microbatches
+        for j, (early, t, hop) in enumerate(jobs):
+            f = free[g % workers]
+            for m in range(microbatches):
+                f = max(f + early, ready[m] + (hop if j else 0.0)) + t
+                ready[m] = f
+            free[g % workers] = f
+            g += 1
+        ends.append(max(ready))
+    return ends[0] if calls == 1 else (ends[-1] - ends[0]) / (calls - 1)
+
+
+def roundpipe_plans(costs: ModelCosts, workers: int, microbatches: int, *,
+                    overlap: bool = False, max_tail_layers: int = 3) -> list[Plan]:
+    """Candidate RoundPipe plans for ``costs``, best first by
+    :func:`estimate_roundpipe_ms` (fewest stages on ties; with ``overlap``, for the
+    steady state of overlapping calls). Stages are sized near the heaviest single job
+    (usually the fused tail): around that many forward and backward stages are tried,
+    with tails of 1 to ``max_tail_layers`` layers."""
+    L = len(costs.layers)
+    if L == 1:
+        return [_plan(1, [], (0, 1), [])]
+    f = [l.forward_ms for l in costs.layers]
+    rb = [l.recompute_ms + l.backward_ms for l in costs.layers]
+    scored: list[tuple[float, int, int, Plan]] = []
+    for tail_layers in range(1, min(max_tail_layers, L - 1) + 1):
+        body = L - tail_layers
+        tail_ms = sum(f[body:]) + sum(l.backward_ms for l in costs.layers[body:])
+        job = max([tail_ms] + rb[:body] + f[:body]) or 1.0
+        nf0 = max(1, math.ceil(sum(f[:body]) / job))
+        nb0 = max(1, math.ceil(sum(rb[:body]) / job))
+        for nf in range(max(1, nf0 - 1), min(body, nf0 + 2) + 1):
+            for nb in range(max(1, nb0 - 1), min(body, nb0 + workers) + 1):
+                plan = _plan(L, split_balanced(f[:body], nf), (body, L),
+                             split_balanced(rb[:body], nb))
+                t = estimate_roundpipe_ms(plan, costs, workers, microbatches,
+                                          calls=6 if overlap else 1)
+                scored.append((round(t, 6), nf + nb, len(scored), plan))
+    return [plan for *_, plan in sorted(scored, key=lambda x: x[:3])]
+
+
+def roundpipe_plan(costs: ModelCosts, workers: int, microbatches: int, *,
+                   overlap: bool = False) -> Plan:
+    """The best of :func:`roundpipe_plans` by the job-grain estimate."""
+    return roundpipe_plans(costs, workers, microbatches, overlap=overlap)[0]

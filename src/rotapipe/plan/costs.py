@@ -1,0 +1,232 @@
+"""Per-layer cost model: times and bytes of each layer, from measurements or arithmetic.
+
+A :class:`ModelCosts` says, for one microbatch on one device, how long each layer's
+forward, recompute and backward take, how long its weights take to upload and its
+output activation to cross one host link, and how many bytes its weights, saved
+activations and output hold. The simulator and the planner read nothing else.
+
+Build one from explicit times (:meth:`ModelCosts.explicit`) or from a Hugging Face
+config by arithmetic (:func:`model_costs`; no weights are loaded or allocated). The
+layers are the embedding, the decoder blocks and the LM head (final norm, output
+projection and loss), the way ``rotapipe`` cuts a causal LM into layers.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from ..errors import ConfigError
+from .hardware import Hardware
+
+__all__ = ["LayerCost", "ModelCosts", "LayerWork", "KNOWN_MODELS", "load_config",
+           "model_work", "model_costs"]
+
+_CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "data" / "configs"
+KNOWN_MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b", "qwen3-235b-a22b")
+"""Model configs shipped with rotapipe (``data/configs/NAME.json``)."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer, one microbatch: times in milliseconds, sizes in bytes."""
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    """Backward only (input and weight gradients), without recomputing the forward."""
+    recompute_ms: float
+    """Re-running the forward before the backward (usually ``forward_ms``)."""
+    upload_ms: float = 0.0
+    """Host-to-device upload of the layer's weights (the download of their gradients
+    takes as long)."""
+    hop_ms: float = 0.0
+    """One transfer of the layer's output activation, or of its gradient, over one host
+    link (device to host, or host to device)."""
+    weight_bytes: int = 0
+    saved_bytes: int = 0
+    """Activations autograd keeps for the backward when the forward keeps its graph."""
+    output_bytes: int = 0
+
+    def __post_init__(self):
+        for f in ("forward_ms", "backward_ms", "recompute_ms", "upload_ms", "hop_ms",
+                  "weight_bytes", "saved_bytes", "output_bytes"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"layer {self.name}: {f} must be >= 0, got "
+                                  f"{getattr(self, f)}")
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """Costs of every layer of a model for one microbatch of ``tokens`` tokens."""
+
+    layers: tuple[LayerCost, ...]
+    tokens: int
+    """Tokens in one microbatch (for tokens/s)."""
+    input_hop_ms: float = 0.0
+    """Upload of one microbatch's model input (token ids)."""
+    input_bytes: int = 0
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ConfigError("ModelCosts needs at least one layer")
+        if self.tokens < 1:
+            raise ConfigError(f"ModelCosts.tokens must be >= 1, got {self.tokens}")
+
+    @classmethod
+    def explicit(cls, blocks: int, forward_ms: float, backward_ms: float, *,
+                 head_forward_ms: float, head_backward_ms: float,
+                 recompute_ms: float | None = None, hop_ms: float = 0.0,
+                 upload_ms: float = 0.0, tokens: int = 2048) -> ModelCosts:
+        """``blocks`` identical layers plus an LM head, from measured times. ``hop_ms``
+        is the transfer time of one activation over one link, ``upload_ms`` a block's
+        weight upload (the head's is taken as the same)."""
+        if blocks < 0:
+            raise ConfigError(f"blocks must be >= 0, got {blocks}")
+        rec = forward_ms if recompute_ms is None else recompute_ms
+        block = LayerCost("block", forward_ms, backward_ms, rec, upload_ms, hop_ms)
+        head = LayerCost("head", head_forward_ms, head_backward_ms, head_forward_ms,
+                         upload_ms, hop_ms)
+        return cls(tuple(replace(block, name=f"block{i}") for i in range(blocks)) + (head,),
+                   tokens)
+
+    @classmethod
+    def uniform(cls, layers: int, forward_ms: float, backward_ms: float,
+                recompute_ms: float | None = None, tokens: int = 1) -> ModelCosts:
+        """``layers`` identical layers, no transfer cost (for closed-form checks)."""
+        rec = forward_ms if recompute_ms is None else recompute_ms
+        return cls(tuple(LayerCost(f"layer{i}", forward_ms, backward_ms, rec)
+                         for i in range(layers)), tokens)
+
+    def sum(self, attr: str, start: int, stop: int) -> float:
+        """Sum of one field over layers ``[start, stop)``."""
+        return sum(getattr(layer, attr) for layer in self.layers[start:stop])
+
+    def boundary_hop_ms(self, at: int) -> float:
+        """Transfer time of the activation entering layer ``at``."""
+        return self.input_hop_ms if at == 0 else self.layers[at - 1].hop_ms
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """Arithmetic of one layer per token (independent of hardware)."""
+
+    name: str
+    forward_flops: float
+    backward_flops: float
+    params: int
+    saved_bytes: float
+    """Bytes autograd keeps per token for the backward."""
+    output_bytes: float
+    """Bytes of the layer's output per token."""
+
+
+def load_config(model: str | pathlib.Path | Mapping | object) -> dict:
+    """A model config as a dict: a known name (:data:`KNOWN_MODELS`), a path to a
+    ``config.json`` (or to a folder holding one), a dict, or a ``transformers``
+    config object."""
+    if isinstance(model, Mapping):
+        return dict(model)
+    if hasattr(model, "to_dict"):
+        return model.to_dict()
+    name = str(model)
+    path = pathlib.Path(name)
+    if name.lower() in KNOWN_MODELS:
+        path = _CONFIGS / f"{name.lower()}.json"
+    elif path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no model config at {name!r}: give a config.json path or one "
+                          f"of {', '.join(KNOWN_MODELS)}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _get(cfg: Mapping, key: str, default=None):
+    value = cfg.get(key, default)
+    if value is None:
+        raise ConfigError(f"model config (model_type={cfg.get('model_type')!r}) has no "
+                          f"{key!r}: rotapipe needs it to count FLOPs")
+    return value
+
+
+def model_work(config, seq: int, dtype_bytes: int = 2) -> tuple[LayerWork, ...]:
+    """Per-token FLOPs and bytes of the embedding, every decoder block and the LM head
+    of a Llama-style decoder (Llama, Qwen2/3, Mistral, Qwen3-MoE), for sequences of
+    ``seq`` tokens with causal flash attention. MoE blocks count the routed (active)
+    experts' FLOPs and every expert's weights."""
+    cfg = load_config(config)
+    if isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg, **cfg["text_config"]}
+    h = _get(cfg, "hidden_size")
+    layers = _get(cfg, "num_hidden_layers")
+    nh = _get(cfg, "num_attention_heads")
+    nkv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or h // nh
+    vocab = _get(cfg, "vocab_size")
+    q, kv = nh * hd, nkv * hd
+    # Projections: q, k, v, o (+ biases where the family has them) and per-head q/k norms.
+    attn_params = h * q + 2 * h * kv + q * h
+    if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2":
+        attn_params += q + 2 * kv
+    qk_norm = 2 * hd if str(cfg.get("model_type", "")).startswith("qwen3") else 0
+    # Causal attention: a token attends to (seq + 1) / 2 positions on average; QK^T and
+    # AV are 2 FLOPs per multiply-add each. Flash attention's backward recomputes the
+    # scores: 2.5x its forward.
+    core = 2 * 2 * q * (seq + 1) / 2
+    base_saved = 4 * h + 2 * q + 2 * kv + (q + kv if qk_norm else 0)
+    moe_every = cfg.get("decoder_sparse_step") or 1
+    dense_only = set(cfg.get("mlp_only_layers") or ())
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    works = [LayerWork("embed", 0.0, 0.0, vocab * h, 0.0, h * dtype_bytes)]
+    for i in range(layers):
+        moe = experts and i not in dense_only and (i + 1) % moe_every == 0
+        if moe:
+            inter = _get(cfg, "moe_intermediate_size")
+            top_k = _get(cfg, "num_experts_per_tok")
+            shared = cfg.get("shared_expert_intermediate_size") or 0
+            mlp_params = experts * 3 * h * inter + h * experts + 3 * h * shared
+            mlp_flops = 2 * (h * experts + top_k * 3 * h * inter + 3 * h * shared)
+            mlp_saved = h + top_k * (h + 4 * inter) + 4 * shared
+        else:
+            inter = _get(cfg, "intermediate_size")
+            mlp_params = 3 * h * inter
+            mlp_flops = 2 * 3 * h * inter
+            mlp_saved = 4 * inter
+        proj = 2 * attn_params + mlp_flops
+        works.append(LayerWork(
+            f"block{i}", proj + core, 2 * proj + 2.5 * core,
+            attn_params + mlp_params + 2 * h + qk_norm,
+            (base_saved + mlp_saved) * dtype_bytes + (4 * experts if moe else 0),
+            h * dtype_bytes))
+    # Head: final norm, output projection, cross-entropy over the vocabulary (logits in
+    # the compute dtype, log-softmax kept in fp32 for the backward).
+    works.append(LayerWork("head", 2 * h * vocab, 4 * h * vocab, vocab * h + h,
+                           2 * h * dtype_bytes + vocab * (dtype_bytes + 4), 0.0))
+    return tuple(works)
+
+
+def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size: int = 1,
+                dtype_bytes: int = 2) -> ModelCosts:
+    """:class:`ModelCosts` of a Hugging Face decoder on ``hardware``: times from FLOPs at
+    ``hardware.flops``, transfers at the host link bandwidth, for microbatches of
+    ``microbatch_size`` sequences of ``seq`` tokens."""
+    if seq < 1 or microbatch_size < 1:
+        raise ConfigError(f"seq={seq} and microbatch_size={microbatch_size} must be >= 1")
+    tokens = seq * microbatch_size
+    ms_per_flop = 1e3 / hardware.flops
+    ms_per_byte = 1e3 / hardware.link_bytes_per_s
+    layers = []
+    for w in model_work(config, seq, dtype_bytes):
+        fwd = w.forward_flops * tokens * ms_per_flop
+        weight_bytes = w.params * dtype_bytes
+        out_bytes = int(w.output_bytes * tokens)
+        layers.append(LayerCost(w.name, fwd, w.backward_flops * tokens * ms_per_flop, fwd,
+                                weight_bytes * ms_per_byte, out_bytes * ms_per_byte,
+                                weight_bytes, int(w.saved_bytes * tokens), out_bytes))
+    input_bytes = 8 * tokens
+    return ModelCosts(tuple(layers), tokens, input_bytes * ms_per_byte, input_bytes)

@@ -1,0 +1,135 @@
+"""Build the six schedules for one model and machine, simulate each, compare them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from ..errors import ConfigError
+from ..plan import ModelCosts, Plan, bound_plan
+from ..plan.balance import roundpipe_plans
+from ..schedule import (Schedule, gpipe_schedule, interleaved_1f1b_schedule,
+                        looped_bfs_schedule, one_f_one_b_schedule, roundpipe_schedule,
+                        roundpipe_stale_schedule)
+from .engine import Timeline, run
+from .report import Report, report
+from .timing import ActionTimes, memory_sizes
+
+__all__ = ["SCHEDULES", "SimConfig", "SimResult", "build_schedule", "simulate", "compare",
+           "schedule_names"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "roundpipe",
+             "roundpipe-stale")
+"""Every schedule the simulator compares, in table order."""
+
+_ALIASES = MappingProxyType({"interleaved": "interleaved-1f1b", "bfs": "looped-bfs",
+                             "roundpipe-exact": "roundpipe", "exact": "roundpipe",
+                             "stale": "roundpipe-stale", "all": "all"})
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How to run the schedules being compared."""
+
+    devices: int
+    microbatches: int
+    virtual_stages: int = 2
+    """Chunks per device of interleaved 1F1B and looped BFS."""
+    recompute: bool = False
+    """Baselines recompute their forward in the backward instead of keeping activations
+    on the device (RoundPipe always recomputes every backward stage but the tail)."""
+    calls: int = 4
+    """Overlapping calls simulated for RoundPipe with the stale optimizer."""
+    refine: int = 4
+    """RoundPipe plans simulated to pick the best (the best candidates of the planner's
+    job-grain estimate); 1 takes the estimate's best as is."""
+    memory_limit: int | None = None
+    """Device memory in bytes, to flag schedules that do not fit (None: no check)."""
+
+    def __post_init__(self):
+        if self.devices < 1 or self.microbatches < 1:
+            raise ConfigError(f"devices={self.devices} and microbatches={self.microbatches} "
+                              "must be >= 1")
+        if self.virtual_stages < 1:
+            raise ConfigError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.calls < 2:
+            raise ConfigError(f"calls must be >= 2 to measure a steady state, got {self.calls}")
+        if self.refine < 1:
+            raise ConfigError(f"refine must be >= 1, got {self.refine}")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """A schedule, when each of its actions ran, and what that means."""
+
+    schedule: Schedule
+    timeline: Timeline
+    report: Report
+
+
+def schedule_names(text: str) -> tuple[str, ...]:
+    """Parse ``gpipe,1f1b,...`` (aliases: interleaved, bfs, exact, stale, all)."""
+    names: list[str] = []
+    for raw in text.split(","):
+        name = _ALIASES.get(raw.strip().lower(), raw.strip().lower())
+        if name == "all":
+            names.extend(SCHEDULES)
+        elif name in SCHEDULES:
+            names.append(name)
+        elif name:
+            raise ConfigError(f"unknown schedule {raw.strip()!r}: use any of "
+                              f"{', '.join(SCHEDULES)} (comma-separated)")
+    return tuple(dict.fromkeys(names))
+
+
+def build_schedule(name: str, costs: ModelCosts, config: SimConfig,
+                   plan: Plan | None = None) -> Schedule:
+    """Schedule ``name`` for ``costs`` on ``config.devices`` devices. Without ``plan``
+    the baselines get the best contiguous partition (:func:`bound_plan`) and RoundPipe
+    the fastest in simulation of the planner's ``config.refine`` best candidates
+    (:func:`~rotapipe.plan.balance.roundpipe_plans`)."""
+    p, M, L = config.devices, config.microbatches, len(costs.layers)
+    if name in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"):
+        chunks = p if name in ("gpipe", "1f1b") else p * config.virtual_stages
+        if chunks > L:
+            raise ConfigError(f"{name} needs {chunks} chunks of at least one layer but the "
+                              f"model has {L} layers: use fewer devices or virtual stages")
+        plan = plan or bound_plan(costs, chunks, devices=p, recompute=config.recompute)
+        make = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule,
+                "interleaved-1f1b": interleaved_1f1b_schedule,
+                "looped-bfs": looped_bfs_schedule}[name]
+        return make(plan, p, M, recompute=config.recompute)
+    if name not in ("roundpipe", "roundpipe-stale"):
+        raise ConfigError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
+    stale = name == "roundpipe-stale"
+
+    def make(plan: Plan) -> Schedule:
+        if stale:
+            return roundpipe_stale_schedule(plan, p, M, calls=config.calls)
+        return roundpipe_schedule(plan, p, M)
+
+    if plan is not None:
+        return make(plan)
+    candidates = [make(c) for c in roundpipe_plans(costs, p, M, overlap=stale)[:config.refine]]
+    if len(candidates) == 1:
+        return candidates[0]
+    tokens = costs.tokens * M
+    return min(candidates, key=lambda s: report(run(s, ActionTimes(s.plan, costs)),
+                                                tokens).step_ms)
+
+
+def simulate(schedule: Schedule, costs: ModelCosts, *,
+             memory_limit: int | None = None) -> SimResult:
+    """Run ``schedule`` on ``costs`` and measure it."""
+    timeline = run(schedule, ActionTimes(schedule.plan, costs))
+    rep = report(timeline, costs.tokens * schedule.microbatches, memory_sizes(costs),
+                 memory_limit)
+    return SimResult(schedule, timeline, rep)
+
+
+def compare(costs: ModelCosts, config: SimConfig,
+            names: Sequence[str] = SCHEDULES) -> list[SimResult]:
+    """Build and simulate each schedule of ``names`` (see :func:`build_schedule`)."""
+    return [simulate(build_schedule(n, costs, config), costs,
+                     memory_limit=config.memory_limit) for n in names]

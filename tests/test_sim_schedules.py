@@ -1,0 +1,218 @@
+"""The baseline and stale-optimizer generators in the schedule format, and the validator's
+new checks: passes exactly once, inputs before use, memory limit. Pure: no runtime."""
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from rotapipe import Plan, ScheduleError, even_plan, roundpipe_schedule, validate
+from rotapipe.plan import LayerCost, ModelCosts, bound_plan
+from rotapipe.plan.balance import roundpipe_plans
+from rotapipe.schedule import (Action, ActionKind as K, Lane, MemorySizes, Schedule,
+                               gpipe_schedule, interleaved_1f1b_schedule,
+                               looped_bfs_schedule, one_f_one_b_schedule,
+                               roundpipe_stale_schedule)
+from rotapipe.sim import SCHEDULES, SimConfig, build_schedule, simulate
+
+BOUND = {"gpipe": (gpipe_schedule, 1), "1f1b": (one_f_one_b_schedule, 1),
+         "interleaved-1f1b": (interleaved_1f1b_schedule, 2), "looped-bfs": (looped_bfs_schedule, 2)}
+
+
+def _bound(name, devices, mbs, recompute=False, v=None, layers=None):
+    make, per = BOUND[name]
+    v = v or per
+    plan = bound_plan([1.0] * (layers or devices * v), devices * v, devices=devices)
+    return make(plan, devices, mbs, recompute=recompute)
+
+
+@pytest.mark.parametrize("name", list(BOUND))
+@pytest.mark.parametrize("devices, mbs", list(itertools.product([1, 2, 3, 4], [1, 2, 5, 8])))
+def test_bound_sweep_validates_round_trips_and_binds_stages(name, devices, mbs):
+    for recompute in (False, True):
+        s = _bound(name, devices, mbs, recompute, layers=devices * BOUND[name][1] + 3)
+        validate(s, dataflow=True)
+        assert Schedule.from_text(s.to_text()) == s
+        chunks = s.plan.forward + (s.plan.tail,)
+        device_of = {c.name: i % devices for i, c in enumerate(chunks)}
+        device_of.update({b.name: i % devices for i, b in enumerate(s.plan.backward)})
+        for a in s.actions:
+            assert a.worker == device_of[a.stage], f"{a.key} is not on its chunk's device"
+            assert a.kind not in (K.UPLOAD_WEIGHTS, K.FREE), "weights stay resident"
+        kinds = {a.kind for a in s.actions}
+        assert (K.RECOMPUTE in kinds) == (recompute and len(chunks) > 1)
+        assert K.FUSED not in kinds and {K.FORWARD_KEEP, K.BACKWARD_KEPT} <= kinds
+
+
+def test_one_f_one_b_orders_warmup_then_alternates():
+    s = _bound("1f1b", 4, 6)
+    order = [a.key for a in s.worker_actions(1) if a.lane is Lane.COMPUTE]
+    assert order[:4] == ["FK:F1:m0", "FK:F1:m1", "FK:F1:m2", "BK:B1:m0"]
+    last = [a.key for a in s.worker_actions(3) if a.lane is Lane.COMPUTE]
+    assert last[:4] == ["FK:T:m0", "BK:T:m0", "FK:T:m1", "BK:T:m1"]
+
+
+def test_one_device_hands_over_without_transfers():
+    """Both ends on the same device: no download/upload pair, a direct dependency."""
+    for name in BOUND:
+        s = _bound(name, 1, 3, layers=4)
+        transfers = [a.key for a in s.actions if a.kind in (K.DOWNLOAD_ACT, K.DOWNLOAD_GRAD,
+                                                            K.UPLOAD_GRAD)]
+        assert transfers == []
+        assert all(a.at == 0 for a in s.actions if a.kind is K.UPLOAD_ACT)
+
+
+def test_bound_generators_reject_plans_that_do_not_fit():
+    with pytest.raises(ScheduleError, match="not bound"):
+        one_f_one_b_schedule(even_plan(6, 2, 3), 3, 4)
+    with pytest.raises(ScheduleError, match="2 devices x 1 chunk"):
+        one_f_one_b_schedule(bound_plan([1.0] * 6, 3), 2, 4)
+    with pytest.raises(ScheduleError, match="not a multiple"):
+        interleaved_1f1b_schedule(bound_plan([1.0] * 6, 5), 2, 4)
+
+
+@pytest.mark.parametrize("workers, mbs, calls, staleness", [
+    (1, 1, 2, 1), (2, 3, 3, 1), (3, 2, 4, 1), (4, 8, 3, 0), (8, 16, 2, 1)])
+def test_stale_schedule_overlaps_calls_and_validates(workers, mbs, calls, staleness):
+    plan = even_plan(9, 2, 5, tail_layers=2)
+    s = roundpipe_stale_schedule(plan, workers, mbs, calls=calls, staleness=staleness)
+    validate(s, dataflow=True)
+    assert s.calls == calls and Schedule.from_text(s.to_text()) == s
+    jobs = plan.jobs()
+    for a in s.actions:
+        if a.lane is Lane.COMPUTE:   # the round-robin continues across calls
+            g = a.call * len(jobs) + [j.name for j in jobs].index(a.stage)
+            assert a.worker == g % workers, a.key
+    # a stage's upload in call c reads the optimizer's update of call c - 1 - staleness
+    by_key = s.by_key()
+    uw = by_key[f"UW:F0/c{calls - 1}"]
+    older = calls - 2 - staleness
+    assert any(d.startswith("O:B0") and (older > 0 and d.endswith(f"/c{older}")
+                                          or older == 0 and "/c" not in d)
+               for d in uw.host_deps) == (older >= 0)
+
+
+def test_call_suffix_round_trips_in_keys_and_lines():
+    a = Action(K.FORWARD, 2, "F1", 3, None, ("UA:F1:m3@4/c2",), (), call=2)
+    assert a.key == "F:F1:m3/c2"
+    assert Action.from_line(a.to_line()) == a and Action.from_line(a.to_line()).call == 2
+    assert Action(K.FORWARD, 0, "F1", 3).key == "F:F1:m3"
+
+
+def _edit(s: Schedule, key: str, **changes) -> Schedule:
+    import dataclasses
+    return dataclasses.replace(s, actions=tuple(
+        dataclasses.replace(a, **changes) if a.key == key else a for a in s.actions))
+
+
+def test_validator_rejects_a_pass_run_twice_or_missing():
+    s = _bound("1f1b", 2, 2)
+    twice = Schedule(s.plan, 2, 2, s.actions + (Action(K.FORWARD, 0, "F0", 1),), s.name)
+    with pytest.raises(ScheduleError, match="runs its forward twice"):
+        validate(twice)
+    gone = tuple(a for a in s.actions if a.key != "BK:T:m1")
+    gone = tuple(Action(a.kind, a.worker, a.stage, a.mb, a.at,
+                        tuple(d for d in a.deps if d != "BK:T:m1"), a.host_deps) for a in gone)
+    with pytest.raises(ScheduleError, match="backward of stage T microbatch 1 is missing"):
+        validate(Schedule(s.plan, 2, 2, gone, s.name))
+    stray = Schedule(s.plan, 2, 2, s.actions + (Action(K.FORWARD, 0, "F7", 0),), s.name)
+    with pytest.raises(ScheduleError, match="stage F7, which is not in the plan"):
+        validate(stray)
+
+
+def test_validator_rejects_a_kept_backward_without_its_graph():
+    s = _bound("gpipe", 2, 2, recompute=True)   # F0 runs F (no graph), backward is R + B
+    acts = [a for a in s.actions if a.key not in ("R:B0:m0", "B:B0:m0")]
+    acts.append(Action(K.BACKWARD_KEPT, 0, "B0", 0, deps=("F:F0:m0", "UG:B0:m0@1")))
+    with pytest.raises(ScheduleError, match="keeps none: run it as FK"):
+        validate(Schedule(s.plan, 2, 2, tuple(acts), s.name))
+
+
+@pytest.mark.parametrize("key, old, new, match", [
+    # ordered by lane order through the later microbatch, but reading the wrong data
+    ("UA:F1:m1@1", "DA:F0:m1@1", "DA:F0:m2@1", "does not depend on a DOWNLOAD_ACT of microbatch 1"),
+    ("FK:F1:m1", "UA:F1:m1@1", "DA:F0:m1@1", "FK:F1:m1 does not depend on UA:F1:m1@1"),
+    ("DG:B1:m1@1", "BK:B1:m1", "BK:B1:m2", "does not depend on the compute of stage B1 microbatch 1"),
+    # no path at all: caught by the order checks
+    ("DG:B1:m0@1", "BK:B1:m0", None, "does not wait for the tail's backward"),
+])
+def test_dataflow_mode_rejects_a_missing_input_dependency(key, old, new, match):
+    s = _bound("1f1b", 3, 3)
+    a = s.by_key()[key]
+    deps = tuple(d for d in a.deps if d != old) + ((new,) if new else ())
+    edited = _edit(s, key, deps=deps)
+    if new:
+        validate(edited)      # the lenient default accepts it
+    with pytest.raises(ScheduleError, match=match):
+        validate(edited, dataflow=True)
+
+
+def test_dataflow_mode_rejects_a_forward_before_its_input_exists():
+    s = roundpipe_schedule(even_plan(4, 2, 3), 2, 2)
+    bad = _edit(s, "UA:F1:m0@1", deps=())
+    validate(bad)      # lenient default: the runtime's race checker catches this one
+    with pytest.raises(ScheduleError, match="forward of F1 microbatch 0 does not wait"):
+        validate(bad, dataflow=True)
+
+
+def test_validator_checks_device_memory_against_a_limit():
+    s = _bound("gpipe", 2, 4)
+    sizes = MemorySizes.uniform(2, weights=100, saved=1000, outputs=10)
+    # GPipe keeps all 4 microbatches' activations: 4 x (1000 + 10) + 2 x 100 (weights
+    # and their gradients), plus in-flight boundary buffers.
+    validate(s, sizes=sizes, memory_limit=5000)
+    with pytest.raises(ScheduleError, match=r"worker \d needs 4\.\d KiB at its peak \(weights "
+                                            r"200 B \+ activations .*the limit is 3\.9 KiB"):
+        validate(s, sizes=sizes, memory_limit=4000)
+    s1 = _bound("1f1b", 2, 4)
+    validate(s1, sizes=sizes, memory_limit=2500)   # 1F1B: at most 2 in flight on device 0
+    with pytest.raises(ScheduleError, match="a memory limit needs the per-layer sizes"):
+        validate(s1, memory_limit=10)
+
+
+# -- properties: every generated schedule is sound ------------------------------------
+
+layer_costs = st.lists(st.floats(0.1, 20.0), min_size=2, max_size=14)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(costs=layer_costs, devices=st.integers(1, 5), mbs=st.integers(1, 9),
+       v=st.integers(1, 3), recompute=st.booleans())
+def test_property_bound_schedules_validate_and_simulate(costs, devices, mbs, v, recompute):
+    for name, (make, per) in BOUND.items():
+        chunks = devices * (v if per > 1 else 1)
+        if chunks > len(costs):
+            continue
+        plan = bound_plan(costs, chunks, devices=devices, recompute=recompute)
+        s = make(plan, devices, mbs, recompute=recompute)
+        validate(s, dataflow=True)
+        model = ModelCosts(tuple(LayerCost(f"l{i}", c, 2 * c, c, hop_ms=0.1 * c)
+                                 for i, c in enumerate(costs)), 1)
+        r = simulate(s, model).report
+        busy = mbs * sum(model.sum(f, 0, len(costs)) for f in ("forward_ms", "backward_ms"))
+        busy += mbs * model.sum("recompute_ms", 0, plan.tail.start) * recompute
+        assert r.step_ms * devices * (1 - r.bubble.total) == pytest.approx(busy, rel=1e-6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(costs=layer_costs, workers=st.integers(1, 6), mbs=st.integers(1, 9),
+       calls=st.integers(2, 3))
+def test_property_roundpipe_schedules_validate_and_simulate(costs, workers, mbs, calls):
+    model = ModelCosts(tuple(LayerCost(f"l{i}", c, 2 * c, c, upload_ms=0.5 * c, hop_ms=0.1)
+                             for i, c in enumerate(costs)), 1)
+    plan = roundpipe_plans(model, workers, mbs)[0]
+    for s in (roundpipe_schedule(plan, workers, mbs),
+              roundpipe_stale_schedule(plan, workers, mbs, calls=calls)):
+        validate(s, dataflow=True)
+        r = simulate(s, model).report
+        assert 0.0 <= r.bubble.total < 1.0 and r.step_ms > 0
+
+
+def test_every_named_schedule_builds_and_validates_with_memory():
+    model = ModelCosts(tuple(LayerCost(f"l{i}", 1.0, 2.0, 1.0, 0.5, 0.2, 1000, 300, 20)
+                             for i in range(12)), 64)
+    for name in SCHEDULES:
+        s = build_schedule(name, model, SimConfig(3, 6))
+        validate(s, dataflow=True)
+        assert s.name == name
+    assert isinstance(Plan.from_text(s.plan.to_text()), Plan)
