@@ -185,7 +185,7 @@ class Schedule:
     actions: tuple[Action, ...]
     name: str = "roundpipe"
 
-    @property
+    @functools.cached_property
     def calls(self) -> int:
         """How many calls the schedule spans (1 unless calls overlap)."""
         return 1 + max((a.call for a in self.actions), default=0)
