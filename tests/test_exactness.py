@@ -478,3 +478,33 @@ def test_loss_weight_gives_the_token_mean_over_the_whole_batch():
     assert loss == pytest.approx(want.item(), rel=1e-6)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_tail_context_gives_whole_batch_statistics_and_an_unweighted_extra_term():
+    """``tail_context`` sees every microbatch's tail input; a loss returning
+    ``(mean_loss, extra)`` adds ``extra`` unweighted. Here extra = 0.1 * (the batch-wide
+    mean of the tail input) * (this microbatch's sum of it), summed over microbatches:
+    a term no per-microbatch loss could compute, checked against plain PyTorch."""
+    x, y = token_batch(8, 6)
+    M = 4
+
+    def context(xs, ys):
+        return torch.cat([t.reshape(-1) for t in xs]).mean().detach()
+
+    def loss3(out, labels, batch_mean):
+        return lm_loss(out, labels), 0.1 * batch_mean * out.sum() / 1000.0
+
+    model, ref = tiny_transformer(), tiny_transformer()
+    with rotapipe.RoundPipe(model, loss3, config=emulated(3, M),
+                            tail_context=context) as pipe:
+        assert f"DA:F4:m{M - 1}@5" in pipe.schedule().by_key()["FT:T:m0"].deps
+        loss = pipe.forward_backward(x, y)
+    # plain PyTorch: whole-batch statistic of the head's input, then the same sum
+    hidden = ref[:-1](x)
+    batch_mean = hidden.detach().mean()
+    logits = ref[-1](hidden)
+    want = lm_loss(logits, y) + 0.1 * batch_mean * logits.sum() / 1000.0
+    want.backward()
+    assert loss == pytest.approx(want.item(), rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

@@ -2,11 +2,11 @@
 load-balancing loss.
 
 Hugging Face's auxiliary loss is ``E * sum_e (T_e / R) * (P_e / R)`` with T, P and R
-summed over *all* layers and over the rows of the batch one forward sees. The adapter
-carries the three sums with the hidden states, so one microbatch per call equals the
-whole-batch forward exactly (``test_hf_families.py``); with several microbatches each
-microbatch gets its own auxiliary loss (what a Hugging Face forward on that microbatch
-computes), weighted like its cross-entropy. Both are checked element by element here.
+summed over *all* layers and over the rows of the whole batch. The adapter carries the
+three sums with the hidden states; the pipeline's ``tail_context`` gathers the counts
+T and R of every microbatch before the fused tail runs, and each microbatch's tail adds
+``E * sum_e (T_e / R) * (P_e / R)`` with its own P (which carries the gradient), so the
+sum over microbatches is Hugging Face's whole-batch loss, checked element by element.
 """
 
 from __future__ import annotations
@@ -14,34 +14,31 @@ from __future__ import annotations
 import pytest
 import torch
 
+import rotapipe
 import rotapipe.adapters
 from rotapipe.adapters import moe
 from hf_models import (COMMON, assert_grads_equal, batch, clone, hf_backward,
                        pipe_backward, tiny, transformers)
 
 
-def per_microbatch_reference(model, ids, mask, labels, microbatches: int) -> float:
-    """sum_m w_m * HF(microbatch m).loss, w_m = its share of the counted tokens."""
-    total = (labels[:, 1:] != -100).sum()
-    loss = 0.0
-    for x, a, y in zip(ids.tensor_split(microbatches), mask.tensor_split(microbatches),
-                       labels.tensor_split(microbatches)):
-        w = (y[:, 1:] != -100).sum() / total
-        out = model(input_ids=x, attention_mask=a, labels=y).loss * w
-        out.backward()
-        loss += out.item()
-    return loss
-
-
-@pytest.mark.parametrize("grain", ["stage", "layer"])
-def test_several_microbatches_each_get_their_own_aux_loss(grain):
+@pytest.mark.parametrize("workers, microbatches, grain",
+                         [(2, 4, "stage"), (3, 4, "layer"), (3, 2, "stage")])
+def test_aux_loss_over_several_microbatches_equals_the_whole_batch(workers, microbatches,
+                                                                    grain):
     model = tiny("qwen3moe")
+    assert model.config.output_router_logits
     ref = clone(model)
-    want = per_microbatch_reference(ref, *batch(), 4)
+    want = hf_backward(ref, *batch())
     m = clone(model)
-    got = pipe_backward(m, *batch(), 3, 4, grain=grain)
+    got = pipe_backward(m, *batch(), workers, microbatches, grain=grain)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert_grads_equal(m, ref)
+
+
+def test_moe_blocks_in_the_tail_are_refused_for_the_whole_batch_aux_loss():
+    model = tiny("qwen3moe")
+    with pytest.raises(rotapipe.WorkerError, match="use tail_layers=1"):
+        pipe_backward(model, *batch(), 2, 4, tail_layers=2)
 
 
 def test_without_aux_loss_several_microbatches_equal_the_whole_batch():

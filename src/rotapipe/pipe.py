@@ -54,6 +54,11 @@ class RoundPipe:
             microbatch's loss is weighted by its share of the batch's total, so the
             result is the mean over every item of the batch (and, across accumulated
             calls, over every item since the last step).
+        tail_context: optional ``fn(tail_inputs, labels) -> context`` for losses that
+            need whole-batch statistics (e.g. an MoE load-balancing loss): called once
+            per call with every microbatch's input of the fused tail (host copies) and
+            labels; ``loss_fn(output, labels, context)`` then receives it. The tail
+            waits until every microbatch's input has reached host memory.
         plan: an explicit :class:`rotapipe.plan.Plan` instead of the even partition.
         devices: explicit device objects (tests); default from ``config.backend``.
     """
@@ -63,6 +68,7 @@ class RoundPipe:
                  config: PipeConfig | None = None, optimizer=None,
                  side_inputs: Callable[[object], dict] | None = None,
                  loss_weight: Callable[[object], float] | None = None,
+                 tail_context: Callable[[list, list], object] | None = None,
                  plan: Plan | None = None, devices: Sequence[Device] | None = None):
         self.config = config = config or PipeConfig()
         if not callable(loss_fn):
@@ -74,6 +80,7 @@ class RoundPipe:
         self.loss_fn = loss_fn
         self.side_inputs = side_inputs
         self.loss_weight = loss_weight
+        self.tail_context = tail_context
         self.devices = devices if devices is not None else make_devices(config)
         # Devices we created are closed (their threads joined) when the pipeline is
         # closed or garbage collected, or the constructor fails; devices passed in
@@ -191,7 +198,7 @@ class RoundPipe:
                     self.layerset.set_buffer(bid, host_store.get(("buf", bid)))
             self.host.commit(grads, total)
             self.calls += 1
-        return float(sum(w * l.item() for w, l in zip(ctx.weights, losses)))
+        return float(sum(l.item() for l in losses))   # weighted contributions
 
     def step(self) -> bool:
         """Run the optimizer on the accumulated gradients, refresh the compute-dtype
@@ -298,6 +305,7 @@ class RoundPipe:
             s = roundpipe_schedule(self.plan, len(self.devices), M,
                                    side_inputs=self.side_inputs is not None,
                                    buffer_layers=self.layerset.buffer_layers(),
+                                   tail_barrier=self.tail_context is not None,
                                    training=training)
             validate(s)
             self._schedules[key] = s
@@ -311,6 +319,7 @@ class RoundPipe:
                            weights=weights, loss_scale=self.scaler.scale if training else 1.0,
                            training=training, grain=self.config.grain,
                            has_side=self.side_inputs is not None, autocast=autocast,
+                           tail_context=self.tail_context,
                            grads=grads)
 
     def _host_store(self, mbs, ctx) -> Store:

@@ -45,12 +45,36 @@ class CausalLMLoss:
                  moe: MoESpec | None = None):
         self.chunk_tokens, self.ignore_index, self.moe = chunk_tokens, ignore_index, moe
 
-    def __call__(self, out, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, out, labels: torch.Tensor, batch=None):
         loss = lm_loss(out.hidden, labels, out.head, chunk_tokens=self.chunk_tokens,
                        ignore_index=self.ignore_index)
-        if self.moe is not None and out.moe is not None:
-            loss = loss + self.moe.coef * aux_loss(out.moe, self.moe).to(loss.device)
-        return loss
+        if self.moe is None or out.moe is None:
+            return loss
+        if batch is None:   # one microbatch is the whole batch
+            return loss + self.moe.coef * aux_loss(out.moe, self.moe).to(loss.device)
+        # Whole-batch load balancing: the counts T and rows R of every microbatch (from
+        # ``batch_context``) with this microbatch's probability sums P, which carry the
+        # gradient. Summed over microbatches: E * sum_e (T_e / R) * (P_e / R), exactly
+        # Hugging Face's loss on the whole batch. Returned unweighted (second term).
+        tokens, rows, per_mb_rows = batch
+        _, probs, my_rows = out.moe
+        if not any(torch.equal(my_rows.cpu(), r) for r in per_mb_rows):
+            raise AdapterError("the fused tail holds MoE blocks, so the whole-batch "
+                               "load-balancing loss cannot see their routing before the "
+                               "tail runs: use tail_layers=1 (the default)")
+        tokens, rows = tokens.to(probs.device), rows.to(probs.device)
+        aux = torch.sum((tokens / rows) * (probs / rows)) * self.moe.num_experts
+        return loss, self.moe.coef * aux
+
+    def batch_context(self, tail_inputs: list, labels: list):
+        """``tail_context`` of the pipeline: the MoE counts summed over the batch."""
+        accs = [x[1] if isinstance(x, tuple) and len(x) == 2 else None for x in tail_inputs]
+        if any(a is None for a in accs):
+            raise AdapterError("the fused tail's input carries no MoE routing counts: "
+                               "keep at least one decoder block before the tail")
+        tokens = sum(a[0] for a in accs)
+        rows = sum(a[2] for a in accs)
+        return tokens.detach(), rows.detach(), [a[2].detach() for a in accs]
 
 
 class HFModel:
@@ -98,8 +122,11 @@ class HFModel:
 
     def pipe_kwargs(self) -> dict:
         """Keyword arguments for :class:`rotapipe.RoundPipe` (add ``config=``)."""
-        return dict(layers=self.layers, loss_fn=self.loss_fn,
-                    side_inputs=self.side_inputs, loss_weight=self.loss_weight)
+        kwargs = dict(layers=self.layers, loss_fn=self.loss_fn,
+                      side_inputs=self.side_inputs, loss_weight=self.loss_weight)
+        if self.loss_fn.moe is not None:
+            kwargs["tail_context"] = self.loss_fn.batch_context
+        return kwargs
 
     def pipe(self, config: PipeConfig | None = None, **kwargs):
         """Build the :class:`rotapipe.RoundPipe` (side inputs in the config's compute

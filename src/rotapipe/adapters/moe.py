@@ -26,10 +26,10 @@ That is not a sum of per-layer terms, but the sums are: each MoE layer adds its 
 ``P`` and ``R`` to three accumulators that travel with the hidden states through the
 pipeline (``P`` keeps its autograd graph, ``T`` and ``R`` are counts), and the loss
 function evaluates the formula in the tail. Gradients flow back through ``P`` by the
-pipeline's ordinary activation gradients. The sums cover one microbatch: the loss is
-exact against Hugging Face for one microbatch per call, and with several microbatches it
-is each microbatch's own auxiliary loss (what a Hugging Face forward on that microbatch
-computes), weighted like the cross-entropy.
+pipeline's ordinary activation gradients. With several microbatches the pipeline's
+``tail_context`` (``CausalLMLoss.batch_context``) sums T and R over every microbatch
+before the fused tail runs, and each microbatch adds ``E * sum_e (T_e / R) * (P_e / R)``
+with its own P, unweighted: the sum is Hugging Face's whole-batch loss, exactly.
 """
 
 from __future__ import annotations

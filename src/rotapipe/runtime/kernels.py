@@ -47,6 +47,8 @@ class CallContext:
     has_side: bool
     autocast: list             # [(device_type, dtype)] captured from the caller
     grads: CallGrads | None
+    tail_context: object = None   # fn(tail inputs, labels) -> context for loss_fn
+    tail_value: object = None     # its result, computed once per call by the tail
 
 
 class ActionRunner:
@@ -153,18 +155,33 @@ class ActionRunner:
                 _WorkingSet(self.devices[a.worker], params, f"working set of {a.key}"):
             x = _leaf(x) if s.start > 0 else x
             out = self._layers(a, s.layers, x, self._side(a))
-            loss = self.loss_fn(out, labels)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-                raise InputError(f"the loss function returned {shape}, not a scalar "
-                                 "tensor: reduce it (e.g. .mean()) inside loss_fn")
-            coef = self.ctx.weights[a.mb] * self.ctx.loss_scale
-            (loss.float().reshape(()) * coef).backward()
+            if self.ctx.tail_context is None:
+                result = self.loss_fn(out, labels)
+            else:
+                result = self.loss_fn(out, labels, self._tail_value(s))
+            # loss_fn returns its microbatch's mean loss, optionally with a second term
+            # already normalised over the whole batch (added unweighted).
+            loss, extra = result if isinstance(result, tuple) else (result, None)
+            contribution = _scalar(loss).float() * self.ctx.weights[a.mb]
+            if extra is not None:
+                contribution = contribution + _scalar(extra).float()
+            (contribution * self.ctx.loss_scale).backward()
             store.put(("gin", s.name, a.mb), _input_grads(x) if s.start > 0 else None)
-            store.put(("loss", a.mb), loss.detach().float().reshape(()))
+            store.put(("loss", a.mb), contribution.detach())
             if a.mb == self.ctx.microbatches - 1:
                 self._keep_wgrads(a, params)
                 self._keep_buffers(a, s)
+
+    def _tail_value(self, s: Stage):
+        """The whole-batch context of the loss: computed by the first fused-tail action
+        from every microbatch's tail input in host memory (the schedule's tail barrier
+        makes that action wait for all of them)."""
+        if self.ctx.tail_value is None:
+            M = self.ctx.microbatches
+            xs = [self.host_store.get(("act", s.start, m)) for m in range(M)]
+            ys = [self.host_store.get(("labels", m)) for m in range(M)]
+            self.ctx.tail_value = self.ctx.tail_context(xs, ys)
+        return self.ctx.tail_value
 
     def _recompute(self, a: Action) -> None:
         s, store = self.stages[a.stage], self.stores[a.worker]
@@ -305,6 +322,14 @@ class _WorkingSet(_SavedBytes):
         if exc[0] is None and self.bytes:
             self._device.allocate(self.bytes, self._what)
             self._device.free(self.bytes)
+
+
+def _scalar(loss) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InputError(f"the loss function returned {shape}, not a scalar tensor: reduce "
+                         "it (e.g. .mean()) inside loss_fn")
+    return loss.reshape(())
 
 
 def _detach(tree):

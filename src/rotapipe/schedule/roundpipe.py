@@ -27,17 +27,20 @@ INPUT_DEPTH = 2
 def roundpipe_schedule(plan: Plan, workers: int, microbatches: int, *,
                        side_inputs: bool = False,
                        buffer_layers: Collection[int] = (),
-                       training: bool = True) -> Schedule:
+                       training: bool = True, tail_barrier: bool = False) -> Schedule:
     """Generate the RoundPipe schedule of one training call.
 
     ``side_inputs``: the model has per-microbatch side inputs, uploaded once per
     microbatch per worker (``UZ`` actions). ``buffer_layers``: layers with buffers that
     their forward may update; the stages holding them download buffers (``DB``) and
     backward stages wait for those downloads before uploading the layers again.
+    ``tail_barrier``: the first fused-tail action waits until every microbatch's tail
+    input has reached host memory (for losses that need whole-batch statistics).
     """
     if workers < 1 or microbatches < 1:
         raise ScheduleError(f"workers={workers} and microbatches={microbatches} must be >= 1")
     gen = _Generator(plan, workers, microbatches, side_inputs, frozenset(buffer_layers))
+    gen.tail_barrier = tail_barrier and training and plan.tail.start > 0
     if not training:
         # Evaluation: forward stages only, the tail's layers run as one more forward
         # stage, nothing is checkpointed and no buffer update is kept.
@@ -93,6 +96,7 @@ class _Generator:
         self.side_key: dict[tuple[int, int], str] = {}   # (worker, mb) -> UZ key
         self.act_producer: dict[int, str] = {}           # boundary -> forward stage name
         self.buffer_dl: dict[int, str] = {}              # layer -> DB key
+        self.tail_barrier = False
 
     def key(self, kind, stage_name, mb=None, at=None, call=None):
         return action_key(kind, stage_name, mb, at, self.call if call is None else call)
@@ -123,6 +127,9 @@ class _Generator:
                         self.act_producer[b] = s.name
                         self.emit(K.DOWNLOAD_ACT, w, s, m, b, deps=[compute_keys[-1]])
             elif s.kind is StageKind.TAIL:
+                if m == 0 and self.tail_barrier:
+                    producer = self.act_producer[s.start]
+                    ins = ins + [f"DA:{producer}:m{k}@{s.start}" for k in range(1, self.M)]
                 compute_keys.append(self.emit(K.FUSED, w, s, m, deps=ins))
                 self.emit(K.DOWNLOAD_GRAD, w, s, m, s.start, deps=[compute_keys[-1]])
             else:
