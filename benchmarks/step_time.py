@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import rotapipe
+from rotapipe.model.tiny import Block   # pre-norm attention + 4x GELU MLP
 
 
 # -- the model: embedding, pre-norm blocks, final norm + (tied) head ---------------------
@@ -45,28 +46,6 @@ class Embed(nn.Module):
 
     def forward(self, ids):                       # (b, t) int64 -> (b, t, dim)
         return self.tok(ids) + self.pos.weight[: ids.shape[1]]
-
-
-class Block(nn.Module):
-    """Pre-norm causal self-attention + GELU MLP (4x width), GPT-2 style."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x):                         # (b, t, dim) -> (b, t, dim)
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads) \
-            .permute(2, 0, 3, 1, 4)               # 3 x (b, heads, t, dim / heads)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
 class Head(nn.Module):
