@@ -1,9 +1,10 @@
 """rotapipe: RoundPipe pipeline training with model state in host memory and
 stateless, round-robin workers (CUDA GPUs, or emulated CPU workers)."""
 
-from .config import BackendKind, PipeConfig, PrecisionConfig, RecomputeGrain
-from .errors import (ConfigError, DeviceOutOfMemoryError, InputError, PlanError,
-                     RaceError, RotapipeError, ScheduleError, WorkerError)
+from .config import (BackendKind, DataParallelConfig, PipeConfig, PrecisionConfig,
+                     RecomputeGrain)
+from .errors import (ConfigError, DeviceOutOfMemoryError, DistributedError, InputError,
+                     PlanError, RaceError, RotapipeError, ScheduleError, WorkerError)
 from .pipe import RoundPipe
 from .plan import Plan, Stage, StageKind, even_plan
 from .runtime.rng import layer_seed
@@ -12,7 +13,8 @@ from .schedule import Schedule, roundpipe_schedule, validate
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackendKind", "ConfigError", "DeviceOutOfMemoryError", "InputError", "Plan",
+    "BackendKind", "ConfigError", "DataParallelConfig", "DeviceOutOfMemoryError",
+    "DistributedError", "InputError", "Plan",
     "PipeConfig", "PlanError", "PrecisionConfig", "RaceError", "RecomputeGrain",
     "RotapipeError", "RoundPipe", "Schedule", "ScheduleError", "Stage", "StageKind",
     "WorkerError", "even_plan", "layer_seed", "roundpipe_schedule", "validate",

@@ -9,7 +9,8 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["RecomputeGrain", "BackendKind", "PipeConfig", "PrecisionConfig"]
+__all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "PipeConfig",
+           "PrecisionConfig"]
 
 
 class RecomputeGrain(str, enum.Enum):
@@ -79,6 +80,37 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class DataParallelConfig:
+    """Data parallelism across ``torch.distributed`` ranks (one process per server, each
+    driving all its workers); see ``docs/distributed.md``."""
+
+    enabled: bool | None = None
+    """``None``: on when a ``torch.distributed`` process group is initialized with more
+    than one rank; ``True``: require one; ``False``: off (each process trains alone)."""
+    bucket_mb: float = 25.0
+    """Gradients of a stage are all-reduced in flat fp32 buckets of at most this many
+    MiB (one bucket per stage when smaller)."""
+    timeout_s: float = 300.0
+    """A collective that has not completed this long after the caller started waiting
+    for it fails the call with :class:`rotapipe.DistributedError` naming the lost rank.
+    Keep it at most the process group's own timeout, and longer than the slowest thing
+    one rank does alone between calls (rank 0 writing a checkpoint)."""
+    heartbeat_s: float = 0.5
+    """Interval of the liveness heartbeat each rank writes to the rendezvous store; it
+    tells a dead rank from a hung one when a collective fails."""
+
+    def __post_init__(self):
+        if self.enabled not in (None, True, False):
+            raise ConfigError(f"data_parallel.enabled={self.enabled!r}: use None (auto), "
+                              "True or False")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"data_parallel.bucket_mb={self.bucket_mb!r}: use MiB > 0")
+        if not self.timeout_s > 0 or not self.heartbeat_s > 0:
+            raise ConfigError("data_parallel.timeout_s and heartbeat_s must be > 0 "
+                              f"(got {self.timeout_s!r}, {self.heartbeat_s!r})")
+
+
+@dataclass(frozen=True)
 class PipeConfig:
     """How a :class:`rotapipe.RoundPipe` splits, schedules and runs a model."""
 
@@ -109,6 +141,10 @@ class PipeConfig:
     """Base of the per-(call, microbatch, layer) random streams (dropout)."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Compute dtype and loss scaling."""
+    data_parallel: DataParallelConfig | bool | None = None
+    """Data parallelism across ``torch.distributed`` ranks (:class:`DataParallelConfig`;
+    a bool or ``None`` is shorthand for its ``enabled``). Default: on exactly when a
+    process group with more than one rank is initialized."""
     timeout_s: float = 600.0
     """A call whose workers make no progress for this long fails instead of hanging;
     a worker still stuck in an action this long after a failure retires the pipeline
@@ -134,6 +170,12 @@ class PipeConfig:
                               "or None")
         if self.timeout_s <= 0:
             raise ConfigError("timeout_s must be > 0")
+        dp = self.data_parallel
+        if not isinstance(dp, DataParallelConfig):
+            if dp not in (None, True, False):
+                raise ConfigError(f"data_parallel={dp!r}: use a DataParallelConfig, "
+                                  "True, False or None (auto)")
+            object.__setattr__(self, "data_parallel", DataParallelConfig(enabled=dp))
 
 
 def _enum(kind, value, name):

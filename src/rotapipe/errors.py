@@ -13,6 +13,7 @@ __all__ = [
     "WorkerError",
     "DeviceOutOfMemoryError",
     "RaceError",
+    "DistributedError",
     "worker_error_type",
 ]
 
@@ -44,6 +45,19 @@ class DeviceOutOfMemoryError(RotapipeError, MemoryError):
 class RaceError(RotapipeError, RuntimeError):
     """The stream-race checker saw a read of device or host data without a wait on
     the event that produced it: on a GPU this read could see stale or partial data."""
+
+
+class DistributedError(RotapipeError, RuntimeError):
+    """A collective across data-parallel ranks failed or timed out: a rank died, hung,
+    or stopped calling ``forward_backward``. :attr:`lost_ranks` names the ranks found
+    lost (empty when none could be identified). The failed call changed nothing, but
+    the ranks are out of step: restart the job (from the last checkpoint)."""
+
+    lost_ranks: tuple[int, ...] = ()
+
+    def __init__(self, message: str, *, lost_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.lost_ranks = tuple(lost_ranks)
 
 
 class WorkerError(RotapipeError, RuntimeError):

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from .config import PipeConfig
-from .errors import ConfigError, InputError
+from .errors import ConfigError, DistributedError, InputError, WorkerError
 from .model import LayerSet
 from .plan import Plan, even_plan
 from .schedule import Schedule, roundpipe_schedule, validate
+from .runtime.allreduce import GradReducer
 from .runtime.backend import Device
 from .runtime.devices import make_devices
 from .runtime.executor import Executor
@@ -61,6 +62,12 @@ class RoundPipe:
             waits until every microbatch's input has reached host memory.
         plan: an explicit :class:`rotapipe.plan.Plan` instead of the even partition.
         devices: explicit device objects (tests); default from ``config.backend``.
+        process_group: the ``torch.distributed`` group to be data parallel over
+            (default: the default group, when ``config.data_parallel`` turns it on).
+            Each rank passes its own shard of the global batch
+            (:func:`rotapipe.distributed.shard_batch`); losses and gradients are the
+            global means. Building the pipeline is then a collective: every rank must
+            build it, with the same model, plan and precision.
     """
 
     def __init__(self, layers: nn.Sequential | Sequence[nn.Module],
@@ -69,7 +76,8 @@ class RoundPipe:
                  side_inputs: Callable[[object], dict] | None = None,
                  loss_weight: Callable[[object], float] | None = None,
                  tail_context: Callable[[list, list], object] | None = None,
-                 plan: Plan | None = None, devices: Sequence[Device] | None = None):
+                 plan: Plan | None = None, devices: Sequence[Device] | None = None,
+                 process_group=None):
         self.config = config = config or PipeConfig()
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -88,12 +96,12 @@ class RoundPipe:
         self._finalizer = weakref.finalize(self, _close, self.devices) \
             if devices is None else None
         try:
-            self._build(layers, loss_fn, config, optimizer, side_inputs, plan)
+            self._build(layers, loss_fn, config, optimizer, side_inputs, plan, process_group)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, layers, loss_fn, config, optimizer, side_inputs, plan) -> None:
+    def _build(self, layers, loss_fn, config, optimizer, side_inputs, plan, group) -> None:
         w = len(self.devices)
         n = len(self.layerset)
         if plan is None:
@@ -120,6 +128,15 @@ class RoundPipe:
         self._runner = ActionRunner(self.layerset, self.host, loss_fn, self.devices,
                                     self.stores, self.shells, stages)
         self._executor = Executor(self.devices, config.timeout_s)
+        self.data_parallel = None
+        """The data-parallel gradient reducer (``None`` when off); ``.last`` holds the
+        all-reduce timing of the last call."""
+        trainable = set(self.host.trainable)
+        self.data_parallel = GradReducer.create(
+            config.data_parallel, group, self._fingerprint(),
+            {pid: self.layerset.params[pid].shape for pid in trainable},
+            lambda stage: [pid for pid in self.layerset.stage_params(stages[stage].layers)
+                           if pid in trainable])
         self._lock = threading.Lock()
         self.calls = 0
         """Successful ``forward_backward`` calls so far; with ``config.seed`` it defines
@@ -164,6 +181,10 @@ class RoundPipe:
         after several calls they are the gradient of the mean loss over *every* sample
         since the last step, the same as one call on the concatenated batch. If the
         call fails, no weight, gradient, buffer or optimizer state changes.
+
+        Data parallel (``config.data_parallel``): each rank passes its shard; the weights
+        are shares of the global batch, gradients are all-reduced as each stage's land,
+        and the returned loss is the global mean. Every rank must make the call.
         """
         M = self.config.microbatches
         n = trees.batch_size(inputs, "inputs")
@@ -181,24 +202,40 @@ class RoundPipe:
         else:
             units = [float(self.loss_weight(y)) for y in lbs]
         total = sum(units)
-        if not total > 0 or any(u < 0 for u in units):
+        dp = self.data_parallel
+        if any(u < 0 for u in units) or not (total > 0 or dp is not None):
             raise InputError(f"loss_weight gave {units} for the microbatches: the items "
                              "the loss averages over must be >= 0 and not all 0 (are all "
                              "labels ignored?)")
         with self._lock:
+            if dp is not None:
+                # Every rank weights its microbatches by their share of the global batch.
+                local, total = total, dp.global_sum(total, "sum of the loss units")
+                if not total > 0:
+                    raise InputError("loss_weight gave 0 items on every rank: are all "
+                                     "labels ignored?")
             grads = CallGrads(1.0 / self.scaler.scale)
             ctx = self._context(True, [u / total for u in units], grads)
+            schedule = self._schedule(True)
+            if dp is not None:
+                reduce = dp.begin(schedule, grads)
+                ctx.handoff, ctx.mb_offset = reduce.handoff, dp.rank * M
+                ctx.extra_weight = local / total
             host_store = self._host_store(mbs, ctx)
             for m, y in enumerate(lbs):
                 host_store.put(("labels", m), y)
-            self._run(self._schedule(True), ctx, host_store)
+            self._run_training(schedule, ctx, host_store)
             losses = [host_store.get(("loss", m)) for m in range(M)]
+            loss = float(sum(l.item() for l in losses))   # weighted contributions
+            if dp is not None:
+                reduce.finish()
+                loss = dp.global_sum(loss, "sum of the weighted losses")
             for bid in range(len(self.layerset.buffers)):
                 if host_store.contains(("buf", bid)):
                     self.layerset.set_buffer(bid, host_store.get(("buf", bid)))
             self.host.commit(grads, total)
             self.calls += 1
-        return float(sum(l.item() for l in losses))   # weighted contributions
+        return loss
 
     def step(self) -> bool:
         """Run the optimizer on the accumulated gradients, refresh the compute-dtype
@@ -253,6 +290,18 @@ class RoundPipe:
             self._container.load_state_dict(state)
             self.host.write_back()
 
+    def pipeline_state(self) -> dict:
+        """The pipeline's own counters, for exact resume: training calls and evaluation
+        calls (they define the random streams) and the loss scaler. Weights are in
+        :meth:`state_dict`, optimizer state in the optimizer's."""
+        return {"calls": self.calls, "evals": self._evals, "scaler": self.scaler.state_dict()}
+
+    def load_pipeline_state(self, state: dict) -> None:
+        """Restore what :meth:`pipeline_state` returned."""
+        with self._lock:
+            self.calls, self._evals = int(state["calls"]), int(state["evals"])
+            self.scaler.load_state_dict(state["scaler"])
+
     def train(self, mode: bool = True) -> RoundPipe:
         """Set the layers' training flag (dropout, BatchNorm), as ``nn.Module.train``."""
         for layer in self.layerset.layers:
@@ -288,6 +337,8 @@ class RoundPipe:
 
     def close(self) -> None:
         """Stop the worker threads (emulated backend). The pipeline is unusable after."""
+        if getattr(self, "data_parallel", None) is not None:
+            self.data_parallel.close()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -344,6 +395,25 @@ class RoundPipe:
             for store in self.stores:
                 store.clear()
             runner.ctx = runner.host_store = None
+
+    def _run_training(self, schedule: Schedule, ctx: CallContext, host_store: Store) -> None:
+        """:meth:`_run`; under data parallelism a failure also retires the reducer (the
+        ranks' collectives are out of step) and a lost rank surfaces as the
+        :class:`DistributedError` itself."""
+        try:
+            self._run(schedule, ctx, host_store)
+        except BaseException as exc:
+            if self.data_parallel is not None:
+                self.data_parallel.fail(f"{type(exc).__name__} in the schedule")
+                if isinstance(exc, WorkerError) and isinstance(exc.cause, DistributedError):
+                    raise exc.cause from exc
+            raise
+
+    def _fingerprint(self) -> str:
+        """What must agree across data-parallel ranks (plan, dtype, parameter shapes)."""
+        shapes = [tuple(self.layerset.params[pid].shape) for pid in self.host.trainable]
+        return (f"plan {self.plan.to_text()}, compute dtype {self.host.dtype}, "
+                f"{len(shapes)} trainable parameters, shapes hash {hash(tuple(shapes))}")
 
     def _check_budget(self) -> None:
         """Fail before any work when one stage's weights alone exceed a worker budget."""

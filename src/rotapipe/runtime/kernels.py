@@ -14,6 +14,7 @@ Data flows through the stores (``store.py``) under these keys:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -49,6 +50,9 @@ class CallContext:
     grads: CallGrads | None
     tail_context: object = None   # fn(tail inputs, labels) -> context for loss_fn
     tail_value: object = None     # its result, computed once per call by the tail
+    handoff: Callable[[str], None] | None = None   # data parallel: after each O action
+    mb_offset: int = 0         # data parallel: rank * microbatches, for random streams
+    extra_weight: float = 1.0  # data parallel: this rank's share of the global units
 
 
 class ActionRunner:
@@ -123,7 +127,8 @@ class ActionRunner:
     def _layers(self, a: Action, layers, x, side, keep=None):
         dev, shells = self.devices[a.worker], self.shells[a.worker]
         for l in layers:
-            with dev.seeded(layer_seed(self.ctx.seed, self.ctx.call, a.mb, l)):
+            mb = a.mb + self.ctx.mb_offset
+            with dev.seeded(layer_seed(self.ctx.seed, self.ctx.call, mb, l)):
                 x = call_layer(shells[l].module, x, side)
             if keep is not None:
                 keep(l + 1, x)
@@ -164,7 +169,8 @@ class ActionRunner:
             loss, extra = result if isinstance(result, tuple) else (result, None)
             contribution = _scalar(loss).float() * self.ctx.weights[a.mb]
             if extra is not None:
-                contribution = contribution + _scalar(extra).float()
+                # Data parallel: a per-rank whole-batch term counts by the rank's share.
+                contribution = contribution + _scalar(extra).float() * self.ctx.extra_weight
             (contribution * self.ctx.loss_scale).backward()
             store.put(("gin", s.name, a.mb), _input_grads(x) if s.start > 0 else None)
             store.put(("loss", a.mb), contribution.detach())
@@ -273,6 +279,9 @@ class ActionRunner:
     def _optimizer(self, a: Action) -> None:
         for pid, g in self.host_store.pop(("wgrad", a.stage)).items():
             self.ctx.grads.add(pid, g)
+        if self.ctx.handoff is not None:
+            # Data parallel: all-reduce what is complete now, overlapping shallower stages.
+            self.ctx.handoff(a.key)
 
     # -- per-schedule data -----------------------------------------------------------
     def set_schedule(self, schedule) -> None:

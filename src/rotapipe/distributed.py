@@ -1,0 +1,157 @@
+"""Multi-server data parallelism: process-group setup, rank helpers, batch sharding.
+
+One process per server (``torchrun --nnodes=2 --nproc-per-node=1 ...``), each driving
+all of its GPUs (or emulated workers) with one :class:`rotapipe.RoundPipe`. Gradients
+live in host memory, so the group uses gloo. A trainer does::
+
+    info = rotapipe.distributed.init_from_env(timeout_s=300)
+    pipe = rotapipe.RoundPipe(layers, loss_fn, config=config)   # data parallel when world > 1
+    for batch in loader:                                         # the same global batch on every rank
+        x, y = rotapipe.distributed.shard_batch(batch, info.rank, info.world_size)
+        loss = pipe.forward_backward(x, y)                       # global mean loss
+        pipe.step()
+    if info.is_main:
+        save(pipe.state_dict())                                  # identical on every rank
+
+See ``docs/distributed.md`` for the semantics and the failure behaviour.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError, InputError
+from .runtime import trees
+
+__all__ = ["DistInfo", "init_from_env", "info", "rank", "world_size", "is_main",
+           "shard_batch", "any_rank", "barrier", "shutdown"]
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the data-parallel job."""
+
+    rank: int
+    """This process's rank, 0..world_size-1 (0 without a process group)."""
+    world_size: int
+    """Number of processes (servers); 1 without a process group."""
+    local_rank: int
+    """``LOCAL_RANK`` from torchrun (0 when absent)."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that writes checkpoints and logs."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_from_env(timeout_s: float = 300.0, backend: str = "gloo") -> DistInfo:
+    """Join the job described by torchrun's environment, or run alone without one.
+
+    - A process group already initialized (by the caller) is used as it is.
+    - Else, with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set (as
+      ``torchrun`` does), initialize the default group with ``backend`` (gloo: the
+      gradients rotapipe reduces live in host memory) and a ``timeout_s`` timeout on
+      every collective and on the rendezvous.
+    - Else (a plain ``python train.py``), return rank 0 of 1 without a group.
+
+    ``timeout_s`` bounds how long the other ranks wait for a dead or hung one; set
+    ``PipeConfig.data_parallel.timeout_s`` to at most this value.
+    """
+    if not timeout_s > 0:
+        raise ConfigError(f"timeout_s={timeout_s!r}: use seconds > 0")
+    if not dist.is_available():
+        raise ConfigError("this torch build has no torch.distributed: install a build "
+                          "with distributed support to run data parallel")
+    if not dist.is_initialized():
+        present = [k for k in _ENV if k in os.environ]
+        if not present:
+            return DistInfo(0, 1, 0)
+        missing = [k for k in _ENV if k not in os.environ]
+        if missing:
+            raise ConfigError(f"the environment sets {present} but not {missing}: launch "
+                              "with torchrun, or set all of RANK, WORLD_SIZE, MASTER_ADDR "
+                              "and MASTER_PORT")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return info()
+
+
+def info() -> DistInfo:
+    """This process's rank, world size and local rank (rank 0 of 1 without a group)."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistInfo(0, 1, local)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local)
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return info().rank
+
+
+def world_size() -> int:
+    """Number of ranks (1 without a process group)."""
+    return info().world_size
+
+
+def is_main() -> bool:
+    """True on rank 0 (or without a process group): the rank that writes checkpoints."""
+    return info().rank == 0
+
+
+def shard_batch(batch, rank: int | None = None, world: int | None = None):
+    """This rank's contiguous shard of a global batch (any pytree of tensors, split
+    along dim 0): rank ``r`` of ``W`` gets rows ``[r * n / W, (r + 1) * n / W)``.
+
+    The global batch size must be divisible by ``world`` so that every rank's share of
+    the global mean is the same as in a one-process run with the whole batch (and the
+    pipelines' microbatches line up: rank ``r``'s microbatch ``m`` is microbatch
+    ``r * M + m`` of a one-process run with ``W * M`` microbatches, random streams
+    included). ``rank``/``world`` default to this process's.
+    """
+    if rank is None or world is None:
+        here = info()
+        rank = here.rank if rank is None else rank
+        world = here.world_size if world is None else world
+    if world < 1 or not 0 <= rank < world:
+        raise InputError(f"rank={rank} of world={world}: need 0 <= rank < world")
+    n = trees.batch_size(batch, "batch")
+    if n % world:
+        raise InputError(f"the global batch has {n} rows, not divisible by the {world} "
+                         f"ranks: pass a multiple of {world}")
+    size = n // world
+    return trees.map_tensors(lambda t: t[rank * size:(rank + 1) * size], batch)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (a MAX all-reduce; ``flag``
+    itself without a process group). Use it to stop all ranks at the same step (e.g.
+    after Ctrl-C reached only some): a rank that stops alone leaves the others waiting
+    in the next collective until their timeout."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Leave the process group (no-op without one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,394 @@
+"""Gradient all-reduce across data-parallel ranks, overlapped with the backward.
+
+One :class:`GradReducer` per pipeline; one :class:`CallReduce` per training call:
+
+1. :meth:`GradReducer.global_sum` all-reduces the call's loss units (samples, or
+   ``loss_weight`` items) before any work, so every rank weights microbatch ``m`` by
+   ``units_m / global_units`` and the summed gradients are the global mean.
+2. The host lane's optimizer hand-off (``O`` action) of each stage calls
+   :meth:`CallReduce.handoff`: the stage's parameters whose *last* hand-off of the
+   schedule this is are copied into flat fp32 buckets (at most ``bucket_mb`` each) and
+   all-reduced (SUM) asynchronously, while shallower stages still run backward. A tied
+   weight is handed off by two stages; it is reduced once, with the later hand-off,
+   after the host summed both contributions (reducing each would be exact too, but
+   costs twice the bytes).
+3. :meth:`CallReduce.finish` waits for every bucket and points the call's staged
+   gradients at the reduced buffers; the pipeline then commits them as usual.
+
+Ordering (why no tags are needed): gloo matches collectives by issue order. Every rank
+runs the same schedule, so its host lane issues the same buckets in the same order; the
+caller-thread collectives (units, loss) are issued only while no bucket is in flight.
+The pipeline checks at construction that every rank has the same plan and parameters.
+
+A parameter that got no gradient on one rank (an MoE expert no token reached) still
+takes part, as zeros; a presence flag per parameter rides in the bucket so that a
+parameter no rank touched keeps ``grad=None``, as in a one-process run.
+
+Failure: every wait polls against a deadline (``timeout_s``) instead of trusting the
+process group's timeout; a gloo error or the deadline raises
+:class:`~rotapipe.errors.DistributedError`, which names the lost rank(s) found by the
+:class:`_Heartbeat` monitor (a rank whose heartbeat stopped died; one whose heartbeat
+runs but that never issued the collective hung or left the loop).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..config import DataParallelConfig
+from ..errors import ConfigError, DistributedError
+from ..schedule import ActionKind as K, Schedule
+from .host import CallGrads
+
+
+@dataclass
+class ReduceStats:
+    """All-reduce timing of the last training call (seconds)."""
+
+    buckets: int = 0
+    bytes: int = 0
+    busy_s: float = 0.0
+    """Time at least one gradient bucket was in flight (launch to completion)."""
+    exposed_s: float = 0.0
+    """Time the caller waited for buckets after the schedule had finished."""
+    backward_done: float = 0.0
+    """``time.perf_counter()`` when this rank's schedule finished and the wait began
+    (comparable across processes of one machine: benchmarks use it for rank skew)."""
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the all-reduce time hidden behind the backward."""
+        return 1.0 - self.exposed_s / self.busy_s if self.busy_s > 0 else 1.0
+
+
+class GradReducer:
+    """Data-parallel collectives of one pipeline (see the module docstring)."""
+
+    def __init__(self, config: DataParallelConfig, group, fingerprint: str,
+                 shapes: dict[int, torch.Size], params_of: Callable[[str], Sequence[int]]):
+        self.config, self.group = config, group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.members = dist.get_process_group_ranks(group) if group is not None \
+            else list(range(self.world))
+        self._shapes, self._params_of = shapes, params_of
+        self._layouts: dict[int, tuple[Schedule, dict[str, list[list[int]]]]] = {}
+        self.issued = 0          # collectives issued so far (published by the heartbeat)
+        self.broken: str | None = None
+        self.last = ReduceStats()
+        token = f"{time.time_ns()}-{id(self)}"
+        self._heartbeat = _Heartbeat.start(dist.get_rank(), config.heartbeat_s, self)
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, (fingerprint, token), group=group)
+        if self._heartbeat is not None:
+            self._heartbeat.prefix = f"rotapipe/{gathered[0][1]}"
+        bad = [self.members[r] for r, (fp, _) in enumerate(gathered) if fp != gathered[0][0]]
+        if bad:
+            self.close()
+            raise ConfigError(
+                f"data parallelism needs the same model, plan and precision on every rank, "
+                f"but rank(s) {bad} differ from rank {self.members[0]}:\n  rank "
+                f"{self.members[0]}: {gathered[0][0]}\n  rank {bad[0]}: "
+                f"{gathered[self.members.index(bad[0])][0]}\nuse the same PipeConfig "
+                "(workers, stages, precision) and model on every rank")
+
+    @classmethod
+    def create(cls, config: DataParallelConfig, group, *args) -> GradReducer | None:
+        """The reducer ``config`` asks for, or ``None`` when data parallelism is off."""
+        if config.enabled is False:
+            return None
+        ready = dist.is_available() and dist.is_initialized()
+        if not ready:
+            if config.enabled:
+                raise ConfigError("data_parallel.enabled=True but no torch.distributed "
+                                  "process group is initialized: launch with torchrun and "
+                                  "call rotapipe.distributed.init_from_env() first")
+            return None
+        if config.enabled is None and dist.get_world_size(group) == 1:
+            return None
+        backend = str(dist.get_backend(group))
+        if "gloo" not in backend and "mpi" not in backend:
+            raise ConfigError(f"the process group's backend is {backend!r}, but gradients "
+                              "live in host memory: initialize it with backend='gloo' (or "
+                              "'cpu:gloo,cuda:nccl'), as rotapipe.distributed.init_from_env "
+                              "does")
+        return cls(config, group, *args)
+
+    # -- caller-thread collectives ------------------------------------------------------
+    def global_sum(self, value: float, what: str) -> float:
+        """Sum of ``value`` over the ranks (float64), waited with the deadline."""
+        self.check()
+        t = torch.tensor([value], dtype=torch.float64)
+        seq = self.issued
+        work = self._launch(t)
+        self._wait(work, seq, what)
+        return float(t.item())
+
+    def begin(self, schedule: Schedule, grads: CallGrads) -> CallReduce:
+        self.check()
+        return CallReduce(self, self._layout(schedule), grads)
+
+    def check(self) -> None:
+        if self.broken:
+            raise DistributedError(self.broken)
+
+    def fail(self, why: str) -> None:
+        """Retire data parallelism for this pipeline: the ranks are out of step."""
+        if self.broken is None:
+            self.broken = (f"a previous call failed on rank {dist.get_rank()} ({why}), so "
+                           "the ranks' collectives are out of step: restart the job from "
+                           "the last checkpoint")
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+    # -- internals ----------------------------------------------------------------------
+    def _layout(self, schedule: Schedule) -> dict[str, list[list[int]]]:
+        """O action key -> buckets of parameter ids it reduces (cached per schedule)."""
+        cached = self._layouts.get(id(schedule))
+        if cached is not None and cached[0] is schedule:
+            return cached[1]
+        handoffs = [a for a in schedule.actions if a.kind is K.OPTIMIZER]
+        last: dict[int, str] = {}
+        for a in handoffs:
+            for pid in self._params_of(a.stage):
+                last[pid] = a.key
+        limit = max(1, int(self.config.bucket_mb * 2**20) // 4)
+        layout: dict[str, list[list[int]]] = {}
+        for a in handoffs:
+            buckets, size = [], limit
+            for pid in self._params_of(a.stage):
+                if last.get(pid) != a.key:
+                    continue
+                n = self._shapes[pid].numel()
+                if size + n > limit and (not buckets or buckets[-1]):
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append(pid)
+                size += n
+            layout[a.key] = [b for b in buckets if b]
+        self._layouts[id(schedule)] = (schedule, layout)
+        return layout
+
+    def _launch(self, tensor: torch.Tensor):
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group,
+                                   async_op=True)
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+            raise self._error(self.issued, "starting an all-reduce", exc) from exc
+        self.issued += 1
+        return work
+
+    def _wait(self, work, seq: int, what: str) -> None:
+        """Wait for ``work`` (collective number ``seq``) with the deadline."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise self._error(seq, what, TimeoutError(
+                    f"not complete after {self.config.timeout_s:g} s "
+                    "(data_parallel.timeout_s)"))
+            time.sleep(0.0005)
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo's errors are RuntimeErrors
+            raise self._error(seq, what, exc) from exc
+
+    def _error(self, seq: int, what: str, exc: BaseException) -> DistributedError:
+        lost, why = self._heartbeat.diagnose(seq) if self._heartbeat is not None else \
+            ([], "no rendezvous store to tell which rank")
+        self.fail(f"{what} failed")
+        who = ", ".join(f"rank {r}" for r in lost) if lost else "an unidentified rank"
+        return DistributedError(
+            f"data-parallel {what} (collective #{seq}) failed on rank {dist.get_rank()}: "
+            f"{who} lost. {why}. Underlying error: {type(exc).__name__}: "
+            f"{str(exc).strip()[:500]}", lost_ranks=tuple(lost))
+
+
+class CallReduce:
+    """The bucketed gradient all-reduce of one training call."""
+
+    def __init__(self, reducer: GradReducer, layout: dict[str, list[list[int]]],
+                 grads: CallGrads):
+        self.r, self.layout, self.grads = reducer, layout, grads
+        self._inflight: list[_Bucket] = []
+        self._lock = threading.Lock()   # finish() runs on the caller, handoff on the host lane
+
+    def handoff(self, key: str) -> None:
+        """The O action ``key`` added its stage's gradients: start its buckets."""
+        for pids in self.layout.get(key, ()):
+            parts = []
+            for pid in pids:
+                g = self.grads.staged.get(pid)
+                parts.append(g.reshape(-1) if g is not None
+                             else torch.zeros(self.r._shapes[pid].numel(),
+                                              dtype=torch.float32))
+            present = torch.tensor([float(pid in self.grads.staged) for pid in pids],
+                                   dtype=torch.float32)
+            flat = torch.cat(parts + [present])
+            start = time.perf_counter()
+            seq = self.r.issued
+            work = self.r._launch(flat)
+            bucket = _Bucket(pids, flat, work, seq, start)
+            work.get_future().add_done_callback(bucket.done)
+            with self._lock:
+                self._inflight.append(bucket)
+
+    def finish(self) -> ReduceStats:
+        """Wait for every bucket; replace the staged gradients by the reduced sums."""
+        t0 = time.perf_counter()
+        with self._lock:
+            buckets = list(self._inflight)
+        for b in buckets:
+            self.r._wait(b.work, b.seq, f"gradient all-reduce of {len(b.pids)} parameters")
+        exposed = time.perf_counter() - t0
+        staged = self.grads.staged
+        for b in buckets:
+            n = len(b.pids)
+            present = b.flat[-n:]
+            off = 0
+            for i, pid in enumerate(b.pids):
+                shape = self.r._shapes[pid]
+                numel = shape.numel()
+                if present[i] > 0:
+                    staged[pid] = b.flat[off:off + numel].view(shape)
+                else:
+                    staged.pop(pid, None)
+                off += numel
+        stats = ReduceStats(len(buckets), sum(b.flat.numel() * 4 for b in buckets),
+                            _union([(b.start, b.end or t0 + exposed) for b in buckets]),
+                            exposed, t0)
+        self.r.last = stats
+        return stats
+
+
+@dataclass
+class _Bucket:
+    pids: list[int]
+    flat: torch.Tensor
+    work: object
+    seq: int
+    start: float
+    end: float | None = field(default=None)
+
+    def done(self, _future) -> None:
+        self.end = time.perf_counter()
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+class _Heartbeat:
+    """Liveness and progress of every rank, through the rendezvous store.
+
+    Each rank's thread writes ``"<beat> <collectives issued>"`` under
+    ``rotapipe/<pipeline token>/hb/<global rank>`` every ``interval`` seconds. When a
+    collective fails, :meth:`diagnose` reads every rank twice, a few intervals apart: a
+    rank whose beat did not move is dead; one whose beat moved but that has not issued
+    the failed collective is hung (or left the training loop)."""
+
+    def __init__(self, store, rank: int, interval: float, reducer: GradReducer):
+        self.store, self.rank, self.interval = store, rank, interval
+        self.reducer = weakref.ref(reducer)
+        self.prefix: str | None = None
+        self.members = reducer.members
+        self._stop = threading.Event()
+        self._beat = 0
+
+    @classmethod
+    def start(cls, rank: int, interval: float, reducer: GradReducer) -> _Heartbeat | None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no default store: no diagnosis, still exact
+            return None
+        hb = cls(store, rank, interval, reducer)
+        weakref.finalize(reducer, hb.stop)
+        threading.Thread(target=hb._run, name=f"rotapipe-heartbeat-{rank}",
+                         daemon=True).start()
+        return hb
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/hb/{rank}"
+
+    def _run(self) -> None:
+        # The prefix is agreed on by a collective after the thread starts; the thread
+        # only writes once it is known.
+        while not self._stop.wait(self.interval if self.prefix else 0.01):
+            if self.prefix is None:
+                continue
+            reducer = self.reducer()
+            if reducer is None:
+                return
+            self._beat += 1
+            try:
+                self.store.set(self._key(self.rank), f"{self._beat} {reducer.issued}")
+                del reducer     # no strong reference while sleeping
+            except Exception:  # noqa: BLE001 - store gone; diagnose() reports it
+                return
+
+    def _read(self) -> dict[int, tuple[int, int] | None] | None:
+        """Every member's (beat, issued); None where missing; None overall when the
+        store does not answer within a few intervals."""
+        out: dict = {}
+
+        def read():
+            for r in self.members:
+                try:
+                    if self.store.check([self._key(r)]):
+                        beat, issued = self.store.get(self._key(r)).decode().split()
+                        out[r] = (int(beat), int(issued))
+                    else:
+                        out[r] = None
+                except Exception:  # noqa: BLE001
+                    return
+            out["ok"] = True
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(max(2.0, 4 * self.interval))
+        return out if out.get("ok") else None
+
+    def diagnose(self, seq: int) -> tuple[list[int], str]:
+        if self.prefix is None:
+            return [], "the failure came before the ranks agreed on a heartbeat"
+        first = self._read()
+        time.sleep(3 * self.interval)
+        second = self._read()
+        if first is None or second is None:
+            lost = [self.members[0]] if self.rank != self.members[0] else []
+            return lost, ("the rendezvous store does not answer: the process hosting it "
+                          "(rank 0, or the torchrun agent of the first node) is gone")
+        others = [r for r in self.members if r != self.rank]
+        dead = [r for r in others if second.get(r) is None or first.get(r) == second.get(r)]
+        hung = [r for r in others if r not in dead and second[r][1] <= seq]
+        notes = []
+        if dead:
+            notes.append(f"no heartbeat from rank(s) {dead} for {3 * self.interval:g} s: "
+                         "the process died or its machine or network is down")
+        if hung:
+            notes.append(f"rank(s) {hung} are alive but never issued collective #{seq}: "
+                         "stuck in their own work, or they failed and left the training "
+                         "loop")
+        if not notes:
+            notes.append("every rank still beats and has issued the collective: the "
+                         "network between them failed")
+        return dead + hung, "; ".join(notes)

@@ -1,0 +1,139 @@
+"""One rank of the data-parallel tests (run as a script by ``test_distributed.py``).
+
+    python tests/dist_job.py OUT [--kill-at STEP | --hang-at STEP | --mismatch]
+                                 [--timeout S]
+
+Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT like torchrun sets them (none: one
+process). Trains ``tiny_transformer(dropout, tied)`` for ``STEPS`` steps on global
+batches of ``GLOBAL`` samples, each rank on its shard, 2 emulated workers, three times:
+without and with gradient clipping, and with a token-mean loss whose ignored labels
+differ per rank (``loss_weight`` counts the rest) over two accumulated calls per step.
+Saves ``{"plain": ..., "clip": ..., "tokens": ...}`` (state_dict, losses, all-reduce
+stats) to ``OUT``.
+
+Faults: with ``--mismatch`` rank 1 builds a different model and every rank must fail at
+construction (status 4). With ``--kill-at S`` rank 1 dies (``os._exit``) inside its
+tail stage at step ``S``; with ``--hang-at S`` it sleeps there instead (alive,
+heartbeat running); either way it first writes the wall-clock time to ``OUT.fault``.
+The other ranks print the DistributedError (with ``at=<wall-clock time>``) and exit
+with status 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import rotapipe  # noqa: E402
+from rotapipe import distributed  # noqa: E402
+from models import emulated, lm_loss, tiny_transformer, token_batch  # noqa: E402
+
+STEPS, GLOBAL, MICROBATCHES, CLIP = 3, 8, 2, 0.05
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def model(widths=(24, 40, 8, 32)):
+    return tiny_transformer(dropout=0.1, tied=True, widths=widths)
+
+
+def masked(labels, step):
+    """Ignore a random ~40% of the label positions (-100), different in every row."""
+    g = torch.Generator().manual_seed(100 + step)
+    return labels.masked_fill(torch.rand(labels.shape, generator=g) < 0.4, -100)
+
+
+def token_loss(out, labels):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
+                                             labels.reshape(-1), ignore_index=-100)
+
+
+def train(info, clip: float | None, microbatches: int, fault: tuple[str, int] | None,
+          timeout: float, tokens: bool = False, fault_file: str | None = None,
+          widths=(24, 40, 8, 32)):
+    calls = {"n": 0}
+
+    def loss_fn(out, labels):
+        if fault is not None and info.rank == 1 and calls["n"] == fault[1]:
+            with open(fault_file, "w") as f:    # when the fault began (wall clock)
+                f.write(repr(time.time()))
+            if fault[0] == "kill":
+                os._exit(1)   # dies mid-step, in a worker thread, collectives in flight
+            time.sleep(3600)
+        return token_loss(out, labels) if tokens else lm_loss(out, labels)
+
+    config = emulated(2, microbatches, data_parallel=rotapipe.DataParallelConfig(
+        timeout_s=timeout, heartbeat_s=0.25))
+    losses = []
+    weight = (lambda y: float((y != -100).sum())) if tokens else None
+    with rotapipe.RoundPipe(model(widths), loss_fn, config=config, optimizer=optimizer,
+                            loss_weight=weight) as pipe:
+        for step in range(STEPS):
+            calls["n"] = step
+            # tokens: two accumulated calls per step (token counts differ per call too).
+            for seed in (10 + step, 50 + step) if tokens else (10 + step,):
+                x, y = token_batch(GLOBAL, seed=seed)
+                if tokens:
+                    y = masked(y, seed)
+                x, y = distributed.shard_batch((x, y), info.rank, info.world_size)
+                losses.append(pipe.forward_backward(x, y))
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(pipe.parameters(), clip)
+            pipe.step()
+        state = {k: v.clone() for k, v in pipe.state_dict().items()}
+        stats = pipe.data_parallel.last if pipe.data_parallel is not None else None
+    return {"state": state, "losses": losses, "stats": stats}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--hang-at", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--mismatch", action="store_true",
+                   help="rank 1 builds a different model (construction must fail)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    info = distributed.init_from_env(timeout_s=args.timeout)
+    # One process runs the whole batch with the microbatches of every rank.
+    mbs = MICROBATCHES if info.distributed else 2 * MICROBATCHES
+    fault = ("kill", args.kill_at) if args.kill_at is not None else \
+        ("hang", args.hang_at) if args.hang_at is not None else None
+    t0 = time.monotonic()
+    if args.mismatch:
+        try:
+            train(info, None, mbs, None, args.timeout,
+                  widths=(24, 40, 8, 33) if info.rank == 1 else (24, 40, 8, 32))
+        except rotapipe.ConfigError as exc:
+            print(f"rank {info.rank}: ConfigError: {exc}", file=sys.stderr, flush=True)
+            return 4
+        return 0
+    try:
+        result = {"plain": train(info, None, mbs, fault, args.timeout,
+                                 fault_file=args.out + ".fault")}
+        if fault is None:
+            result["clip"] = train(info, CLIP, mbs, None, args.timeout)
+            result["tokens"] = train(info, None, mbs, None, args.timeout, tokens=True)
+            result["any_rank"] = (distributed.any_rank(info.rank == 1),
+                                  distributed.any_rank(False))
+    except rotapipe.DistributedError as exc:
+        print(f"rank {info.rank}: DistributedError at={time.time()!r} after "
+              f"{time.monotonic() - t0:.1f} s, "
+              f"lost_ranks={list(exc.lost_ranks)}: {exc}", file=sys.stderr, flush=True)
+        os._exit(3)   # the group is broken: do not wait for its teardown
+    torch.save(result, args.out)
+    distributed.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

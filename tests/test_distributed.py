@@ -1,0 +1,218 @@
+"""Data parallelism over torch.distributed (gloo on loopback).
+
+- 2 processes x 2 emulated workers, ``GLOBAL / 2`` samples per rank, equal element by
+  element (rtol 1e-5 / atol 1e-6) to one process with the whole batch after 3 steps,
+  with and without gradient clipping, and with a token-mean loss whose token counts
+  differ between the ranks (two accumulated calls per step); the ranks end bit-identical (dropout and a tied weight
+  included: rank r's microbatch m draws the random stream of microbatch ``r * M + m``
+  of the one-process run).
+- A rank killed mid-step, or hung, makes the other exit with a DistributedError naming
+  it within the timeout.
+- Ranks with different models fail at construction, all of them, naming the rank.
+- In-process: a one-rank group runs the whole reduction path (tiny buckets, tied
+  weight) bit-identical to no data parallelism; config, env and sharding errors.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rotapipe
+from rotapipe import distributed
+from models import emulated, lm_loss, tiny_transformer, token_batch
+import dist_job
+
+JOB = pathlib.Path(__file__).with_name("dist_job.py")
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, world: int, *args: str) -> list[subprocess.Popen]:
+    port = _port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(JOB), str(tmp_path / f"rank{r}.pt"), *args], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _finish(p: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        _, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate()
+        pytest.fail(f"pid {p.pid} still running after {timeout} s:\n{err}")
+    return p.returncode, err
+
+
+def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
+    procs = _launch(tmp_path, 2)
+    # The one-process reference runs here meanwhile: whole batch, 2 x the microbatches.
+    one = distributed.DistInfo(0, 1, 0)
+    mbs = 2 * dist_job.MICROBATCHES
+    ref = {"plain": dist_job.train(one, None, mbs, None, 20.0),
+           "clip": dist_job.train(one, dist_job.CLIP, mbs, None, 20.0),
+           "tokens": dist_job.train(one, None, mbs, None, 20.0, tokens=True)}
+    for p in procs:
+        rc, err = _finish(p, 60)
+        assert rc == 0, err
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["any_rank"] for r in ranks] == [(True, False)] * 2
+    for mode in ("plain", "clip", "tokens"):
+        want = ref[mode]
+        for r, got in enumerate(ranks):
+            got = got[mode]
+            assert got["losses"] == pytest.approx(want["losses"], rel=1e-6)
+            assert got["state"].keys() == want["state"].keys()
+            for k, v in want["state"].items():
+                torch.testing.assert_close(got["state"][k], v, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"{mode} rank {r} {k}: {m}")
+                # Reduced gradients are identical on every rank, so is the state.
+                assert torch.equal(got["state"][k], ranks[0][mode]["state"][k])
+        stats = ranks[0][mode]["stats"]
+        assert stats.buckets > 0 and stats.bytes > 0 and 0.0 <= stats.hidden_fraction <= 1.0
+    # Clipping was active (the clipped run differs from the plain one), and the ranks
+    # held different token counts (so a per-rank mean would not have matched).
+    assert not torch.equal(ref["plain"]["state"]["0.emb.weight"],
+                           ref["clip"]["state"]["0.emb.weight"])
+    seeds = [10 + i for i in range(dist_job.STEPS)] + [50 + i for i in range(dist_job.STEPS)]
+    counts = [[int((dist_job.masked(token_batch(dist_job.GLOBAL, seed=seed)[1], seed)
+                    .tensor_split(2)[r] != -100).sum()) for r in range(2)] for seed in seeds]
+    assert any(c0 != c1 for c0, c1 in counts), counts
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_lost_rank_fails_the_others_naming_it(tmp_path, fault):
+    timeout = 10.0 if fault == "kill" else 3.0
+    procs = _launch(tmp_path, 2, f"--{fault}-at", "1", "--timeout", str(timeout))
+    try:
+        rc, err = _finish(procs[0], 40)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert rc == 3, err
+    assert "DistributedError" in err and "lost_ranks=[1]" in err and "rank 1 lost" in err, err
+    why = "no heartbeat from rank(s) [1]" if fault == "kill" else \
+        "rank(s) [1] are alive but never issued"
+    assert why in err, err
+    # From the fault to the error: within the timeout (a hang is only detected by it;
+    # then ~1 s of diagnosis reading the heartbeats).
+    began = float((tmp_path / "rank1.pt.fault").read_text())
+    failed = float(re.search(r"at=([0-9.]+)", err).group(1))
+    limit = timeout if fault == "kill" else timeout + 4
+    assert 0 < failed - began < limit, (failed - began, err)
+
+
+def test_ranks_with_different_models_fail_at_construction(tmp_path):
+    procs = _launch(tmp_path, 2, "--mismatch")
+    for p in procs:
+        rc, err = _finish(p, 40)
+        assert rc == 4, err
+        assert "rank(s) [1] differ from rank 0" in err, err
+
+
+@pytest.fixture
+def one_rank_group():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_steps(config, steps=2):
+    model = tiny_transformer(dropout=0.1, tied=True)
+    model[2].unused = torch.nn.Parameter(torch.ones(3))   # never gets a gradient
+    pipe = rotapipe.RoundPipe(model, lm_loss, config=config,
+                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-3))
+    with pipe:
+        losses = []
+        for step in range(steps):
+            x, y = token_batch(8, seed=step)
+            losses.append(pipe.forward_backward(x, y))
+            # A parameter no rank touched keeps grad=None (AdamW then skips it).
+            assert model[2].unused.grad is None
+            assert all(p.grad is not None for n, p in pipe.named_parameters()
+                       if "unused" not in n)
+            pipe.step()
+        return pipe, losses, {k: v.clone() for k, v in pipe.state_dict().items()}
+
+
+def test_one_rank_group_runs_the_reduction_bit_identically(one_rank_group):
+    dp = rotapipe.DataParallelConfig(enabled=True, bucket_mb=0.001, timeout_s=10)
+    pipe, losses, state = _run_steps(emulated(2, 2, data_parallel=dp))
+    _, ref_losses, ref_state = _run_steps(emulated(2, 2, data_parallel=False))
+    assert losses == ref_losses
+    for k, v in ref_state.items():
+        assert torch.equal(state[k], v), k
+    # Every trainable parameter is reduced exactly once per call, the tied weight
+    # (handed off by the head and the embedding stages) with the later hand-off.
+    layout = pipe.data_parallel._layout(pipe.schedule())
+    pids = [pid for buckets in layout.values() for b in buckets for pid in b]
+    assert sorted(pids) == sorted(pipe.host.trainable)
+    assert pipe.data_parallel.last.buckets > len(layout)   # 1 KiB buckets: many
+    tied = 0   # the embedding weight is shared by layer 0 and the head
+    handoffs = [a.key for a in pipe.schedule().actions
+                if a.kind is rotapipe.schedule.ActionKind.OPTIMIZER]
+    owner = [k for k, buckets in layout.items() if any(tied in b for b in buckets)]
+    assert owner == [handoffs[-1]]
+
+
+def test_auto_is_off_without_a_group_and_true_requires_one():
+    assert not dist.is_initialized()
+    with rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(1, 1)) as pipe:
+        assert pipe.data_parallel is None
+    with pytest.raises(rotapipe.ConfigError, match="no torch.distributed process group"):
+        rotapipe.RoundPipe(tiny_transformer(), lm_loss,
+                           config=emulated(1, 1, data_parallel=True))
+
+
+def test_config_validation():
+    assert rotapipe.PipeConfig(data_parallel=False).data_parallel.enabled is False
+    assert rotapipe.PipeConfig().data_parallel == rotapipe.DataParallelConfig()
+    with pytest.raises(rotapipe.ConfigError, match="bucket_mb"):
+        rotapipe.DataParallelConfig(bucket_mb=0)
+    with pytest.raises(rotapipe.ConfigError, match="data_parallel="):
+        rotapipe.PipeConfig(data_parallel="yes")
+
+
+def test_init_from_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert distributed.init_from_env() == distributed.DistInfo(0, 1, 0)
+    assert distributed.world_size() == 1 and distributed.is_main()
+    assert distributed.any_rank(True) and not distributed.any_rank(False)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(rotapipe.ConfigError, match="MASTER_ADDR"):
+        distributed.init_from_env()
+
+
+def test_shard_batch():
+    x, y = token_batch(8)
+    parts = [distributed.shard_batch((x, {"y": y}), r, 4) for r in range(4)]
+    assert torch.equal(torch.cat([p[0] for p in parts]), x)
+    assert torch.equal(torch.cat([p[1]["y"] for p in parts]), y)
+    with pytest.raises(rotapipe.InputError, match="divisible"):
+        distributed.shard_batch(x, 0, 3)
+    with pytest.raises(rotapipe.InputError, match="rank=2"):
+        distributed.shard_batch(x, 2, 2)
