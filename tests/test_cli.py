@@ -9,27 +9,29 @@ import sys
 import pytest
 
 from rotapipe.cli import main
+from train_util import flags, text_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_train_command_loss_falls(capsys):
-    rc = main(["train", "--steps", "20", "--batch", "16", "--seq", "16", "--layers", "2",
-               "--workers", "2", "--backend", "emulated", "--log-every", "5"])
+def test_train_command_loss_falls(capsys, tmp_path):
+    data = text_jsonl(tmp_path / "d.jsonl", 300)
+    rc = main(["train", *flags(data=str(data), out_dir=str(tmp_path / "o"), steps=30,
+                               eval_interval=10, sample_tokens=5)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
-    assert last < 0.7 * first, out
-    assert "2 emulated CPU workers" in out and "tokens/s" in out
+    first, last = map(float, re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < 0.8 * first, out
+    assert "2 emulated CPU workers" in out and "tokens/s" in out and "sample" in out
 
 
-def test_train_command_layer_grain_bf16(capsys):
-    rc = main(["train", "--steps", "6", "--batch", "8", "--seq", "8", "--dim", "16",
-               "--layers", "2", "--workers", "3", "--backend", "emulated",
-               "--grain", "layer", "--dtype", "bf16"])
+def test_train_command_layer_grain_bf16(capsys, tmp_path):
+    data = text_jsonl(tmp_path / "d.jsonl", 200)
+    rc = main(["train", *flags(data=str(data), out_dir=str(tmp_path / "o"), steps=6,
+                               eval_interval=3, workers=3, grain="layer", dtype="bf16")])
     out = capsys.readouterr().out
     assert rc == 0, out
-    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    first, last = map(float, re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", out).groups())
     assert last < first, out
 
 

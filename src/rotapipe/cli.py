@@ -1,90 +1,68 @@
 """The ``rotapipe`` command line: a table from command names to functions.
 
 Each entry of :data:`COMMANDS` is ``name -> (add_arguments, run, help)``; ``run``
-takes the parsed arguments and returns the exit code. Today there is one command,
-``train``, which trains a tiny GPT-like model on a synthetic task (a smoke run that
-proves the install works end to end on this machine's workers). Issue 7 grows it
-into the real job (Hugging Face models, data files, checkpoints) in a ``train/``
-package. ``simulate`` runs pipeline schedules side by side on a cost model
-(:mod:`rotapipe.sim`); ``plan`` joins the table later.
+takes the parsed arguments and returns the exit code. ``train`` is the training job
+(:mod:`rotapipe.train`: a config file and a flag per :class:`TrainConfig` field; with
+no arguments, the demo). ``simulate`` runs pipeline schedules side by side on a cost model
+(:mod:`rotapipe.sim`); ``plan`` says whether a run fits, with which partition and how
+fast (:mod:`rotapipe.sim.advise`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable, Sequence
 
-import torch
-
-from .config import BackendKind, PipeConfig, PrecisionConfig, RecomputeGrain
 from .errors import RotapipeError
 
 __all__ = ["main", "COMMANDS"]
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
-    a("--workers", type=int, default=None,
-      help="workers (default: every CUDA GPU, else 2 emulated CPU workers)")
-    a("--backend", choices=[k.value for k in BackendKind], default="auto",
-      help="auto: CUDA GPUs when present, else emulated CPU workers (default: auto)")
-    a("--microbatches", type=int, default=4, help="microbatches per step (default: 4)")
-    a("--steps", type=int, default=60, help="optimizer steps (default: 60)")
-    a("--batch", type=int, default=32, help="sequences per step (default: 32)")
-    a("--seq", type=int, default=32, help="tokens per sequence (default: 32)")
-    a("--dim", type=int, default=64, help="model width (default: 64)")
-    a("--layers", type=int, default=4, help="transformer blocks (default: 4)")
-    a("--heads", type=int, default=4, help="attention heads (default: 4)")
-    a("--vocab", type=int, default=64, help="vocabulary size (default: 64)")
-    a("--lr", type=float, default=5e-3, help="AdamW learning rate (default: 5e-3)")
-    a("--grain", choices=[g.value for g in RecomputeGrain], default="stage",
-      help="backward recompute grain (default: stage)")
-    a("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
-      help="compute dtype; masters stay fp32, fp16 uses dynamic loss scaling "
-           "(default: fp32)")
-    a("--seed", type=int, default=0, help="init, data and dropout seed (default: 0)")
-    a("--log-every", type=int, default=5, help="print every N steps (default: 5)")
+    from .train.config import TrainConfig, field_docs, field_types
+
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="TOML (or YAML/JSON) file of settings; flags override it")
+    p.add_argument("--demo", action="store_true",
+                   help="the demo, which is also what the defaults do: a small Qwen3 from "
+                        "scratch on the Python standard library's source (every GPU, or 2 "
+                        "emulated CPU workers)")
+    docs, types = field_docs(), field_types()
+    defaults = TrainConfig()
+    g = p.add_argument_group("settings (rotapipe.train.TrainConfig; every one also a config "
+                             "file key)")
+    for name, t in types.items():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        text = f"{docs.get(name, '')} (default: {default})".replace("%", "%%")
+        if t is bool:
+            g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=text)
+        else:
+            g.add_argument(flag, dest=name, type=_none_or(t), default=argparse.SUPPRESS,
+                           metavar=t.__name__.upper(), help=text)
+
+
+def _none_or(t):
+    def convert(text: str):
+        return None if text.lower() == "none" else t(text)
+    convert.__name__ = t.__name__
+    return convert
 
 
 def train(args: argparse.Namespace) -> int:
-    """Train ``tiny_gpt`` on ``stride_batch`` sequences; print loss and tokens/s."""
-    from .model.tiny import lm_loss, stride_batch, tiny_gpt
-    from .pipe import RoundPipe
+    """Run the training job (:func:`rotapipe.train.train`) from a config file and flags."""
+    import logging
 
-    torch.manual_seed(args.seed)
-    model = tiny_gpt(args.vocab, args.dim, args.layers, args.heads, args.seq)
-    config = PipeConfig(workers=args.workers, microbatches=args.microbatches,
-                        grain=args.grain, backend=args.backend, seed=args.seed,
-                        precision=PrecisionConfig(compute_dtype=args.dtype))
-    data = torch.Generator().manual_seed(args.seed)
-    with RoundPipe(model, lm_loss, config=config) as pipe:
-        pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=args.lr, fused=True))
-        kind = "CUDA GPU" if pipe.devices[0].torch_device.type == "cuda" else "emulated CPU"
-        n_params = sum(p.numel() for p in pipe.parameters())
-        print(f"tiny GPT: {args.layers + 2} layers, {n_params / 1e6:.2f}M parameters, "
-              f"{args.dtype}; {len(pipe.devices)} {kind} workers, "
-              f"{args.microbatches} microbatches, grain={args.grain}")
-        print(f"plan: {pipe.plan.to_text()}")
-        losses: list[float] = []
-        start = last = time.perf_counter()
-        last_step = 0
-        for step in range(1, args.steps + 1):
-            x, y = stride_batch(args.batch, args.seq, args.vocab, generator=data)
-            losses.append(pipe.forward_backward(x, y))
-            stepped = pipe.step()
-            if step % args.log_every == 0 or step in (1, args.steps) or not stepped:
-                now = time.perf_counter()
-                rate = (step - last_step) * args.batch * args.seq / (now - last)
-                note = "" if stepped else "  (step skipped: fp16 overflow, scale lowered)"
-                print(f"step {step:4d}  loss {losses[-1]:.4f}  {rate:8.0f} tokens/s{note}",
-                      flush=True)
-                last, last_step = now, step
-        took = time.perf_counter() - start
-    tokens = args.steps * args.batch * args.seq
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps; "
-          f"{took:.1f} s, {tokens / took:.0f} tokens/s")
+    from .train import load_config
+    from .train import train as run_training
+    from .train.config import field_types
+
+    overrides = {k: v for k, v in vars(args).items() if k in field_types()}
+    cfg = load_config(args.config, overrides)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    run_training(cfg)              # Ctrl-C: the job saves a checkpoint and returns
     return 0
 
 
@@ -194,13 +172,63 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("model", help="config.json path, a Hugging Face model folder, or a known name "
+                    "(qwen3-1.7b, llama-3.1-8b, qwen3-32b, qwen3-235b-a22b)")
+    a("--hardware", default="rtx4090x8",
+      help="DEVICExN: rtx4090, a100, a800, h100-pcie (default: rtx4090x8)")
+    a("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    a("--global-batch", type=int, default=16, help="sequences per step (default: 16)")
+    a("--microbatches", type=int, default=None,
+      help="microbatches per step (default: the planner tries every divisor of the "
+           "global batch up to 64)")
+    a("--lora", action="store_true", help="LoRA fine-tuning instead of full fine-tuning")
+    a("--lora-rank", type=int, default=16, help="LoRA rank (default: 16)")
+    a("--host-ram", type=float, default=None,
+      help="host RAM in GB (default: 64 GB per device, at least 128)")
+    a("--stale", action="store_true",
+      help="plan for the one-step-stale optimizer (overlapping steps)")
+    a("--efficiency", type=float, default=None,
+      help="fraction of peak TFLOPS layers reach (default: 0.6)")
+    a("--fp16-accumulate", action="store_true",
+      help="fp16 math with fp16 accumulation (2x on GeForce cards)")
+    a("--memory-fraction", type=float, default=0.9,
+      help="share of device memory the plan may use (default: 0.9)")
+    a("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Plan a model on a hardware profile; print the verdict, partition and prediction.
+    Exit code 0 when it fits, 2 when it does not."""
+    import json
+
+    from .plan import hardware
+    from .plan.hostmem import GB
+    from .sim.advise import analyze
+
+    hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
+                  **({"efficiency": args.efficiency} if args.efficiency else {}))
+    result = analyze(args.model, hw, seq=args.seq, global_batch=args.global_batch,
+                     lora_rank=args.lora_rank if args.lora else None,
+                     host_ram=int(args.host_ram * GB) if args.host_ram else None,
+                     microbatches=args.microbatches, stale=args.stale,
+                     memory_fraction=args.memory_fraction)
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.to_text())
+    return 0 if result.fits else 2
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                           Callable[[argparse.Namespace], int], str]] = {
     "train": (_train_arguments, train,
-              "train a tiny GPT-like model on a synthetic task (smoke run)"),
+              "train or fine-tune a causal LM (default: the demo, a small Qwen3 from "
+              "scratch on the Python standard library's source)"),
     "simulate": (_simulate_arguments, simulate,
                  "simulate pipeline schedules side by side (bubbles, tokens/s, memory, "
                  "timeline pictures)"),
+    "plan": (_plan_arguments, plan,
+             "will a model fit a machine (device and host memory), with which partition, "
+             "how fast"),
 }
 
 

@@ -18,7 +18,7 @@ from .costs import ModelCosts
 from .partition import Plan, Stage, StageKind
 
 __all__ = ["split_balanced", "bound_plan", "roundpipe_plan", "roundpipe_plans",
-           "estimate_roundpipe_ms"]
+           "estimate_roundpipe_ms", "greedy_compute_plan"]
 
 
 def split_balanced(costs: Sequence[float], parts: int) -> list[tuple[int, int]]:
@@ -195,3 +195,25 @@ def roundpipe_plan(costs: ModelCosts, workers: int, microbatches: int, *,
                    overlap: bool = False) -> Plan:
     """The best of :func:`roundpipe_plans` by the job-grain estimate."""
     return roundpipe_plans(costs, workers, microbatches, overlap=overlap)[0]
+
+
+def greedy_compute_plan(costs: ModelCosts, tail_layers: int = 1) -> Plan:
+    """The authors' partitioner, for comparison: layers packed greedily from the front
+    into stages no heavier (in compute time) than the heaviest single layer's job,
+    forward and backward independently; memory and PCIe are ignored."""
+    L = len(costs.layers)
+    body = L - min(tail_layers, L)
+    f = [l.forward_ms for l in costs.layers]
+    rb = [l.recompute_ms + l.backward_ms for l in costs.layers]
+
+    def pack(times: list[float]) -> list[tuple[int, int]]:
+        limit = max(times[:L]) * (1 + 1e-9)
+        runs, a, acc = [], 0, 0.0
+        for i in range(body):
+            if i > a and acc + times[i] > limit:
+                runs.append((a, i))
+                a, acc = i, 0.0
+            acc += times[i]
+        return runs + ([(a, body)] if body else [])
+
+    return _plan(L, pack(f), (body, L), pack(rb))

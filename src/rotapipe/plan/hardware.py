@@ -99,8 +99,11 @@ _ALIASES = MappingProxyType({"4090": "rtx4090", "a100": "a100-80gb", "a800": "a8
 def hardware(name: str, **overrides) -> Hardware:
     """A named machine: ``DEVICExN`` (``rtx4090x8``, ``a100x8``, ``h100-pciex4``) or a
     device name alone (one device). ``overrides`` set :class:`Hardware` fields."""
-    m = re.fullmatch(r"(.+?)(?:x(\d+))?", name.strip().lower())
-    dev, count = m.group(1), int(m.group(2) or 1)
+    text = name.strip().lower()
+    # A bare device name first: "rtx4090" must not read as "rt" x 4090.
+    m = re.fullmatch(r"(.+?)(?:x(\d+))?", text)
+    dev, count = (text, 1) if text in DEVICES or text in _ALIASES else \
+        (m.group(1), int(m.group(2) or 1))
     dev = _ALIASES.get(dev, dev)
     if dev not in DEVICES:
         known = ", ".join(sorted(DEVICES) + sorted(_ALIASES))

@@ -6,9 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PlanError
 from ..plan import ModelCosts, Plan, bound_plan
 from ..plan.balance import roundpipe_plans
+from ..plan.partitioner import Footprint, candidate_plans
 from ..schedule import (Schedule, gpipe_schedule, interleaved_1f1b_schedule,
                         looped_bfs_schedule, one_f_one_b_schedule, roundpipe_schedule,
                         roundpipe_stale_schedule)
@@ -42,8 +43,9 @@ class SimConfig:
     calls: int = 4
     """Overlapping calls simulated for RoundPipe with the stale optimizer."""
     refine: int = 4
-    """RoundPipe plans simulated to pick the best (the best candidates of the planner's
-    job-grain estimate); 1 takes the estimate's best as is."""
+    """RoundPipe plans simulated to pick the best: this many of the partitioner's and
+    of the compute-only search's candidates each, by their job-grain estimates; 1 takes
+    the partitioner's best as is."""
     memory_limit: int | None = None
     """Device memory in bytes, to flag schedules that do not fit (None: no check)."""
 
@@ -87,8 +89,11 @@ def build_schedule(name: str, costs: ModelCosts, config: SimConfig,
                    plan: Plan | None = None) -> Schedule:
     """Schedule ``name`` for ``costs`` on ``config.devices`` devices. Without ``plan``
     the baselines get the best contiguous partition (:func:`bound_plan`) and RoundPipe
-    the fastest in simulation of the planner's ``config.refine`` best candidates
-    (:func:`~rotapipe.plan.balance.roundpipe_plans`)."""
+    the fastest in simulation of the ``config.refine`` best candidates of the
+    memory-aware partitioner (:func:`~rotapipe.plan.partitioner.candidate_plans`,
+    under ``config.memory_limit``) and of the compute-only search
+    (:func:`~rotapipe.plan.balance.roundpipe_plans`); ``refine=1`` takes the
+    partitioner's best as is."""
     p, M, L = config.devices, config.microbatches, len(costs.layers)
     if name in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"):
         chunks = p if name in ("gpipe", "1f1b") else p * config.virtual_stages
@@ -111,7 +116,18 @@ def build_schedule(name: str, costs: ModelCosts, config: SimConfig,
 
     if plan is not None:
         return make(plan)
-    candidates = [make(c) for c in roundpipe_plans(costs, p, M, overlap=stale)[:config.refine]]
+    # The memory-aware planner's best candidates, and (for the rare case its job-grain
+    # ranking misses) the best of the compute-only search; the simulator picks.
+    limit = config.memory_limit or 2**62
+    fp = Footprint.of(costs, M)
+    try:
+        ours = [plan for _, plan in candidate_plans(fp, p, limit, calls=6 if stale else 1)]
+    except PlanError:
+        ours = []   # nothing fits: fall back to the compute-only plans (flagged OOM)
+    plans = ours[:config.refine] + roundpipe_plans(costs, p, M, overlap=stale)[:config.refine]
+    if config.refine == 1:
+        plans = plans[:1]
+    candidates = [make(c) for c in {c.to_text(): c for c in plans}.values()]
     if len(candidates) == 1:
         return candidates[0]
     tokens = costs.tokens * M

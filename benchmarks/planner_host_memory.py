@@ -1,0 +1,96 @@
+"""The planner's host-memory prediction against a real run's resident set growth.
+
+A random Qwen3-architecture model is built (fp32 parameters: they become the masters),
+wrapped, and trained for 2 steps with AdamW on emulated CPU workers in bf16 compute.
+The peak RSS growth over the process baseline (after imports, before the model) is
+compared with :func:`rotapipe.plan.hostmem.host_memory` for the pipeline's plan plus
+the emulated devices' peak memory (on emulated workers device buffers are host RAM).
+
+    python benchmarks/planner_host_memory.py [--layers 6 --hidden 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import threading
+
+import torch
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+class Sampler:
+    """Peak RSS over a block, sampled every 5 ms."""
+
+    def __enter__(self):
+        self.peak, self._stop = rss(), threading.Event()
+
+        def loop():
+            while not self._stop.wait(0.005):
+                self.peak = max(self.peak, rss())
+        self._t = threading.Thread(target=loop, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--workers", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    import transformers
+
+    import rotapipe
+    import rotapipe.adapters
+    from rotapipe.plan import hardware, model_costs
+    from rotapipe.plan.hostmem import host_memory
+
+    cfg = dict(model_type="qwen3", vocab_size=args.vocab, hidden_size=args.hidden,
+               intermediate_size=3 * args.hidden, num_hidden_layers=args.layers,
+               num_attention_heads=args.hidden // 64,
+               num_key_value_heads=max(1, args.hidden // 256), head_dim=64,
+               tie_word_embeddings=False)
+    base = rss()
+    with Sampler() as s:
+        torch.manual_seed(0)
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+        wrapped = rotapipe.adapters.wrap_hf(model)
+        pc = rotapipe.PipeConfig(workers=args.workers, microbatches=args.microbatches,
+                                 backend="emulated",
+                                 precision=rotapipe.PrecisionConfig("bf16"))
+        pipe = wrapped.pipe(pc)
+        pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-4))
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+        for _ in range(2):
+            pipe.forward_backward(wrapped.inputs(ids), ids)
+            pipe.step()
+    measured = s.peak - base
+    costs = model_costs(cfg, hardware("rtx4090"), seq=args.seq,
+                        microbatch_size=args.batch // args.microbatches)
+    host = host_memory(costs, pipe.plan, args.microbatches, args.workers)
+    devices = sum(pipe.peak_memory())
+    predicted = host.total + devices
+    print(json.dumps(dict(measured=measured, predicted=predicted, host=host.as_dict(),
+                          devices=devices, plan=pipe.plan.to_text(),
+                          error=predicted / measured - 1)))
+    pipe.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Host-memory accounting: every byte of model state and activation checkpoints that a
+RoundPipe run keeps in host RAM, so a plan can say "needs 612 GB, you have 512" before
+the kernel's out-of-memory killer does.
+
+What lives in host memory (see :mod:`rotapipe.runtime.host`):
+
+- **weights**: a compute-dtype copy of every parameter (pinned, what workers upload);
+- **masters**: an fp32 copy of every *trainable* parameter (the optimizer steps it);
+- **optimizer**: the optimizer's state per trainable parameter (Adam/AdamW: two fp32
+  moments);
+- **gradients**: an fp32 gradient per trainable parameter (accumulated over calls),
+  and a second one for the call in flight: the runtime stages a call's gradients and
+  merges them only when the whole call succeeded (``runtime.host.CallGrads``), so a
+  failed call changes nothing;
+- **pinned buffers**: per worker, staging for two stages' weight-gradient downloads
+  (compute dtype);
+- **checkpoints**: every microbatch's activation at each stage boundary a later stage
+  reads (backward-stage starts, the tail start, forward-stage outputs), plus one input
+  gradient per microbatch in flight.
+
+Frozen parameters (LoRA's base weights) have only their compute-dtype copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .costs import ModelCosts, load_config
+from .partition import Plan
+
+__all__ = ["HostMemory", "host_memory", "lora_params", "GB"]
+
+GB = 10**9
+"""Host RAM is sold and reported in decimal gigabytes."""
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Host bytes of one run, by kind (see the module docstring)."""
+
+    weights: int
+    masters: int
+    optimizer: int
+    gradients: int
+    pinned_buffers: int
+    checkpoints: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.masters + self.optimizer + self.gradients
+                + self.pinned_buffers + self.checkpoints)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"weights": self.weights, "masters": self.masters,
+                "optimizer": self.optimizer, "gradients": self.gradients,
+                "pinned_buffers": self.pinned_buffers, "checkpoints": self.checkpoints,
+                "total": self.total}
+
+    def describe(self) -> str:
+        """``612.3 GB = weights 65.5 + masters 131.0 + ...`` in decimal GB."""
+        parts = " + ".join(f"{k.replace('_', ' ')} {v / GB:.1f}"
+                           for k, v in self.as_dict().items() if k != "total")
+        return f"{self.total / GB:.1f} GB = {parts}"
+
+
+def lora_params(config, rank: int = 16,
+                targets: Sequence[str] = ("q", "k", "v", "o", "gate", "up", "down")
+                ) -> tuple[int, ...]:
+    """Trainable parameters of LoRA adapters of ``rank`` per layer (embedding, decoder
+    blocks, LM head: the layers of :func:`~rotapipe.plan.model_work`). Adapters sit on
+    the attention projections and on dense MLPs; MoE experts are left frozen (the
+    router and experts keep their weights), the embedding and head are frozen."""
+    if rank < 1:
+        raise ConfigError(f"LoRA rank must be >= 1, got {rank}")
+    cfg = load_config(config)
+    if isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg, **cfg["text_config"]}
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    q, kv = nh * hd, (cfg.get("num_key_value_heads") or nh) * hd
+    shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h)}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    moe_every = cfg.get("decoder_sparse_step") or 1
+    dense_only = set(cfg.get("mlp_only_layers") or ())
+    out = [0]
+    for i in range(cfg["num_hidden_layers"]):
+        moe = experts and i not in dense_only and (i + 1) % moe_every == 0
+        inter = cfg.get("intermediate_size") or 0
+        mlp = {} if moe else {"gate": (h, inter), "up": (h, inter), "down": (inter, h)}
+        out.append(sum(rank * (a + b) for t, (a, b) in {**shapes, **mlp}.items()
+                       if t in targets))
+    return tuple(out + [0])
+
+
+def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, *,
+                trainable_params: Sequence[int] | None = None, dtype_bytes: int = 2,
+                optimizer_states: int = 2, grad_bytes: int = 4,
+                staged_grads: bool = True) -> HostMemory:
+    """Host bytes of a run of ``plan`` over ``costs`` with ``microbatches`` microbatches.
+
+    ``trainable_params`` per layer (default: every parameter, full fine-tuning; LoRA:
+    :func:`lora_params`, whose adapters also get a compute-dtype copy).
+    ``optimizer_states``: fp32 tensors of optimizer state per trainable parameter
+    (Adam: 2, SGD with momentum: 1). ``staged_grads``: count the call's staged
+    gradients beside the accumulated ones (what the runtime does)."""
+    layers = costs.layers
+    params = [l.weight_bytes // dtype_bytes for l in layers]
+    trainable = list(trainable_params) if trainable_params is not None else params
+    if len(trainable) != len(layers):
+        raise ConfigError(f"trainable_params has {len(trainable)} entries for "
+                          f"{len(layers)} layers")
+    full = trainable_params is None
+    n_train = sum(trainable)
+    weights = sum(params) * dtype_bytes + (0 if full else n_train * dtype_bytes)
+    # Pinned staging for weight-gradient downloads: two stages' worth per worker, of
+    # the largest stage that produces gradients (the tail and backward stages).
+    grad_stages = (plan.tail,) + plan.backward
+    per_param = [params, trainable][not full]
+    stage_bytes = max(sum(per_param[s.start:s.stop]) * dtype_bytes for s in grad_stages)
+    boundaries = plan.checkpoint_boundaries() | {s.stop for s in plan.forward}
+    per_mb = sum(costs.input_bytes if b == 0 else layers[b - 1].output_bytes
+                 for b in boundaries)
+    per_mb += costs.input_bytes + layers[plan.tail.start - 1].output_bytes \
+        if plan.tail.start > 0 else costs.input_bytes
+    return HostMemory(weights=weights, masters=4 * n_train,
+                      optimizer=4 * optimizer_states * n_train,
+                      gradients=grad_bytes * n_train * (2 if staged_grads else 1),
+                      pinned_buffers=2 * workers * stage_bytes,
+                      checkpoints=microbatches * per_mb)

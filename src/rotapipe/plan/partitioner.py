@@ -1,0 +1,415 @@
+"""The memory-aware partitioner: exact min-max stage cuts under a device-memory limit,
+and the candidate RoundPipe plans they give.
+
+A stage's *cost* is the time its job holds a worker: ``M`` microbatches of its compute
+(forward; recompute + backward; forward + backward for the fused tail), or its weight
+upload over PCIe if that is longer (the upload of a worker's next stage is hidden
+behind its current stage only if it is no longer). A stage *fits* when, on its worker,
+
+    resident(stage) + cap + working(stage) <= usable device memory,  resident <= cap
+
+where ``resident`` is its weights (plus weight gradients for stages that run backward),
+``cap`` bounds the resident bytes of the stage prefetched beside it (at most two stages
+are resident per worker, see :mod:`rotapipe.schedule.roundpipe`), and ``working`` is
+one microbatch's working set (:meth:`Footprint.working`). This is a sufficient
+condition: a plan whose stages all fit never exceeds the limit.
+
+For a stage count ``k`` the partitioner finds the cut with the smallest heaviest stage
+among the cuts whose stages all fit (:func:`min_max_cut`). It is exact: cost and
+memory of a run of layers only grow when the run grows, so the greedy "extend every
+stage as far as the threshold allows" cut uses the fewest stages for a threshold, and a
+binary search over the O(n^2) possible stage costs finds the smallest threshold that
+``k`` stages reach (a split of a fitting stage still fits, so fewer stages can always be
+split up to ``k``). The tests check it against brute force. Which ``k``, tail size and
+grain are best is decided by step time: :func:`candidate_plans` ranks them with
+:func:`estimate_step_ms`; :mod:`rotapipe.sim.autoplan` simulates the best.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..config import RecomputeGrain
+from ..errors import PlanError
+from .costs import ModelCosts
+from .partition import Plan, Stage, StageKind
+
+__all__ = ["Footprint", "Direction", "min_max_cut", "candidate_plans", "estimate_step_ms",
+           "assemble_plan", "check_layers_fit",
+           "INPUT_DEPTH"]
+
+INPUT_DEPTH = 2
+"""Microbatch inputs a worker holds ahead of its compute (the schedule's bound)."""
+
+
+class Direction:
+    """Which pass a run of layers is cut for (plain strings)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Per-layer times and bytes the partitioner reads, for ``microbatches`` microbatches.
+
+    Built from :class:`~rotapipe.plan.ModelCosts` by :meth:`of`; prefix sums make a run's
+    cost O(1)."""
+
+    costs: ModelCosts
+    microbatches: int
+    grain: RecomputeGrain
+    grad_bytes: tuple[int, ...]
+    """Bytes of each layer's weight gradients on the device (0 for frozen layers)."""
+
+    @classmethod
+    def of(cls, costs: ModelCosts, microbatches: int,
+           grain: RecomputeGrain = RecomputeGrain.STAGE,
+           grad_bytes: Sequence[int] | None = None) -> Footprint:
+        grads = tuple(grad_bytes) if grad_bytes is not None else \
+            tuple(l.weight_bytes for l in costs.layers)
+        if len(grads) != len(costs.layers):
+            raise PlanError(f"grad_bytes has {len(grads)} entries for "
+                            f"{len(costs.layers)} layers")
+        fp = cls(costs, microbatches, grain, grads)
+        fp._prefix()
+        return fp
+
+    def _prefix(self) -> None:
+        acc = {k: [0.0] for k in ("f", "rb", "up", "w", "g", "out", "saved")}
+        for l, g in zip(self.costs.layers, self.grad_bytes):
+            rec = l.recompute_ms * (2 if self.grain is RecomputeGrain.LAYER else 1)
+            for k, v in (("f", l.forward_ms), ("rb", rec + l.backward_ms),
+                         ("up", l.upload_ms), ("w", l.weight_bytes), ("g", g),
+                         ("out", l.output_bytes), ("saved", l.saved_bytes)):
+                acc[k].append(acc[k][-1] + v)
+        object.__setattr__(self, "_acc", acc)
+
+    def _sum(self, key: str, a: int, b: int) -> float:
+        p = self._acc[key]
+        return p[b] - p[a]
+
+    def boundary(self, at: int) -> int:
+        return self.costs.input_bytes if at == 0 else self.costs.layers[at - 1].output_bytes
+
+    def cost(self, direction: str, a: int, b: int) -> float:
+        """Time layers ``[a, b)`` hold a worker for one job (all microbatches)."""
+        compute = self._sum("f" if direction == Direction.FORWARD else "rb", a, b)
+        return max(self.microbatches * compute, self._sum("up", a, b))
+
+    def tail_cost(self, a: int) -> float:
+        n = len(self.costs.layers)
+        compute = self._sum("f", a, n) + self.costs.sum("backward_ms", a, n)
+        return max(self.microbatches * compute, self._sum("up", a, n))
+
+    def resident(self, direction: str, a: int, b: int) -> int:
+        """Weights (+ their gradients when the stage runs backward) of ``[a, b)``."""
+        w = self._sum("w", a, b)
+        return int(w + (self._sum("g", a, b) if direction != Direction.FORWARD else 0))
+
+    def working(self, direction: str, a: int, b: int, max_saved: int | None = None) -> int:
+        """Device bytes of one microbatch in flight through ``[a, b)`` besides weights:
+        ``INPUT_DEPTH`` inputs (plus output gradients going backward), the output, and
+        the activations the pass keeps: a forward keeps one layer's at a time, a
+        stage-grain backward the whole stage's, a layer-grain backward one layer's
+        plus each layer's input checkpoint. The tail (``b`` = number of layers) keeps
+        its whole stage's activations: it never recomputes."""
+        if max_saved is None:
+            max_saved = max(l.saved_bytes for l in self.costs.layers[a:b])
+        inp, out = self.boundary(a), self.boundary(b)
+        if direction == Direction.FORWARD:
+            return int(INPUT_DEPTH * inp + out + max_saved)
+        edges = INPUT_DEPTH * (inp + out) + inp
+        if b == len(self.costs.layers) or self.grain is RecomputeGrain.STAGE:
+            return int(edges + self._sum("saved", a, b))
+        return int(edges + max_saved + self._sum("out", a, b))
+
+    def needs(self, direction: str, a: int, b: int, cap: int) -> int:
+        """Device bytes of a worker running ``[a, b)`` beside a stage of ``cap`` bytes."""
+        return self.resident(direction, a, b) + cap + self.working(direction, a, b)
+
+
+def _memory_reach(fp: Footprint, direction: str, start: int, stop: int, cap: int,
+                  memory: int) -> list[int]:
+    """``reach[a - start]``: the largest ``b`` such that ``[a, b)`` fits (``a``: none)."""
+    key = ("reach", direction, start, stop, cap, memory)
+    cache = fp.__dict__.setdefault("_values", {})
+    if key in cache:
+        return cache[key]
+    saved = [l.saved_bytes for l in fp.costs.layers]
+    reach, b = [], start
+    for a in range(start, stop):
+        # Fitting is monotone (a sub-run of a fitting run fits), so b never goes back.
+        b = max(b, a)
+        while b < stop:
+            res = fp.resident(direction, a, b + 1)
+            ms = max(saved[a:b + 1])
+            if res > cap or res + cap + fp.working(direction, a, b + 1, ms) > memory:
+                break
+            b += 1
+        reach.append(b)
+    cache[key] = reach
+    return reach
+
+
+def _greedy(fp: Footprint, direction: str, start: int, stop: int, limit: float,
+            cap: int, memory: int) -> list[tuple[int, int]] | None:
+    """Fewest runs over ``[start, stop)`` with cost <= ``limit`` that fit; None if a
+    single layer does not. Extending every run as far as allowed is optimal because
+    cost and memory grow with the run."""
+    acc = fp._acc
+    comp = acc["f" if direction == Direction.FORWARD else "rb"]
+    up, M = acc["up"], fp.microbatches
+    reach = _memory_reach(fp, direction, start, stop, cap, memory)
+    runs, a = [], start
+    lim = limit + 1e-9 * max(limit if limit < math.inf else 1.0, 1.0)
+    while a < stop:
+        b, end = a, reach[a - start]
+        ca, ua = comp[a], up[a]
+        while b < end and M * (comp[b + 1] - ca) <= lim and up[b + 1] - ua <= lim:
+            b += 1
+        if b == a:
+            return None
+        runs.append((a, b))
+        a = b
+    return runs
+
+
+def _run_costs(fp: Footprint, direction: str, start: int, stop: int) -> list[float]:
+    """Every run's cost over ``[start, stop)``, sorted (the thresholds to search)."""
+    key = (direction, start, stop)
+    cache = fp.__dict__.setdefault("_values", {})
+    if key not in cache:
+        acc = fp._acc
+        comp = acc["f" if direction == Direction.FORWARD else "rb"]
+        up, M = acc["up"], fp.microbatches
+        cache[key] = sorted({max(M * (comp[b] - comp[a]), up[b] - up[a])
+                             for a in range(start, stop) for b in range(a + 1, stop + 1)})
+    return cache[key]
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**26 else f"{int(n):,} bytes"
+
+
+def _fit_error(fp: Footprint, direction: str, start: int, stop: int, cap: int,
+               memory: int) -> PlanError:
+    for i in range(start, stop):
+        need = fp.needs(direction, i, i + 1, max(cap, fp.resident(direction, i, i + 1)))
+        if need > memory or fp.resident(direction, i, i + 1) > cap:
+            return _layer_error(fp, i, direction, need, cap, memory)
+    return PlanError(f"layers [{start}:{stop}) cannot be cut into stages that fit "
+                     f"{_bytes(memory)}: use more stages or fewer tokens per microbatch")
+
+
+def _layer_error(fp: Footprint, i: int, direction: str, need: int, cap: int,
+                 memory: int) -> PlanError:
+    return PlanError(
+        f"layer {i} ({fp.costs.layers[i].name}) alone needs {_bytes(need)} on a worker "
+        f"({direction}, {fp.grain.value} recompute, {fp.costs.tokens} tokens per "
+        f"microbatch, beside a prefetched stage of {_bytes(cap)}); the usable device "
+        f"memory is {_bytes(memory)}: use fewer tokens per microbatch (more "
+        "microbatches or a shorter sequence), LoRA, or a device with more memory")
+
+
+def check_layers_fit(fp: Footprint, memory: int) -> None:
+    """Raise :class:`PlanError` naming the layer that needs the most memory alone if
+    it exceeds ``memory`` (then no plan fits: every plan holds each layer in some
+    stage, beside a prefetched stage at least as large as the largest layer)."""
+    n = len(fp.costs.layers)
+    roles = [(i, d) for i in range(n - 1) for d in (Direction.FORWARD, Direction.BACKWARD)]
+    roles.append((n - 1, Direction.BACKWARD))   # the last layer is always in the tail
+    cap = max(fp.resident(d, i, i + 1) for i, d in roles)
+    i, d = max(roles, key=lambda r: fp.needs(r[1], r[0], r[0] + 1, cap))
+    need = fp.needs(d, i, i + 1, cap)
+    if need > memory:
+        raise _layer_error(fp, i, d, need, cap, memory)
+
+
+def min_max_cut(fp: Footprint, direction: str, start: int, stop: int, parts: int, *,
+                cap: int, memory: int) -> tuple[float, list[tuple[int, int]]]:
+    """The cut of ``[start, stop)`` into exactly ``parts`` runs, each fitting, whose
+    heaviest run is lightest; returns (heaviest cost, runs). Raises :class:`PlanError`
+    naming the layer that cannot fit, or if ``parts`` runs cannot fit."""
+    n = stop - start
+    if not 1 <= parts <= n:
+        raise PlanError(f"cannot cut {n} layers into {parts} non-empty stages")
+    if _greedy(fp, direction, start, stop, math.inf, cap, memory) is None:
+        raise _fit_error(fp, direction, start, stop, cap, memory)
+    values = _run_costs(fp, direction, start, stop)
+    lo = 0
+    hi = len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        runs = _greedy(fp, direction, start, stop, values[mid], cap, memory)
+        if runs is None or len(runs) > parts:
+            lo = mid + 1
+        else:
+            hi = mid
+    runs = _greedy(fp, direction, start, stop, values[lo], cap, memory)
+    if runs is None or len(runs) > parts:
+        raise PlanError(f"{parts} stages cannot hold layers [{start}:{stop}) within "
+                        f"{memory / 2**30:.2f} GiB: use more stages")
+    while len(runs) < parts:   # split the heaviest multi-layer run: nothing gets heavier
+        i = max((k for k in range(len(runs)) if runs[k][1] - runs[k][0] > 1),
+                key=lambda k: fp.cost(direction, *runs[k]))
+        a, b = runs[i]
+        mid = a + 1 + max(range(b - a - 1), key=lambda m: -abs(
+            fp.cost(direction, a, a + 1 + m) - fp.cost(direction, a + 1 + m, b)))
+        runs[i:i + 1] = [(a, mid), (mid, b)]
+    return max(fp.cost(direction, a, b) for a, b in runs), runs
+
+
+def assemble_plan(n: int, fwd, tail: int, bwd) -> Plan:
+    """A :class:`Plan` of ``n`` layers from ``(start, stop)`` runs: forward ``fwd``, the
+    tail from layer ``tail``, backward ``bwd``."""
+    return Plan(n, tuple(Stage(StageKind.FORWARD, i, a, b) for i, (a, b) in enumerate(fwd)),
+                Stage(StageKind.TAIL, 0, tail, n),
+                tuple(Stage(StageKind.BACKWARD, i, a, b) for i, (a, b) in enumerate(bwd)))
+
+
+def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) -> float:
+    """Step time at job grain: job ``g`` runs on worker ``g % workers``; its weights
+    upload on the worker's link once the job two back there has ended (two stages
+    resident) and the link is free; microbatch ``m`` starts when the worker is free,
+    the weights are in, and microbatch ``m`` of the previous job has crossed to the
+    host and back. With ``calls > 1``: the mean period of overlapping calls."""
+    c, M = fp.costs, fp.microbatches
+    jobs = []
+    for s in plan.jobs():
+        up = fp._sum("up", s.start, s.stop)
+        if s.kind is StageKind.FORWARD:
+            jobs.append((0.0, fp._sum("f", s.start, s.stop), up, 2 * c.boundary_hop_ms(s.start)))
+        elif s.kind is StageKind.TAIL:
+            fused = fp._sum("f", s.start, s.stop) + c.sum("backward_ms", s.start, s.stop)
+            jobs.append((0.0, fused, up, 2 * c.boundary_hop_ms(s.start)))
+        else:
+            rb = fp._sum("rb", s.start, s.stop)
+            b = c.sum("backward_ms", s.start, s.stop)
+            jobs.append((rb - b, b, up, 2 * c.boundary_hop_ms(s.stop)))
+    free = [0.0] * workers
+    link = [0.0] * workers
+    ended: list[float] = []
+    ends, g = [], 0
+    for _ in range(calls):
+        ready = [0.0] * M
+        for j, (early, t, up, hop) in enumerate(jobs):
+            w = g % workers
+            two_back = ended[g - 2 * workers] if g >= 2 * workers else 0.0
+            link[w] = max(link[w], two_back) + up
+            f = max(free[w], link[w])
+            for m in range(M):
+                f = max(f + early, ready[m] + (hop if j else 0.0)) + t
+                ready[m] = f
+            free[w] = f
+            ended.append(f)
+            g += 1
+        ends.append(max(ready))
+    return ends[0] if calls == 1 else (ends[-1] - ends[0]) / (calls - 1)
+
+
+def _caps(fp: Footprint, n_body: int, memory: int) -> list[int]:
+    """Resident-byte caps to try: from the largest single layer up to half the memory."""
+    lo = max(max(fp.resident(d, i, i + 1) for i in range(n_body))
+             for d in (Direction.FORWARD, Direction.BACKWARD)) if n_body else 0
+    lo = max(lo, fp.resident(Direction.BACKWARD, n_body, len(fp.costs.layers)))
+    # A cap above the whole model's resident bytes changes nothing.
+    hi = max(lo, min(memory // 2, fp.resident(Direction.BACKWARD, 0, len(fp.costs.layers))))
+    caps = {lo, hi}
+    x = lo
+    while lo and x < hi:
+        x = int(x * 2)
+        caps.add(min(x, hi))
+    return sorted(caps)
+
+
+def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
+                    max_tail_layers: int = 3, spread: int = 2) -> list[tuple[float, Plan]]:
+    """Fitting RoundPipe plans for ``fp``, best first by :func:`estimate_step_ms`.
+
+    Tries fused tails of 1..``max_tail_layers`` layers and longer ones (sizes growing
+    1.5x) while the tail's job is at most one worker's share of the step and fits (a
+    longer tail recomputes less), several resident caps, and, per
+    direction, stage counts around the count that makes stages as heavy as the heaviest
+    single job (RoundPipe's rule) up to ``spread`` workers' worth more; each count gets
+    its exact min-max cut. Raises :class:`PlanError` (naming the layer) if nothing fits."""
+    L = len(fp.costs.layers)
+    check_layers_fit(fp, memory)
+    if L == 1:
+        plan = assemble_plan(1, [], 0, [])
+        if fp.needs(Direction.BACKWARD, 0, 1, fp.resident(Direction.BACKWARD, 0, 1)) > memory:
+            raise _fit_error(fp, Direction.BACKWARD, 0, 1, 0, memory)
+        return [(estimate_step_ms(plan, fp, workers, calls), plan)]
+    seen: dict[str, tuple[float, Plan]] = {}
+    tried: set = set()
+    error: PlanError | None = None
+    for tail_layers in _tail_sizes(fp, workers, max_tail_layers):
+        body = L - tail_layers
+        tail_res = fp.resident(Direction.BACKWARD, body, L)
+        for cap in _caps(fp, body, memory):
+            if tail_res > cap or fp.needs(Direction.BACKWARD, body, L, cap) > memory:
+                error = error or _fit_error(fp, Direction.BACKWARD, body, L, cap, memory)
+                continue
+            try:
+                cuts = {d: _cuts_for(fp, d, body, workers, cap, memory, fp.tail_cost(body),
+                                     spread) for d in (Direction.FORWARD, Direction.BACKWARD)}
+            except PlanError as exc:
+                error = error or exc
+                continue
+            key = tuple(map(tuple, cuts[Direction.FORWARD] + cuts[Direction.BACKWARD]))
+            if key in tried:   # a larger cap changed no cut
+                continue
+            tried.add(key)
+            # Coordinate search: the forward count with a middle backward cut, then the
+            # backward count with the best forward cut (the two interact only weakly).
+            fwds, bwds = cuts[Direction.FORWARD], cuts[Direction.BACKWARD]
+
+            def score(fwd, bwd):
+                plan = assemble_plan(L, fwd, body, bwd)
+                text = plan.to_text()
+                if text not in seen:
+                    seen[text] = (estimate_step_ms(plan, fp, workers, calls), plan)
+                return seen[text][0]
+
+            best_f = min(fwds, key=lambda f: score(f, bwds[len(bwds) // 2]))
+            best_b = min(bwds, key=lambda b: score(best_f, b))
+            min(fwds, key=lambda f: score(f, best_b))
+    if not seen:
+        raise error or PlanError("no plan fits")
+    return sorted(seen.values(), key=lambda x: (round(x[0], 6), len(x[1].jobs())))
+
+
+def _tail_sizes(fp: Footprint, workers: int, short: int) -> list[int]:
+    L = len(fp.costs.layers)
+    sizes = list(range(1, min(short, L - 1) + 1))
+    share = (fp.cost(Direction.FORWARD, 0, L) + fp.cost(Direction.BACKWARD, 0, L)) / workers
+    t = short
+    while t < L - 1:
+        t = min(L - 1, max(t + 1, int(t * 1.5)))
+        if fp.tail_cost(L - t) > share:
+            break
+        sizes.append(t)
+    return sizes
+
+
+def _cuts_for(fp, direction, body, workers, cap, memory, tail_cost, spread):
+    total = fp.cost(direction, 0, body) if body else 0.0
+    job = max([tail_cost] + [fp.cost(direction, i, i + 1) for i in range(body)])
+    k0 = max(1, math.ceil(total / job)) if job > 0 else 1
+    fewest = _greedy(fp, direction, 0, body, math.inf, cap, memory)
+    if fewest is None:
+        raise _fit_error(fp, direction, 0, body, cap, memory)
+    k0 = max(k0, len(fewest))
+    ks = range(max(len(fewest), k0 - 1), min(body, k0 + spread * workers) + 1)
+    out, last_err = [], None
+    for k in ks:
+        try:
+            out.append(min_max_cut(fp, direction, 0, body, k, cap=cap, memory=memory)[1])
+        except PlanError as exc:
+            last_err = exc
+    if not out:
+        raise last_err
+    return out
+

@@ -1,0 +1,270 @@
+"""`rotapipe plan`'s analysis: will a run fit (device and host memory, and which
+binds), with which plan, how fast, the longest sequence that fits, and what to change
+when it does not fit. Arithmetic and simulation only: no weights are loaded."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ..config import RecomputeGrain
+from ..errors import ConfigError, PlanError
+from ..plan import Hardware, ModelCosts, model_costs, model_work
+from ..plan.hostmem import GB, HostMemory, host_memory, lora_params
+from ..plan.partitioner import Direction, Footprint, assemble_plan
+from .autoplan import PlanChoice, PlannerConfig, choose_plan
+
+__all__ = ["PlanAnalysis", "analyze", "default_host_ram", "longest_sequence"]
+
+
+def default_host_ram(hw: Hardware) -> int:
+    """Host RAM assumed when none is given: 64 GB per device, at least 128 GB."""
+    return max(128, 64 * hw.count) * GB
+
+
+@dataclass(frozen=True)
+class PlanAnalysis:
+    """Everything ``rotapipe plan`` prints (``as_dict`` is its ``--json``)."""
+
+    model: str
+    hardware: str
+    seq: int
+    global_batch: int
+    lora: bool
+    device_limit: int
+    host_limit: int
+    choice: PlanChoice | None
+    """None when no plan fits device memory."""
+    host: HostMemory
+    device_error: str | None
+    longest_seq: int
+    """Longest sequence some plan fits in device memory (one sequence per microbatch)."""
+    longest_seq_host: int
+    """The same, also holding host memory (0: host RAM is short at any length)."""
+    mfu: float
+    suggestions: tuple[str, ...] = field(default=())
+
+    @property
+    def fits_device(self) -> bool:
+        return self.choice is not None
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host.total <= self.host_limit
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    @property
+    def binding(self) -> str:
+        """``device`` or ``host``: the constraint closer to (or past) its limit."""
+        if not self.fits_device:
+            return "device"
+        dev = self.choice.device_bytes / self.device_limit
+        return "host" if self.host.total / self.host_limit > dev else "device"
+
+    def as_dict(self) -> dict:
+        c = self.choice
+        out = {"model": self.model, "hardware": self.hardware, "seq": self.seq,
+               "global_batch": self.global_batch, "lora": self.lora, "fits": self.fits,
+               "fits_device": self.fits_device, "fits_host": self.fits_host,
+               "binding": self.binding, "device_limit_bytes": self.device_limit,
+               "host_limit_bytes": self.host_limit, "host_bytes": self.host.as_dict(),
+               "longest_seq": self.longest_seq,
+               "longest_seq_with_host": self.longest_seq_host, "suggestions": list(self.suggestions),
+               "device_error": self.device_error}
+        if c is not None:
+            r = c.report
+            out.update({"plan": c.plan.to_text(), "forward_stages": len(c.plan.forward),
+                        "backward_stages": len(c.plan.backward),
+                        "tail": [c.plan.tail.start, c.plan.tail.stop],
+                        "microbatches": c.microbatches, "grain": c.grain.value,
+                        "tokens_per_microbatch": c.costs.tokens,
+                        "device_bytes": c.device_bytes, "step_ms": r.step_ms,
+                        "tokens_per_s": r.tokens_per_s, "mfu": self.mfu,
+                        "bubble": r.bubble.total, "estimate_ms": c.estimate_ms,
+                        "candidates_simulated": c.simulated})
+        return out
+
+    def to_text(self) -> str:
+        c, gib = self.choice, 2**30
+        lines = [f"{self.model} on {self.hardware}, {self.global_batch} x {self.seq} tokens "
+                 f"per step, {'LoRA' if self.lora else 'full fine-tuning'}"]
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"verdict: {verdict} (binding constraint: {self.binding} memory)")
+        if c is not None:
+            lines.append(f"device memory: {c.device_bytes / gib:.1f} GiB of "
+                         f"{self.device_limit / gib:.1f} GiB usable per worker")
+        else:
+            lines.append(f"device memory: no plan fits: {self.device_error}")
+        lines.append(f"host memory: needs {self.host.total / GB:.1f} GB of host RAM, you "
+                     f"have {self.host_limit / GB:.0f}" + ("" if self.fits_host else
+                                                           " (does not fit)"))
+        lines.append(f"  {self.host.describe()}")
+        if c is not None:
+            r, p = c.report, c.plan
+            lines.append(f"plan: {len(p.forward)} forward stages, fused tail "
+                         f"[{p.tail.start}:{p.tail.stop}], {len(p.backward)} backward stages; "
+                         f"{c.grain.value} recompute; {c.microbatches} microbatches of "
+                         f"{c.costs.tokens} tokens")
+            lines.append(f"  {p.to_text()}")
+            lines.append(f"predicted: step {r.step_ms / 1e3:.2f} s, {r.tokens_per_s:,.0f} "
+                         f"tokens/s, MFU {100 * self.mfu:.1f}%, bubble "
+                         f"{100 * r.bubble.total:.1f}%")
+        host_note = (f"{self.longest_seq_host:,} with this host RAM"
+                     if self.longest_seq_host else "host RAM short at any length")
+        lines.append(f"longest sequence that fits device memory (1 sequence per "
+                     f"microbatch, layer recompute): {self.longest_seq:,} tokens "
+                     f"({host_note})")
+        lines += [f"suggestion: {s}" for s in self.suggestions]
+        return "\n".join(lines)
+
+
+LOSS_CHUNK_BYTES = 2 * 256 * 2**20
+"""Device bytes of the chunked LM-head loss's logits and their gradient: the adapters
+run the loss ``loss_chunk_tokens`` tokens at a time (256 MiB of logits; see
+docs/huggingface.md), so full-sequence logits never exist."""
+
+
+def _costs(model, hw: Hardware, seq: int, microbatch_size: int = 1) -> ModelCosts:
+    """:func:`model_costs` with the head's activations as the chunked loss keeps them:
+    its input and output gradient (two hidden states per token) plus one chunk."""
+    costs = model_costs(model, hw, seq=seq, microbatch_size=microbatch_size)
+    head = costs.layers[-1]
+    hidden = 2 * costs.layers[-2].output_bytes
+    saved = min(head.saved_bytes, hidden + LOSS_CHUNK_BYTES)
+    return replace(costs, layers=costs.layers[:-1] + (replace(head, saved_bytes=saved),))
+
+
+def _divisors(n: int, cap: int = 64) -> tuple[int, ...]:
+    return tuple(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def _singles_plan(n: int):
+    """Every stage one layer: the most checkpoints a plan can keep in host memory."""
+    body = n - 1
+    runs = [(i, i + 1) for i in range(body)]
+    return assemble_plan(n, runs, body, runs)
+
+
+def _fits_device(costs: ModelCosts, memory: int, grad_bytes) -> bool:
+    """Whether some plan fits: every layer alone fits (layer grain) beside the
+    largest single layer."""
+    fp = Footprint.of(costs, 1, RecomputeGrain.LAYER, grad_bytes)
+    n = len(costs.layers)
+    cap = max(fp.resident(Direction.BACKWARD, i, i + 1) for i in range(n))
+    return all(fp.needs(d, i, i + 1, cap) <= memory
+               for i in range(n) for d in (Direction.FORWARD, Direction.BACKWARD))
+
+
+def longest_sequence(model, hw: Hardware, *, global_batch: int, device_limit: int,
+                     host_limit: int | None = None, lora_rank: int | None = None,
+                     limit: int = 1 << 20) -> int:
+    """Longest sequence (multiple of 128) for which some plan fits device memory with
+    one sequence per microbatch and, if ``host_limit`` is given, host memory holds the
+    model state and every checkpoint (0: none)."""
+    trainable, grads = _trainable(model, hw, lora_rank)
+
+    def ok(seq: int) -> bool:
+        costs = _costs(model, hw, seq)
+        if not _fits_device(costs, device_limit, grads):
+            return False
+        if host_limit is None:
+            return True
+        host = host_memory(costs, _singles_plan(len(costs.layers)), global_batch,
+                           hw.count, trainable_params=trainable)
+        return host.total <= host_limit
+
+    lo, hi = 0, limit // 128   # in units of 128 tokens: ok(lo * 128), not ok(hi * 128)
+    if ok(hi * 128):
+        return hi * 128
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid * 128) else (lo, mid)
+    return lo * 128
+
+
+def _trainable(model, hw: Hardware, lora_rank: int | None):
+    """(trainable params per layer or None, device gradient bytes per layer or None)."""
+    if lora_rank is None:
+        return None, None
+    t = lora_params(model, lora_rank)
+    return t, tuple(2 * x for x in t)
+
+
+def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
+            lora_rank: int | None = None, host_ram: int | None = None,
+            microbatches: int | None = None, stale: bool = False,
+            memory_fraction: float = 0.9) -> PlanAnalysis:
+    """Plan ``model`` on ``hw`` for steps of ``global_batch`` sequences of ``seq``
+    tokens (LoRA of ``lora_rank`` if given) and judge the fit; see :class:`PlanAnalysis`."""
+    if seq < 1 or global_batch < 1:
+        raise ConfigError(f"seq ({seq}) and global batch ({global_batch}) must be >= 1")
+    if microbatches is not None and (microbatches < 1 or global_batch % microbatches):
+        raise ConfigError(f"--microbatches {microbatches} must divide the global batch "
+                          f"{global_batch}")
+    if not 0 < memory_fraction <= 1:
+        raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    device_limit = int(hw.device.memory_bytes * memory_fraction)
+    host_limit = host_ram or default_host_ram(hw)
+    trainable, grads = _trainable(model, hw, lora_rank)
+    counts = (microbatches,) if microbatches else _divisors(global_batch)
+    config = PlannerConfig(hw.count, device_limit, counts, stale=stale, grad_bytes=grads)
+
+    def costs_for(M: int) -> ModelCosts:
+        return _costs(model, hw, seq, global_batch // M)
+
+    choice, error = None, None
+    try:
+        choice = choose_plan(costs_for, config)
+        host = host_memory(choice.costs, choice.plan, choice.microbatches, hw.count,
+                           trainable_params=trainable)
+    except PlanError as exc:
+        error = str(exc)
+        costs = costs_for(max(counts))
+        host = host_memory(costs, _singles_plan(len(costs.layers)), max(counts), hw.count,
+                           trainable_params=trainable)
+    longest = longest_sequence(model, hw, global_batch=global_batch,
+                               device_limit=device_limit, lora_rank=lora_rank)
+    longest_host = longest_sequence(model, hw, global_batch=global_batch,
+                                    device_limit=device_limit, host_limit=host_limit,
+                                    lora_rank=lora_rank)
+    mfu = 0.0
+    if choice is not None:
+        flops = sum(w.forward_flops + w.backward_flops for w in model_work(model, seq))
+        peak = (hw.device.tflops_fp16_accumulate if hw.fp16_accumulate
+                else hw.device.tflops) * 1e12
+        mfu = flops * choice.report.tokens_per_s / (hw.count * peak)
+    analysis = PlanAnalysis(str(model), hw.name, seq, global_batch, lora_rank is not None,
+                            device_limit, host_limit, choice, host, error, longest,
+                            longest_host, mfu)
+    return _with_suggestions(analysis, model, hw, lora_rank, counts)
+
+
+def _with_suggestions(a: PlanAnalysis, model, hw, lora_rank, counts) -> PlanAnalysis:
+    out: list[str] = []
+    if not a.fits_device:
+        if a.global_batch > max(counts):
+            out.append(f"more microbatches: --microbatches {a.global_batch} (one sequence, "
+                       f"{a.seq} tokens, per microbatch)")
+        out.append("layer recompute grain is already tried when stage grain does not fit; "
+                   f"fewer tokens per microbatch: the longest sequence that fits is "
+                   f"{a.longest_seq:,} tokens")
+        if lora_rank is None:
+            out.append("LoRA (--lora): frozen weights need no gradient on the device")
+    if not a.fits_host:
+        out.append(f"needs {a.host.total / GB:.0f} GB of host RAM, you have "
+                   f"{a.host_limit / GB:.0f}: add RAM (--host-ram {math.ceil(a.host.total / GB)})")
+        if lora_rank is None:
+            t = lora_params(model, 16)
+            costs = a.choice.costs if a.choice else _costs(model, hw, a.seq)
+            plan = a.choice.plan if a.choice else _singles_plan(len(costs.layers))
+            lo = host_memory(costs, plan, a.choice.microbatches if a.choice else max(counts),
+                             hw.count, trainable_params=t)
+            out.append(f"LoRA (--lora, rank 16) needs {lo.total / GB:.0f} GB of host RAM: "
+                       "frozen weights have no master, gradient or optimizer state")
+        if a.host.checkpoints > 0.2 * a.host.total:
+            out.append("fewer tokens per step (shorter --seq or smaller --global-batch): "
+                       f"activation checkpoints take {a.host.checkpoints / GB:.0f} GB")
+    return PlanAnalysis(**{**a.__dict__, "suggestions": tuple(out)})

@@ -1,0 +1,277 @@
+"""TrainConfig: every setting of a training job, one frozen dataclass, from a file or flags.
+
+    cfg = TrainConfig(data="corpus/", steps=500)          # Python
+    cfg = load_config("run.toml", {"lr": 1e-3})           # a TOML/YAML file + overrides
+    rotapipe train --config run.toml --lr 1e-3            # the same on the command line
+
+The defaults are the demo: a small Qwen3 trained from scratch on the Python standard
+library's own source files (``data="stdlib"``) on 2 emulated workers. Each component
+reads its own part (:meth:`TrainConfig.pipe_config`, :meth:`TrainConfig.data_config`),
+never the whole object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import typing
+from dataclasses import dataclass, fields
+
+from ..config import BackendKind, PipeConfig, PrecisionConfig, RecomputeGrain
+from ..errors import ConfigError
+
+__all__ = ["TrainConfig", "load_config", "field_docs"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """All settings of ``rotapipe train``; validated at construction."""
+
+    # -- model -----------------------------------------------------------------------
+    model: str | None = None
+    """Local Hugging Face model directory to fine-tune; ``None``: a Qwen3-architecture
+    model trained from scratch with the sizes below and a byte-level BPE tokenizer
+    trained on the data."""
+    layers: int = 4
+    """From scratch: decoder layers."""
+    dim: int = 128
+    """From scratch: hidden size."""
+    heads: int = 4
+    """From scratch: attention heads (head size ``dim / heads``)."""
+    kv_heads: int | None = None
+    """From scratch: key/value heads (grouped-query attention); ``None``: ``heads``."""
+    ffn: int | None = None
+    """From scratch: MLP width; ``None``: ``3 * dim``."""
+    vocab: int = 2048
+    """From scratch: vocabulary size of the BPE tokenizer trained on the data."""
+    tokenizer_bytes: int = 3_000_000
+    """From scratch: bytes of training text the tokenizer is trained on."""
+    lora: bool = False
+    """Train a LoRA adapter (peft) instead of every weight; export writes the adapter."""
+    lora_rank: int = 8
+    """LoRA rank ``r``."""
+    lora_alpha: float = 16.0
+    """LoRA scaling ``alpha`` (the update is scaled by ``alpha / r``)."""
+    lora_targets: str = "all-linear"
+    """Comma-separated module names LoRA wraps, or ``all-linear``."""
+    # -- data ------------------------------------------------------------------------
+    data: str = "stdlib"
+    """Comma-separated text files, directories of them (``.txt .md .py .rst``), or
+    ``.jsonl`` files; ``stdlib``: the Python standard library's ``.py`` files."""
+    text_field: str = "text"
+    """JSONL: the field holding a document's text."""
+    prompt_field: str = "prompt"
+    """JSONL: the prompt of a prompt/response pair (masked out of the loss)."""
+    response_field: str = "response"
+    """JSONL: the response of a prompt/response pair (the loss is on these tokens)."""
+    seq: int = 128
+    """Tokens per packed training sequence."""
+    holdout: float = 0.02
+    """Fraction of documents held out for evaluation (chosen by a hash of the file
+    path and line, so the split never changes with the seed or the file order)."""
+    eval_sequences: int = 64
+    """Held-out sequences each evaluation runs on (the same ones every time)."""
+    # -- batch and precision ---------------------------------------------------------
+    batch: int = 16
+    """Sequences per optimizer step (the global batch)."""
+    microbatches: int = 4
+    """Microbatches the batch is split into inside the pipeline."""
+    dtype: str = "fp32"
+    """Compute dtype of the workers: fp32, bf16 or fp16 (fp32 masters always)."""
+    # -- optimizer and schedule ------------------------------------------------------
+    optimizer: str = "adamw"
+    """``adamw`` (torch fused AdamW on the CPU masters) or ``sgd``."""
+    optimizer_mode: str = "sync"
+    """``sync``: exact, synchronous step (the only mode the runtime has today)."""
+    lr: float = 4e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to ``lr * min_lr_ratio`` at the last step."""
+    warmup: int = 20
+    """Linear warmup steps from ``lr / warmup`` up to ``lr``."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW)."""
+    beta1: float = 0.9
+    """AdamW beta1 (SGD: momentum)."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (``0``: no clipping)."""
+    steps: int = 400
+    """Optimizer steps (the cosine schedule's length)."""
+    epochs: int | None = None
+    """Also stop after this many passes over the training data (``None``: no limit)."""
+    time_limit: float | None = None
+    """Stop (and save) after this many seconds of training (``None``: no limit)."""
+    # -- evaluation, checkpoints, output --------------------------------------------
+    eval_interval: int = 25
+    """Evaluate held-out loss and perplexity every this many steps (and at 0 and end;
+    ``0``: never)."""
+    out_dir: str = "runs/train"
+    """Output directory: metrics.jsonl, checkpoints/, final/ (the exported model)."""
+    save_interval: int = 100
+    """Checkpoint every this many steps (and at the end; ``0``: only at the end)."""
+    keep: int = 3
+    """Checkpoints kept (the oldest are deleted after a new one is complete)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``out_dir``."""
+    export: bool = True
+    """Write the final model (or LoRA adapter) with ``save_pretrained`` to out_dir/final."""
+    sample_tokens: int = 60
+    """Tokens of the greedy sample generated at the end (``0``: none)."""
+    sample_prompt: str = "def "
+    """Prompt of the sample."""
+    # -- runtime ---------------------------------------------------------------------
+    workers: int | None = None
+    """Workers; ``None``: every CUDA GPU, else 2 emulated CPU workers."""
+    backend: str = "auto"
+    """``auto`` (CUDA GPUs when present), ``cuda`` or ``emulated``."""
+    grain: str = "stage"
+    """Backward recompute grain: ``stage`` (fast) or ``layer`` (least device memory)."""
+    seed: int = 0
+    """Seed of the initial weights, the data order and the dropout streams."""
+    log_every: int = 50
+    """Print a line every this many steps."""
+    progress: bool = True
+    """Show a tqdm progress bar (loss, tokens/s, lr, device memory)."""
+
+    def __post_init__(self):
+        def positive(*names, zero_ok=False):
+            for n in names:
+                v = getattr(self, n)
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool)
+                                      or v < (0 if zero_ok else 1)):
+                    want = ">= 0" if zero_ok else ">= 1"
+                    raise ConfigError(f"{n}={v!r}: use an integer {want}")
+        positive("layers", "dim", "heads", "kv_heads", "ffn", "vocab", "seq",
+                 "eval_sequences", "batch", "microbatches", "steps", "epochs", "keep",
+                 "lora_rank", "tokenizer_bytes", "log_every")
+        positive("warmup", "eval_interval", "save_interval", "sample_tokens", "seed",
+                 zero_ok=True)
+        if self.model is None and self.dim % self.heads:
+            raise ConfigError(f"dim={self.dim} is not a multiple of heads={self.heads}")
+        if self.vocab < 260:
+            raise ConfigError(f"vocab={self.vocab}: a byte-level BPE needs at least 260 "
+                              "tokens (256 bytes + specials)")
+        if not 0.0 < self.holdout < 1.0:
+            raise ConfigError(f"holdout={self.holdout}: use a fraction in (0, 1)")
+        if self.batch % self.microbatches:
+            raise ConfigError(f"batch={self.batch} is not a multiple of microbatches="
+                              f"{self.microbatches}: every microbatch gets the same "
+                              "number of sequences")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.grad_clip < 0:
+            raise ConfigError("lr must be > 0, min_lr_ratio in [0, 1], grad_clip >= 0")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"optimizer={self.optimizer!r}: use 'adamw' or 'sgd'")
+        if self.optimizer_mode != "sync":
+            raise ConfigError(f"optimizer_mode={self.optimizer_mode!r}: only 'sync' (exact) "
+                              "is implemented by the runtime today")
+        if self.time_limit is not None and self.time_limit <= 0:
+            raise ConfigError(f"time_limit={self.time_limit}: use seconds > 0 or None")
+        self.pipe_config()          # dtype, backend, grain, workers checked there
+
+    # -- each component's part ---------------------------------------------------------
+    def pipe_config(self) -> PipeConfig:
+        """The pipeline's part: workers, microbatches, recompute grain, precision."""
+        return PipeConfig(workers=self.workers, microbatches=self.microbatches,
+                          grain=self.grain, backend=self.backend, seed=self.seed,
+                          precision=PrecisionConfig(compute_dtype=self.dtype))
+
+    def replace(self, **changes) -> TrainConfig:
+        """A copy with ``changes`` (validated; unknown names get a suggestion)."""
+        _check_names(changes)
+        return dataclasses.replace(self, **changes)
+
+
+def field_docs() -> dict[str, str]:
+    """``{field name: its docstring}``, read from this module's source (for ``--help``
+    and the docs)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and \
+                isinstance(b.value, ast.Constant):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def field_types() -> dict[str, type]:
+    """``{field name: the scalar type a flag or file value converts to}``."""
+    hints = typing.get_type_hints(TrainConfig)
+    out = {}
+    for f in fields(TrainConfig):
+        t = hints[f.name]
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        out[f.name] = args[0] if args else t
+    return out
+
+
+def _check_names(values: dict, where: str = "") -> None:
+    names = [f.name for f in fields(TrainConfig)]
+    for key in values:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+            hint = f": did you mean {close[0]!r}?" if close else \
+                ": see `rotapipe train --help` for the fields"
+            raise ConfigError(f"unknown config field {key!r}{where}{hint}")
+
+
+def _coerce(name: str, value):
+    t = field_types()[name]
+    if value is None or isinstance(value, t):
+        return value
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    raise ConfigError(f"config field {name!r} = {value!r} should be of type {t.__name__}")
+
+
+def read_file(path: str | pathlib.Path) -> dict:
+    """The settings in a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file (a flat table,
+    or a ``[train]`` table)."""
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist: check the path")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            import tomllib
+            values = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise ConfigError(f"{p} is YAML but PyYAML is not installed: pip install "
+                                  "pyyaml, or write the config as TOML") from None
+            values = yaml.safe_load(text) or {}
+        elif p.suffix == ".json":
+            import json
+            values = json.loads(text)
+        else:
+            raise ConfigError(f"config file {p}: use a .toml, .yaml or .json file")
+    except ConfigError:
+        raise
+    except Exception as exc:             # the parsers' own error types differ
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"config file {p} does not parse: {first}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {p} must hold a table of settings")
+    if set(values) == {"train"} and isinstance(values["train"], dict):
+        values = values["train"]
+    return values
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: dict | None = None,
+                base: TrainConfig | None = None) -> TrainConfig:
+    """``base`` (default: the defaults), then the file's settings, then ``overrides``
+    (e.g. command-line flags). Unknown names fail with the closest known name."""
+    values = dict(read_file(path)) if path is not None else {}
+    _check_names(values, f" in {path}" if path is not None else "")
+    values.update(overrides or {})
+    _check_names(values)
+    values = {k: _coerce(k, v) for k, v in values.items()}
+    return dataclasses.replace(base or TrainConfig(), **values)

@@ -1,0 +1,379 @@
+"""The training job: build, (resume,) train with warmup + cosine LR and clipping,
+evaluate, checkpoint, export, sample. Reads top to bottom in :func:`train`.
+
+Every check that can fail (config, files, data lines, sequence length, a checkpoint
+from another model) runs before the first step. Ctrl-C (SIGINT) finishes the current
+step, saves a checkpoint and returns normally; a second Ctrl-C aborts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import random
+import signal
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from .checkpoint import (check_compatible, latest_checkpoint, load_checkpoint,
+                         save_checkpoint)
+from .config import TrainConfig
+from .data import (IGNORE, TextFields, TrainBatches, eval_batch, iter_records,
+                   record_text, source_files)
+from .model import build_model, build_tokenizer, check_sequence_length, fingerprint
+
+__all__ = ["train", "TrainResult", "RESUME_FIXED"]
+
+log = logging.getLogger("rotapipe.train")
+
+RESUME_FIXED = ("model", "layers", "dim", "heads", "kv_heads", "ffn", "vocab",
+                "tokenizer_bytes", "lora", "lora_rank", "lora_alpha", "lora_targets",
+                "data", "text_field", "prompt_field", "response_field", "seq", "holdout",
+                "batch", "seed", "optimizer")
+"""Fields a resumed run must share with its checkpoint (the rest may change, e.g. steps)."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run did: steps, held-out losses (first and last evaluation), wall time."""
+
+    start_step: int
+    step: int
+    eval_first: float | None
+    eval_last: float | None
+    seconds: float
+    tokens: int
+    interrupted: bool
+    checkpoint: pathlib.Path | None
+    sample: str | None
+
+
+def lr_factor(cfg: TrainConfig):
+    """``step -> lr multiplier``: linear warmup, then cosine down to ``min_lr_ratio``."""
+    def f(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+    return f
+
+
+def check_data(files, fields: TextFields) -> None:
+    """Read every JSONL line once (streaming) so a bad line fails before training."""
+    for path in files:
+        if path.suffix == ".jsonl":
+            for i, rec in iter_records(path):
+                record_text(rec, fields, f"{path}:{i + 1}")
+
+
+def evaluate(pipe, wrapped, ids: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean next-token loss over the counted held-out tokens."""
+    pipe.eval()
+    try:
+        logits = pipe(wrapped.inputs(ids))                     # [n, seq, vocab]
+    finally:
+        pipe.train()
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=IGNORE).item()
+
+
+class _Stop:
+    """SIGINT -> finish the step and save (installed only from the main thread)."""
+
+    def __init__(self):
+        self.requested = False
+        self._prev = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("interrupted: finishing the current step, then saving (Ctrl-C again "
+                    "to abort)")
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+
+
+def train(cfg: TrainConfig, echo=print) -> TrainResult:
+    """Run the job ``cfg`` describes; ``echo`` prints the progress lines."""
+    out = pathlib.Path(cfg.out_dir)
+    ckdir = out / "checkpoints"
+    fields = TextFields(cfg.text_field, cfg.prompt_field, cfg.response_field)
+
+    # -- checks before any work ------------------------------------------------------
+    files = source_files(cfg.data)
+    check_data(files, fields)
+    check_sequence_length(cfg)
+    resume = latest_checkpoint(ckdir) if cfg.resume else None
+    if not cfg.resume and latest_checkpoint(ckdir) is not None:
+        raise ConfigError(f"{ckdir} already holds checkpoints: pass --resume to continue "
+                          "that run, or a new --out-dir")
+    masters = state = None
+    if resume is not None:
+        masters, state, meta = load_checkpoint(resume)
+        _check_resume_config(resume, meta["config"], cfg)
+    elif cfg.resume:
+        echo(f"no checkpoint in {ckdir}: starting from step 0")
+
+    # -- model, tokenizer, pipeline, optimizer ------------------------------------------
+    t0 = time.perf_counter()
+    tokenizer = build_tokenizer(cfg, files, resume / "tokenizer" if resume else None)
+    model = build_model(cfg, tokenizer)
+    if resume is not None:
+        check_compatible(resume, meta, fingerprint(model))
+    from ..adapters import wrap_hf
+    wrapped = wrap_hf(model)
+    pipe = wrapped.pipe(cfg.pipe_config())
+    try:
+        opt = _optimizer(cfg, pipe)
+        pipe.attach_optimizer(opt)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
+        stream = TrainBatches(files, tokenizer, batch=cfg.batch, seq=cfg.seq,
+                              seed=cfg.seed, holdout=cfg.holdout, fields=fields)
+        eval_ids, eval_labels = eval_batch(files, tokenizer, cfg.eval_sequences, seq=cfg.seq,
+                                           holdout=cfg.holdout, fields=fields)
+        start = 0
+        if resume is not None:
+            _restore(pipe, model, opt, sched, stream, masters, state)
+            start = int(state["step"])
+            echo(f"resumed from {resume} (step {start})")
+        _describe(cfg, pipe, wrapped, tokenizer, files, eval_ids, time.perf_counter() - t0,
+                  echo)
+        return _loop(_Job(cfg, out, pipe, wrapped, tokenizer, opt, sched, stream,
+                          (eval_ids, eval_labels), start, state, echo))
+    finally:
+        pipe.close()
+
+
+def _optimizer(cfg: TrainConfig, pipe) -> torch.optim.Optimizer:
+    params = list(pipe.parameters())
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.beta1,
+                               weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             weight_decay=cfg.weight_decay, fused=True)
+
+
+def _check_resume_config(path, saved: dict, cfg: TrainConfig) -> None:
+    for name in RESUME_FIXED:
+        if saved.get(name) != getattr(cfg, name):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"checkpoint {path} was written with {name}={saved.get(name)!r}"
+                              f", this run has {getattr(cfg, name)!r}: pass {flag} "
+                              f"{saved.get(name)} to resume it, or use a new out_dir")
+
+
+def _restore(pipe, model, opt, sched, stream, masters, state) -> None:
+    """Masters, optimizer, scheduler, pipeline counters, RNG states, data cursor."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in masters:
+                p.copy_(masters[name])
+    pipe.host.write_back()               # compute-dtype copies follow the masters
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    pipe.load_pipeline_state(state["pipe"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(_tuples(state["rng"]["python"]))
+    stream.load_state_dict(state["data"])
+
+
+def _tuples(x):
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _describe(cfg, pipe, wrapped, tokenizer, files, eval_ids, setup_s, echo) -> None:
+    kind = "CUDA GPU" if pipe.devices[0].torch_device.type == "cuda" else "emulated CPU"
+    n = sum(p.numel() for p in pipe.parameters())
+    what = cfg.model or f"Qwen3 from scratch ({cfg.layers} layers, hidden {cfg.dim})"
+    data = "the Python standard library's .py files" if cfg.data == "stdlib" else cfg.data
+    echo(f"model: {what}, {n / 1e6:.2f}M trainable parameters{' (LoRA)' if cfg.lora else ''}"
+         f", vocab {len(tokenizer)}, {cfg.dtype}")
+    echo(f"data: {data} ({len(files)} files), {cfg.seq}-token sequences, held-out "
+         f"{eval_ids.shape[0]} sequences; setup {setup_s:.1f} s")
+    echo(f"pipeline: {len(pipe.devices)} {kind} workers, {cfg.microbatches} microbatches "
+         f"of {cfg.batch // cfg.microbatches}, plan {pipe.plan.to_text()}")
+
+
+class _Job:
+    """The live objects of a run, and its steps: train, evaluate, save, finish."""
+
+    def __init__(self, cfg, out, pipe, wrapped, tokenizer, opt, sched, stream, held, start,
+                 state, echo):
+        self.cfg, self.out, self.pipe, self.wrapped = cfg, out, pipe, wrapped
+        self.tokenizer, self.opt, self.sched, self.stream = tokenizer, opt, sched, stream
+        self.held, self.start, self.step, self.echo = held, start, start, echo
+        self.tokens = int(state["tokens"]) if state else 0
+        self.elapsed = 0.0                           # seconds spent in training steps
+        self.checkpoint: pathlib.Path | None = None
+        self.say = echo
+
+    def train_step(self) -> dict:
+        """One optimizer step; its metrics."""
+        cfg, pipe = self.cfg, self.pipe
+        t = time.perf_counter()
+        ids, labels = self.stream.next_batch()                       # [batch, seq] each
+        pipe.reset_peak_memory()
+        loss = pipe.forward_backward(self.wrapped.inputs(ids), labels)
+        lr = self.sched.get_last_lr()[0]
+        # Exact: in the synchronous mode param.grad holds the whole step's gradient.
+        norm = torch.nn.utils.clip_grad_norm_(list(pipe.parameters()),
+                                              cfg.grad_clip or float("inf")).item()
+        stepped = pipe.step()
+        self.sched.step()
+        self.step += 1
+        self.tokens += ids.numel()
+        dt = time.perf_counter() - t
+        self.elapsed += dt
+        mem = max(pipe.peak_memory(), default=0) / 2**20
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
+                "tokens": self.tokens, "tokens_per_s": ids.numel() / dt,
+                "device_mem_mib": round(mem, 2), "loss_scale": pipe.scaler.scale,
+                "skipped": not stepped, "elapsed_s": round(self.elapsed, 3)}
+
+    def evaluate(self, record: dict) -> float:
+        loss = evaluate(self.pipe, self.wrapped, *self.held)
+        record.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
+        self.say(f"eval  step {self.step:5d}  held-out loss {loss:.4f}  perplexity "
+                 f"{record['eval_ppl']:.1f}")
+        return loss
+
+    def save(self) -> None:
+        pipe, model = self.pipe, self.wrapped.model
+        state = {"step": self.step, "tokens": self.tokens, "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict(), "pipe": pipe.pipeline_state(),
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                 "data": self.stream.state_dict()}
+        meta = {"step": self.step, "plan": pipe.plan.to_text(),
+                "fingerprint": fingerprint(model), "config": dataclasses.asdict(self.cfg)}
+        masters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.checkpoint = save_checkpoint(self.out / "checkpoints", self.step,
+                                          masters=masters, state=state, meta=meta,
+                                          tokenizer=self.tokenizer, keep=self.cfg.keep)
+
+    def saved_now(self) -> bool:
+        return self.checkpoint is not None and \
+            self.checkpoint.name == f"step-{self.step:08d}"
+
+    def export(self) -> None:
+        final = self.out / "final"
+        self.wrapped.save_pretrained(str(final))
+        self.tokenizer.save_pretrained(str(final))
+        self.echo(f"exported {'LoRA adapter' if self.cfg.lora else 'model'} to {final}")
+
+
+def _loop(job: _Job) -> TrainResult:
+    from tqdm import tqdm
+
+    cfg = job.cfg
+    job.out.mkdir(parents=True, exist_ok=True)
+    metrics_path = job.out / "metrics.jsonl"
+    _truncate_metrics(metrics_path, job.start)
+    evals = [m["eval_loss"] for m in _read_metrics(metrics_path) if "eval_loss" in m]
+    t_start = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=job.start, disable=not cfg.progress, unit="step",
+               dynamic_ncols=True, leave=False)
+    if cfg.progress:
+        job.say = bar.write                       # lines above the bar, not through it
+    with _Stop() as stop, open(metrics_path, "a") as metrics:
+        if job.start == 0 and cfg.eval_interval:
+            record = {"step": 0}
+            evals.append(job.evaluate(record))
+            metrics.write(json.dumps(record) + "\n")
+        while job.step < cfg.steps and not stop.requested:
+            if cfg.epochs is not None and job.stream.epoch >= cfg.epochs:
+                break
+            if cfg.time_limit is not None and job.elapsed >= cfg.time_limit:
+                job.say(f"time limit {cfg.time_limit:g} s reached")
+                break
+            r = job.train_step()
+            step = r["step"]
+            if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
+                evals.append(job.evaluate(r))
+            metrics.write(json.dumps(r) + "\n")
+            metrics.flush()
+            bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{r['tokens_per_s']:.0f}",
+                            lr=f"{r['lr']:.2e}", mem=f"{r['device_mem_mib']:.0f}MiB",
+                            refresh=False)
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == 1:
+                job.say(f"step {step:5d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad norm "
+                        f"{r['grad_norm']:.2f}  {r['tokens_per_s']:7.0f} tokens/s  device "
+                        f"{r['device_mem_mib']:.0f} MiB"
+                        + ("  (skipped: fp16 overflow)" if r["skipped"] else ""))
+            if cfg.save_interval and step % cfg.save_interval == 0:
+                job.save()
+        bar.close()
+        job.say = job.echo
+        if (job.step > job.start or stop.requested) and not job.saved_now():
+            job.save()
+    wall = time.perf_counter() - t_start
+    sample = None
+    if stop.requested:
+        job.echo(f"stopped at step {job.step}; saved {job.checkpoint}; continue with "
+                 "--resume")
+    else:
+        if cfg.export:
+            job.export()
+        if cfg.sample_tokens:
+            sample = generate_sample(job.wrapped, job.tokenizer, cfg)
+            job.echo(f"sample (greedy, prompt {cfg.sample_prompt!r}):\n{sample}")
+    first, last = (evals[0], evals[-1]) if evals else (None, None)
+    if evals:
+        rate = job.tokens / job.elapsed if job.elapsed else 0.0
+        job.echo(f"held-out loss {first:.4f} -> {last:.4f} ({100 * (last / first - 1):+.1f}%)"
+                 f" over steps {job.start}..{job.step}; {wall:.1f} s, {job.tokens} tokens, "
+                 f"{rate:.0f} tokens/s while training")
+    return TrainResult(job.start, job.step, first, last, wall, job.tokens, stop.requested,
+                       job.checkpoint, sample)
+
+
+def _read_metrics(path: pathlib.Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:       # a line cut by a crash
+            pass
+    return out
+
+
+def _truncate_metrics(path: pathlib.Path, step: int) -> None:
+    """Drop lines after ``step`` (written by a run that died after its last checkpoint)."""
+    if not path.is_file():
+        return
+    keep = [m for m in _read_metrics(path) if m.get("step", 0) <= step] if step else []
+    path.write_text("".join(json.dumps(m) + "\n" for m in keep))
+
+
+@torch.no_grad()
+def generate_sample(wrapped, tokenizer, cfg: TrainConfig) -> str:
+    """Greedy decode with the Hugging Face model itself on the CPU (its parameters are
+    the trained fp32 masters)."""
+    model = wrapped.model
+    model.eval()
+    ids = torch.tensor([tokenizer.encode(cfg.sample_prompt, add_special_tokens=False)])
+    limit = getattr(wrapped.config, "max_position_embeddings", None) or 1 << 30
+    new = max(0, min(cfg.sample_tokens, limit - ids.shape[1]))
+    dtypes = {p.dtype for p in model.parameters()}
+    low = next((d for d in dtypes if d != torch.float32), None)
+    with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0], skip_special_tokens=False)

@@ -1,0 +1,236 @@
+"""The memory-aware partitioner and the automatic planner: exact cuts against brute
+force, whole plans against exhaustive simulation, coverage and memory properties,
+planning time, host-memory arithmetic and measured-cost refinement."""
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from rotapipe.config import RecomputeGrain
+from rotapipe.errors import PlanError
+from rotapipe.plan import LayerCost, ModelCosts, hardware, model_costs
+from rotapipe.plan.hostmem import host_memory, lora_params
+from rotapipe.plan.measured import MeasuredCosts, Pass, PlanRefiner
+from rotapipe.plan.balance import greedy_compute_plan
+from rotapipe.plan.partitioner import Direction, Footprint, candidate_plans, min_max_cut
+from rotapipe.sim.autoplan import (PlannerConfig, all_plans, choose_plan, device_need,
+                                   simulate_plan)
+
+FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _model(times, uploads=None, weights=None, saved=None, out=10):
+    n = len(times)
+    uploads = uploads or [0.0] * n
+    weights = weights or [0] * n
+    saved = saved or [0] * n
+    return ModelCosts(tuple(LayerCost(f"l{i}", t, 2 * t, t, uploads[i], 0.1, weights[i],
+                                      saved[i], out) for i, t in enumerate(times)), 1,
+                      input_bytes=out)
+
+
+def _compositions(a, b):
+    n = b - a
+    for mask in range(1 << (n - 1)):
+        bounds = [a] + [a + i + 1 for i in range(n - 1) if mask >> i & 1] + [b]
+        yield list(zip(bounds, bounds[1:]))
+
+
+layer = st.tuples(st.floats(0.1, 10.0), st.floats(0.0, 20.0), st.integers(1, 50),
+                  st.integers(0, 50))
+
+
+@FAST
+@given(layers=st.lists(layer, min_size=1, max_size=8), parts=st.integers(1, 8),
+       direction=st.sampled_from([Direction.FORWARD, Direction.BACKWARD]),
+       grain=st.sampled_from(list(RecomputeGrain)), mbs=st.integers(1, 4),
+       memory=st.integers(60, 400), cap=st.integers(10, 200))
+def test_min_max_cut_equals_brute_force(layers, parts, direction, grain, mbs, memory, cap):
+    n = len(layers) + 1          # + a tail layer, so the body is the generated layers
+    layers = layers + [(1.0, 0.0, 1, 0)]
+    costs = _model(*map(list, zip(*layers)))
+    fp = Footprint.of(costs, mbs, grain)
+    body = n - 1
+    best = None
+    for runs in _compositions(0, body):
+        if len(runs) != parts:
+            continue
+        ok = all(fp.resident(direction, a, b) <= cap
+                 and fp.needs(direction, a, b, cap) <= memory for a, b in runs)
+        if ok:
+            worst = max(fp.cost(direction, a, b) for a, b in runs)
+            best = worst if best is None else min(best, worst)
+    if parts > body or best is None:
+        with pytest.raises(PlanError):
+            min_max_cut(fp, direction, 0, body, parts, cap=cap, memory=memory)
+        return
+    worst, runs = min_max_cut(fp, direction, 0, body, parts, cap=cap, memory=memory)
+    assert worst == pytest.approx(best, rel=1e-9)
+    assert len(runs) == parts and runs[0][0] == 0 and runs[-1][1] == body
+    assert all(fp.needs(direction, a, b, cap) <= memory for a, b in runs)
+
+
+def _brute_best(costs, workers, mbs, memory):
+    best = None
+    fp = Footprint.of(costs, mbs)
+    for plan in all_plans(len(costs.layers)):
+        if device_need(plan, fp) > memory:
+            continue
+        t = simulate_plan(plan, costs, workers, mbs).step_ms
+        best = t if best is None else min(best, t)
+    return best
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(times=st.lists(st.floats(0.5, 5.0), min_size=2, max_size=5),
+       uploads=st.lists(st.floats(0.0, 3.0), min_size=5, max_size=5),
+       workers=st.integers(1, 4), mbs=st.integers(1, 4), memory=st.integers(150, 600))
+def test_planner_equals_brute_force_on_small_instances(times, uploads, workers, mbs, memory):
+    n = len(times)
+    costs = _model(times, uploads[:n], weights=[40] * n, saved=[30] * n)
+    best = _brute_best(costs, workers, mbs, memory)
+    config = PlannerConfig(workers, memory, (mbs,), grains=(RecomputeGrain.STAGE,))
+    if best is None:
+        with pytest.raises(PlanError):
+            choose_plan(lambda m: costs, config)
+        return
+    choice = choose_plan(lambda m: costs, config)
+    assert choice.step_ms == pytest.approx(best, rel=1e-9)
+    assert choice.device_bytes <= memory
+
+
+@FAST
+@given(times=st.lists(st.floats(0.1, 20.0), min_size=2, max_size=40),
+       workers=st.integers(1, 8), mbs=st.integers(1, 16), memory=st.integers(200, 2000))
+def test_every_candidate_covers_every_layer_once_and_fits(times, workers, mbs, memory):
+    n = len(times)
+    costs = _model(times, [t / 2 for t in times], weights=[30] * n, saved=[20] * n)
+    fp = Footprint.of(costs, mbs)
+    try:
+        cands = candidate_plans(fp, workers, memory)
+    except PlanError as exc:
+        assert "layer" in str(exc) and "GiB" in str(exc)
+        return
+    for _, plan in cands:
+        for stages in (plan.forward + (plan.tail,), plan.backward + (plan.tail,)):
+            covered = [l for s in stages for l in s.layers]
+            assert covered == list(range(n))
+        assert device_need(plan, fp) <= memory
+
+
+def test_a_plan_that_cannot_fit_names_the_layer_and_the_limit():
+    costs = _model([1.0] * 4, weights=[10, 10, 500, 10], saved=[1] * 4)
+    with pytest.raises(PlanError, match=r"layer 2 \(l2\) alone needs 2,051 bytes.*usable "
+                                        r"device memory is 1,000 bytes"):
+        choose_plan(lambda m: costs, PlannerConfig(2, 1000, (2,)))
+
+
+def test_layer_grain_keeps_one_layer_of_activations_in_a_backward_stage():
+    costs = _model([1.0] * 6, weights=[10] * 6, saved=[100] * 6)
+    stage = Footprint.of(costs, 2, RecomputeGrain.STAGE)
+    layer = Footprint.of(costs, 2, RecomputeGrain.LAYER)
+    b = Direction.BACKWARD
+    assert stage.working(b, 0, 3) - layer.working(b, 0, 3) == 300 - (100 + 3 * 10)
+    assert layer.cost(b, 0, 3) == pytest.approx(2 * 3 * (2 * 1.0 + 2.0))   # 2x recompute
+
+
+def test_planning_100_layers_takes_under_a_second():
+    hw = hardware("rtx4090x8")
+    base = model_costs("qwen3-32b", hw).layers
+    layers = tuple(base[1 + i % 64] for i in range(98))
+    costs = ModelCosts((base[0],) + layers + (base[-1],), 2048)
+    assert len(costs.layers) == 100
+    t = time.process_time()   # CPU time: robust to other processes on a shared machine
+    cands = candidate_plans(Footprint.of(costs, 16), 8, int(21.6 * 2**30))
+    took = time.process_time() - t
+    assert took < 1.0, f"planning 100 layers took {took:.2f} s"
+    assert cands
+
+
+def test_planner_beats_the_compute_only_greedy_on_qwen3_32b():
+    hw = hardware("rtx4090x8")
+    choice = choose_plan(lambda m: model_costs("qwen3-32b", hw, seq=2048),
+                         PlannerConfig(8, int(21.6 * 2**30), (16,)))
+    greedy = simulate_plan(greedy_compute_plan(choice.costs), choice.costs, 8, 16)
+    assert choice.step_ms < greedy.step_ms
+    assert choice.report.bubble.total <= greedy.bubble.total
+
+
+# -- host memory --------------------------------------------------------------------
+
+
+def test_host_memory_arithmetic_full_and_lora():
+    costs = _model([1.0] * 3, weights=[200, 400, 600], out=50)   # bf16: 100/200/300 params
+    plan = next(p for p in all_plans(3) if len(p.forward) == 2 and len(p.backward) == 1
+                and p.tail.start == 2)   # F0[0:1] F1[1:2] T[2:3] B0[0:2]
+    full = host_memory(costs, plan, microbatches=4, workers=2)
+    assert full.weights == 1200                       # compute dtype, every parameter
+    assert full.masters == 4 * 600 and full.gradients == 2 * 4 * 600   # + staged
+    assert full.optimizer == 8 * 600                  # Adam: two fp32 moments
+    assert full.pinned_buffers == 2 * 2 * 600         # two of the largest grad stage
+    # boundaries 0 (B0 start: the input), 1 (F0 out), 2 (F1 out, tail start), plus an
+    # input and a gradient per microbatch in flight; _model's input is 50 bytes too
+    assert full.checkpoints == 4 * (50 + 50 + 50 + 50 + 50)
+    lora = host_memory(costs, plan, 4, 2, trainable_params=[0, 7, 0])
+    assert lora.masters == 28 and lora.optimizer == 56 and lora.gradients == 56
+    assert lora.weights == 1200 + 14                  # frozen weights + adapter copies
+
+
+def test_lora_params_follow_the_config():
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}
+    p = lora_params(cfg, rank=8)
+    per_block = 8 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64))
+    assert p == (0, per_block, per_block, 0)
+
+
+def test_qwen3_32b_full_needs_about_600_gb_of_host_ram():
+    hw = hardware("rtx4090x1")
+    costs = model_costs("qwen3-32b", hw)
+    plan = greedy_compute_plan(costs)
+    host = host_memory(costs, plan, 16, 1)
+    # 32.8 B parameters x (2 bf16 + 4 master + 8 Adam + 2 x 4 grads) = 720 GB + checkpoints
+    assert 720e9 < host.total < 760e9
+    lora = host_memory(costs, plan, 16, 1,
+                       trainable_params=lora_params("qwen3-32b"))
+    assert lora.total < 0.15 * host.total
+
+
+# -- measured costs -----------------------------------------------------------------
+
+
+def test_measured_costs_average_and_override_the_estimate():
+    base = _model([1.0, 1.0, 1.0])
+    m = MeasuredCosts(3, alpha=0.5, min_samples=2)
+    m.record(1, Pass.FORWARD, 4.0)
+    assert m.apply(base).layers[1].forward_ms == 1.0      # one sample: not yet used
+    m.record(1, "forward_ms", 2.0)
+    assert m.apply(base).layers[1].forward_ms == pytest.approx(3.0)
+    assert m.apply(base).layers[0].forward_ms == 1.0
+    with pytest.raises(Exception, match="layer 5"):
+        m.record(5, Pass.BACKWARD, 1.0)
+
+
+def test_plan_refiner_replans_on_change_and_freezes_when_stable():
+    base = _model([1.0] * 6)
+    calls = []
+
+    def planner(costs):
+        calls.append(costs)
+        return choose_plan(lambda m: costs, PlannerConfig(2, 10**9, (4,), exhaustive=0)).plan
+
+    first = planner(base)
+    refiner = PlanRefiner(planner, base, first, patience=2)
+    m = MeasuredCosts(6, alpha=1.0, min_samples=1)
+    for step in range(8):
+        slow = 8.0 if step >= 1 else 1.0             # layer 0 turns out 8x slower
+        for i in range(6):
+            m.record(i, Pass.FORWARD, slow if i == 0 else 1.0)
+        refiner.update(m)
+    assert refiner.frozen
+    n = len(calls)
+    m.record(0, Pass.FORWARD, 50.0)
+    refiner.update(m)
+    assert len(calls) == n                            # frozen: no more re-planning
+    assert refiner.replans >= 1 and refiner.plan != first   # the slowdown moved cuts

@@ -1,0 +1,65 @@
+"""`rotapipe plan`: text and JSON output, the host-RAM verdict, and a 235B MoE config
+planned quickly without allocating weights."""
+
+import json
+import resource
+import time
+
+from rotapipe.cli import main
+
+
+def _json(capsys, *argv):
+    rc = main(["plan", *argv, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_for_a_small_model_fits(capsys):
+    rc, out = _json(capsys, "qwen3-1.7b", "--hardware", "rtx4090x8", "--seq", "2048",
+                    "--global-batch", "16", "--microbatches", "16")
+    assert rc == 0 and out["fits"] and out["fits_device"] and out["fits_host"]
+    assert out["microbatches"] == 16 and out["tokens_per_microbatch"] == 2048
+    assert out["device_bytes"] <= out["device_limit_bytes"]
+    assert 0 < out["bubble"] < 1 and 0 < out["mfu"] < 1 and out["tokens_per_s"] > 1000
+    assert out["plan"].startswith("F0[0:") and " T[" in out["plan"]
+    assert out["longest_seq"] >= 2048 and out["suggestions"] == []
+    assert out["host_bytes"]["total"] == sum(v for k, v in out["host_bytes"].items()
+                                             if k != "total")
+
+
+def test_plan_says_how_much_host_ram_and_suggests_lora(capsys):
+    rc = main(["plan", "qwen3-32b", "--hardware", "rtx4090x1", "--host-ram", "512",
+               "--microbatches", "16"])
+    text = capsys.readouterr().out
+    assert rc == 2
+    assert "binding constraint: host memory" in text
+    assert "needs 7" in text and "GB of host RAM, you have 512" in text
+    assert "suggestion: LoRA" in text
+    rc, out = _json(capsys, "qwen3-32b", "--hardware", "rtx4090x1", "--host-ram", "512",
+                    "--microbatches", "16", "--lora")
+    assert rc == 0 and out["fits"] and out["lora"]
+    assert out["host_bytes"]["optimizer"] < 2e9   # adapters only: 134M params x 8 bytes
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def test_plan_of_a_235b_moe_is_fast_and_allocates_no_weights(capsys):
+    before = _rss()
+    t = time.process_time()   # CPU time: robust to other processes on a shared machine
+    rc, out = _json(capsys, "qwen3-235b-a22b", "--hardware", "rtx4090x8", "--lora",
+                    "--seq", "4096", "--global-batch", "8", "--microbatches", "8",
+                    "--host-ram", "1024")
+    elapsed = time.process_time() - t
+    assert elapsed < 10, f"took {elapsed:.1f} s of CPU"
+    assert _rss() - before < 300 * 2**20    # 470 GB of bf16 weights never materialise
+    assert rc == 0 and out["fits"] and out["host_bytes"]["weights"] > 400e9
+
+
+def test_plan_reports_a_layer_that_cannot_fit(capsys):
+    rc, out = _json(capsys, "qwen3-32b", "--hardware", "rtx4090x8", "--seq", "131072",
+                    "--global-batch", "1")
+    assert rc == 2 and not out["fits_device"] and out["binding"] == "device"
+    assert "alone needs" in out["device_error"] and "usable device memory" in out["device_error"]
+    assert any("longest sequence" in s for s in out["suggestions"])

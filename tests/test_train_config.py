@@ -1,0 +1,79 @@
+"""TrainConfig from files and flags; every setup error is one line, before training."""
+
+from __future__ import annotations
+
+import pytest
+
+from rotapipe.cli import main
+from rotapipe.errors import ConfigError
+from rotapipe.train import TrainConfig, load_config
+from rotapipe.train.config import field_docs
+from train_util import TINY, flags, text_jsonl
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_every_field_has_a_docstring_and_a_flag(capsys):
+    from dataclasses import fields
+    docs = field_docs()
+    assert all(docs.get(f.name) for f in fields(TrainConfig))
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert all("--" + f.name.replace("_", "-") in out for f in fields(TrainConfig))
+
+
+def test_file_then_flags(tmp_path):
+    (tmp_path / "a.toml").write_text('lr = 0.01\nsteps = 7\ndata = "x.jsonl"\n')
+    cfg = load_config(tmp_path / "a.toml", {"steps": 9})
+    assert (cfg.lr, cfg.steps, cfg.data) == (0.01, 9, "x.jsonl")
+    (tmp_path / "a.yaml").write_text("train:\n  lr: 0.02\n  warmup: 1\n")
+    pytest.importorskip("yaml")
+    assert load_config(tmp_path / "a.yaml").lr == 0.02
+
+
+def test_unknown_field_suggests_the_closest_name(tmp_path):
+    (tmp_path / "a.toml").write_text("eval_intervall = 5\n")
+    with pytest.raises(ConfigError, match=r"unknown config field 'eval_intervall' in .*a.toml"
+                                          r": did you mean 'eval_interval'\?"):
+        load_config(tmp_path / "a.toml")
+    with pytest.raises(ConfigError, match="did you mean 'microbatches'"):
+        TrainConfig().replace(micro_batches=2)
+    with pytest.raises(ConfigError, match="batch=6 is not a multiple of microbatches=4"):
+        TrainConfig(batch=6)
+
+
+def _one_line_error(capsys, argv) -> str:
+    rc = main(["train", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_cli_errors_are_one_line_before_training(tmp_path, capsys):
+    data = text_jsonl(tmp_path / "d.jsonl", 50)
+    out = str(tmp_path / "o")
+    (tmp_path / "c.toml").write_text("lrr = 1\n")
+    assert "did you mean 'lr'" in _one_line_error(capsys, ["--config", str(tmp_path / "c.toml")])
+    assert "does not exist" in _one_line_error(capsys, ["--config", str(tmp_path / "no.toml")])
+    err = _one_line_error(capsys, flags(data=str(tmp_path / "missing.txt"), out_dir=out))
+    assert "missing.txt" in err and "does not exist" in err
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{oops\n')
+    err = _one_line_error(capsys, flags(data=str(tmp_path / "bad.jsonl"), out_dir=out))
+    assert "bad.jsonl:2" in err
+    err = _one_line_error(capsys, flags(data=str(data), out_dir=out, model=str(tmp_path / "m")))
+    assert "model directory" in err
+    assert not (tmp_path / "o").exists()           # nothing was written
+
+
+def test_sequence_longer_than_the_model_supports(tmp_path, capsys):
+    config = transformers.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=16)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path / "m")
+    data = text_jsonl(tmp_path / "d.jsonl", 50)
+    capsys.readouterr()                            # save_pretrained's progress output
+    err = _one_line_error(capsys, flags(data=str(data), out_dir=str(tmp_path / "o"),
+                                        model=str(tmp_path / "m"), seq=32))
+    assert "seq=32" in err and "max_position_embeddings=16" in err and "--seq 16" in err

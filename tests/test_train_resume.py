@@ -1,0 +1,131 @@
+"""Checkpoints: exact resume after SIGKILL, SIGINT saves and exits 0, crash-safe writes,
+and a checkpoint from a different model is refused before training."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rotapipe.train import latest_checkpoint, load_checkpoint
+from train_util import env, flags, popen, run, text_jsonl
+
+N = 6
+
+
+def _wait_for(path, proc, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"{path} never appeared (rc={proc.returncode}):\n{out}")
+        time.sleep(0.01)
+
+
+def _masters(out):
+    return load_file(str(latest_checkpoint(out / "checkpoints") / "masters.safetensors"))
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path):
+    data = text_jsonl(tmp_path / "d.jsonl", 400)
+    common = dict(data=str(data), steps=2 * N, save_interval=N, eval_interval=4, lr=5e-3)
+    straight = run(flags(out_dir=str(tmp_path / "a"), **common))
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    # Train again, SIGKILL at a random moment after the step-N checkpoint is complete.
+    proc = popen(flags(out_dir=str(tmp_path / "b"), **common))
+    _wait_for(tmp_path / "b" / "checkpoints" / f"step-{N:08d}", proc)
+    metrics = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text()
+               .splitlines()]
+    second_half = metrics[-1]["elapsed_s"] - next(m["elapsed_s"] for m in metrics
+                                                  if m["step"] == N)
+    time.sleep(random.uniform(0, 0.8 * second_half))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = run(flags(out_dir=str(tmp_path / "b"), resume=True, **common))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    a, b = _masters(tmp_path / "a"), _masters(tmp_path / "b")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # The exported models match too, and the metrics file has each step once.
+    fa = load_file(str(tmp_path / "a" / "final" / "model.safetensors"))
+    fb = load_file(str(tmp_path / "b" / "final" / "model.safetensors"))
+    assert all(torch.equal(fa[k], fb[k]) for k in fa)
+    steps = [json.loads(l)["step"] for l in (tmp_path / "b" / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert steps == list(range(0, 2 * N + 1))
+
+
+def test_sigint_finishes_the_step_saves_and_exits_0(tmp_path):
+    data = text_jsonl(tmp_path / "d.jsonl", 400)
+    proc = popen(flags(data=str(data), out_dir=str(tmp_path / "o"), steps=10_000,
+                       save_interval=2, eval_interval=0))
+    _wait_for(tmp_path / "o" / "checkpoints" / f"step-{2:08d}", proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    last = latest_checkpoint(tmp_path / "o" / "checkpoints")
+    step = load_checkpoint(last)[2]["step"]
+    assert f"stopped at step {step}" in out and "--resume" in out
+    lines = (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["step"] == step       # the step in flight was finished
+
+
+WRITER = textwrap.dedent("""
+    import pathlib, sys, torch
+    from rotapipe.train.checkpoint import save_checkpoint
+    d = pathlib.Path(sys.argv[1])
+    for step in range(1, 10_000):
+        g = torch.Generator().manual_seed(step)
+        masters = {"w": torch.randn(512, 1024, generator=g)}
+        state = {"step": step, "opt": {"m": torch.full((256, 1024), float(step))}}
+        save_checkpoint(d, step, masters=masters, state=state, meta={"step": step}, keep=2)
+        print(step, flush=True)
+""")
+
+
+def test_sigkill_during_checkpoint_writes_leaves_a_complete_checkpoint(tmp_path):
+    """SIGKILL a process that does nothing but write checkpoints (so the kill lands in
+    a write), 4 times at random moments; the latest complete checkpoint always loads and
+    holds the data of its step. benchmarks/checkpoint_crash.py does this 20 times on
+    real training runs and resumes each."""
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    d = tmp_path / "ck"
+    rnd = random.Random(0)
+    for trial in range(4):
+        proc = subprocess.Popen([sys.executable, str(script), str(d)], env=env(),
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline()              # at least one save done (or resumed)
+        time.sleep(rnd.uniform(0.0, 0.4))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        last = latest_checkpoint(d)
+        masters, state, meta = load_checkpoint(last)
+        step = meta["step"]
+        assert state["step"] == step and last.name == f"step-{step:08d}"
+        g = torch.Generator().manual_seed(step)
+        assert torch.equal(masters["w"], torch.randn(512, 1024, generator=g))
+        assert torch.equal(state["opt"]["m"], torch.full((256, 1024), float(step)))
+
+
+def test_checkpoint_from_a_different_model_is_refused(tmp_path):
+    data = text_jsonl(tmp_path / "d.jsonl", 200)
+    out = str(tmp_path / "o")
+    first = run(flags(data=str(data), out_dir=out, steps=2, eval_interval=0))
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = run(flags(data=str(data), out_dir=out, steps=4, dim=48, resume=True))
+    assert again.returncode == 1
+    err = again.stderr.strip()
+    assert len(err.splitlines()) == 1 and "dim=32" in err and "--dim 32" in err, err
+    # Fresh run into a directory that holds checkpoints: refused, with the fix.
+    fresh = run(flags(data=str(data), out_dir=out, steps=2))
+    assert fresh.returncode == 1 and "--resume" in fresh.stderr

@@ -1,0 +1,68 @@
+"""Tiny corpora, tiny configs and a subprocess runner shared by the training-job tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+WORDS = ("the a cat dog sat ran on under mat tree big small red blue and then "
+         "quickly slowly jumped over fox river hill").split()
+
+# A 2-layer Qwen3 of width 32 on 32-token sequences: a step takes milliseconds.
+TINY = dict(layers=2, dim=32, heads=2, vocab=300, tokenizer_bytes=100_000, seq=32, batch=4,
+            microbatches=2, eval_sequences=4, holdout=0.15, warmup=2, lr=1e-2,
+            workers=2, backend="emulated", progress=False, sample_tokens=0, log_every=1000)
+
+
+def text_jsonl(path: pathlib.Path, n: int = 240, seed: int = 0) -> pathlib.Path:
+    """``n`` lines of ``{"text": ...}`` made of simple repeated sentence patterns."""
+    rnd = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            words = [rnd.choice(WORDS) for _ in range(rnd.randint(20, 40))]
+            f.write(json.dumps({"text": " ".join(words) + "."}) + "\n")
+    return path
+
+
+def sft_jsonl(path: pathlib.Path, n: int = 400, seed: int = 0) -> pathlib.Path:
+    """Prompt/response pairs where the response is a fixed function of the prompt
+    (the prompt's words reversed), so the response loss can fall."""
+    rnd = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            words = [rnd.choice(WORDS) for _ in range(4)]
+            f.write(json.dumps({"prompt": "reverse: " + " ".join(words) + " =>",
+                                "response": " " + " ".join(reversed(words))}) + "\n")
+    return path
+
+
+def flags(**settings) -> list[str]:
+    """``rotapipe train`` flags for ``TINY`` updated with ``settings``."""
+    out = []
+    for k, v in {**TINY, **settings}.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def env() -> dict:
+    # One intra-op thread in every process, so runs compare bit for bit.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def popen(args: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rotapipe", "train", *args], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rotapipe", "train", *args], env=env(),
+                          capture_output=True, text=True, timeout=timeout)
