@@ -128,6 +128,7 @@ class RoundPipe:
         self._runner = ActionRunner(self.layerset, self.host, loss_fn, self.devices,
                                     self.stores, self.shells, stages)
         self._executor = Executor(self.devices, config.timeout_s)
+        self._last_schedule: Schedule | None = None
         self.data_parallel = None
         """The data-parallel gradient reducer (``None`` when off); ``.last`` holds the
         all-reduce timing of the last call."""
@@ -327,6 +328,25 @@ class RoundPipe:
         training = not schedule.name.endswith("-eval")
         self._schedules[(training, schedule.microbatches)] = schedule
 
+    def last_timeline(self):
+        """When each action of the last call ran, as a :class:`rotapipe.sim.Timeline`
+        (milliseconds from the call's first action), so the simulator's tools apply to
+        real runs: ``rotapipe.sim.trace.write_trace`` (Chrome/Perfetto JSON),
+        ``rotapipe.sim.gantt.draw_gantt`` (PNG) and ``rotapipe.sim.report.report``
+        (bubble). Emulated workers give the times the actions ran; on CUDA the times
+        are when their work was issued."""
+        from .sim.engine import Resource, Span, Timeline, _RESOURCE
+        spans = list(self._executor.last_spans)
+        schedule = self._last_schedule
+        if not spans or schedule is None:
+            return None
+        t0 = min(s for _, s, _ in spans)
+        out = tuple(Span(a, _RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
+                    for a, s, e in sorted(spans, key=lambda x: x[1]))
+        del Resource
+        return Timeline(schedule, out, {sp.action.key: sp.start for sp in out},
+                        {sp.action.key: sp.end for sp in out})
+
     def peak_memory(self) -> list[int]:
         """Peak accounted device bytes per worker since construction or reset."""
         return [d.peak_memory() for d in self.devices]
@@ -389,6 +409,7 @@ class RoundPipe:
             self.layerset.set_training(shells)
         rng_state = torch.get_rng_state()
         try:
+            self._last_schedule = schedule
             self._executor.run(schedule, runner.run, self._where)
         finally:
             torch.set_rng_state(rng_state)

@@ -40,6 +40,10 @@ class Executor:
         self.timeout_s = timeout_s
         self.host_actor = Actor("host")
         self.host_stream = HostStream(self.host_actor)
+        self.last_spans: list[tuple[Action, float, float]] = []
+        """``(action, start, end)`` in seconds (``time.perf_counter``) of the last run's
+        actions, as their bodies ran on their streams. On CUDA that is when the work
+        was *issued* (kernels run asynchronously), not when the device ran it."""
         self.drain_timeout_s = timeout_s
         self.broken: str | None = None
 
@@ -49,6 +53,7 @@ class Executor:
         if self.broken:
             raise WorkerError(self.broken)
         run = _Run(self, schedule, body)
+        self.last_spans = run.spans
         run.start()
         try:
             failure = run.wait()
@@ -105,6 +110,7 @@ class _Run:
         for a in schedule.actions:
             self.lanes[(a.worker, a.lane.value)].append(a)
         self.threads: list[threading.Thread] = []
+        self.spans: list[tuple[Action, float, float]] = []   # appended by stream threads
         self.last_events: list = []
 
     def fail(self, action: Action, exc: BaseException) -> None:
@@ -152,7 +158,9 @@ class _Run:
 
     def _runner(self, a: Action):
         def run():
+            t0 = time.perf_counter()
             self.body(a)
+            self.spans.append((a, t0, time.perf_counter()))
             self.last_progress = time.monotonic()
         return run
 

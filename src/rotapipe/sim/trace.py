@@ -48,7 +48,8 @@ def chrome_trace(timeline: Timeline) -> dict:
                        "pid": pid, "tid": _TID[sp.resource], "args": args})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"schedule": s.name, "workers": s.workers,
-                          "microbatches": s.microbatches, "calls": s.calls}}
+                          "microbatches": s.microbatches, "calls": s.calls,
+                          "plan": s.plan.to_text()}}
 
 
 def write_trace(timeline: Timeline, path: str | pathlib.Path) -> pathlib.Path:

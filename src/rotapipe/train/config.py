@@ -18,7 +18,8 @@ import pathlib
 import typing
 from dataclasses import dataclass, fields
 
-from ..config import BackendKind, PipeConfig, PrecisionConfig, RecomputeGrain
+from ..config import (BackendKind, DataParallelConfig, PipeConfig, PrecisionConfig,
+                      RecomputeGrain)
 from ..errors import ConfigError
 
 __all__ = ["TrainConfig", "load_config", "field_docs"]
@@ -114,6 +115,9 @@ class TrainConfig:
     """Checkpoint every this many steps (and at the end; ``0``: only at the end)."""
     keep: int = 3
     """Checkpoints kept (the oldest are deleted after a new one is complete)."""
+    trace: bool = False
+    """Write ``trace.json`` (Chrome/Perfetto) and ``timeline.png`` of one real step (the
+    third, after warm-up, or the last of a shorter run) to ``out_dir``."""
     resume: bool = False
     """Continue from the latest checkpoint in ``out_dir``."""
     export: bool = True
@@ -135,6 +139,9 @@ class TrainConfig:
     """Print a line every this many steps."""
     progress: bool = True
     """Show a tqdm progress bar (loss, tokens/s, lr, device memory)."""
+    dist_timeout: float = 300.0
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1): seconds a rank waits for a dead or hung
+    peer in any collective before failing with an error naming it."""
 
     def __post_init__(self):
         def positive(*names, zero_ok=False):
@@ -167,6 +174,8 @@ class TrainConfig:
         if self.optimizer_mode != "sync":
             raise ConfigError(f"optimizer_mode={self.optimizer_mode!r}: only 'sync' (exact) "
                               "is implemented by the runtime today")
+        if not self.dist_timeout > 0:
+            raise ConfigError(f"dist_timeout={self.dist_timeout}: use seconds > 0")
         if self.time_limit is not None and self.time_limit <= 0:
             raise ConfigError(f"time_limit={self.time_limit}: use seconds > 0 or None")
         self.pipe_config()          # dtype, backend, grain, workers checked there
@@ -176,7 +185,8 @@ class TrainConfig:
         """The pipeline's part: workers, microbatches, recompute grain, precision."""
         return PipeConfig(workers=self.workers, microbatches=self.microbatches,
                           grain=self.grain, backend=self.backend, seed=self.seed,
-                          precision=PrecisionConfig(compute_dtype=self.dtype))
+                          precision=PrecisionConfig(compute_dtype=self.dtype),
+                          data_parallel=DataParallelConfig(timeout_s=self.dist_timeout))
 
     def replace(self, **changes) -> TrainConfig:
         """A copy with ``changes`` (validated; unknown names get a suggestion)."""

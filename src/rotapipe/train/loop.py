@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import pathlib
 import random
 import signal
@@ -21,7 +22,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
+from .. import distributed
+from ..errors import ConfigError, DistributedError, RotapipeError
+from ..sim.report import report
 from .checkpoint import (check_compatible, latest_checkpoint, load_checkpoint,
                          save_checkpoint)
 from .config import TrainConfig
@@ -89,6 +92,7 @@ class _Stop:
 
     def __init__(self):
         self.requested = False
+        self.agreed = False            # every rank saw a request (at a step boundary)
         self._prev = None
 
     def __enter__(self):
@@ -113,12 +117,16 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     out = pathlib.Path(cfg.out_dir)
     ckdir = out / "checkpoints"
     fields = TextFields(cfg.text_field, cfg.prompt_field, cfg.response_field)
+    dinfo = _join(cfg)                 # torchrun: every rank runs this same job
+    if not dinfo.is_main:
+        echo = _quiet                  # rank 0 prints, logs, checkpoints and exports
 
     # -- checks before any work ------------------------------------------------------
     files = source_files(cfg.data)
     check_data(files, fields)
     check_sequence_length(cfg)
     resume = latest_checkpoint(ckdir) if cfg.resume else None
+    _check_same_resume(dinfo, resume)
     if not cfg.resume and latest_checkpoint(ckdir) is not None:
         raise ConfigError(f"{ckdir} already holds checkpoints: pass --resume to continue "
                           "that run, or a new --out-dir")
@@ -153,10 +161,47 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
             echo(f"resumed from {resume} (step {start})")
         _describe(cfg, pipe, wrapped, tokenizer, files, eval_ids, time.perf_counter() - t0,
                   echo)
-        return _loop(_Job(cfg, out, pipe, wrapped, tokenizer, opt, sched, stream,
-                          (eval_ids, eval_labels), start, state, echo))
+        if dinfo.distributed:
+            echo(f"data parallel: {dinfo.world_size} ranks (torchrun), "
+                 f"{cfg.batch // dinfo.world_size} sequences of the global batch per rank")
+        result = _loop(_Job(cfg, out, pipe, wrapped, tokenizer, opt, sched, stream,
+                            (eval_ids, eval_labels), start, state, echo))
     finally:
         pipe.close()
+    if dinfo.distributed:              # not after an error: a broken gloo group can hang
+        distributed.shutdown()
+    return result
+
+
+def _quiet(*args, **kwargs) -> None:
+    pass
+
+
+def _join(cfg: TrainConfig) -> distributed.DistInfo:
+    """Under torchrun (``WORLD_SIZE`` > 1) join the gloo process group (the pipeline then
+    turns data parallelism on by itself); else rank 0 of 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return distributed.DistInfo(0, 1, int(os.environ.get("LOCAL_RANK", 0)))
+    if cfg.batch % world or cfg.batch < world * cfg.microbatches:
+        raise ConfigError(f"batch={cfg.batch} cannot be split over {world} ranks of "
+                          f"{cfg.microbatches} microbatches: use a multiple of {world} that "
+                          f"is at least {world * cfg.microbatches} (the batch is global)")
+    return distributed.init_from_env(timeout_s=cfg.dist_timeout)
+
+
+def _check_same_resume(dinfo, resume) -> None:
+    """Every rank must resume from the same (rank-0-written) checkpoint."""
+    if not dinfo.distributed:
+        return
+    step = -1 if resume is None else int(resume.name.rsplit("-", 1)[1])
+    t = torch.tensor([step, -step], dtype=torch.int64)
+    _collective(None, "resume-step check", torch.distributed.all_reduce, t,
+                op=torch.distributed.ReduceOp.MAX)
+    if int(t[0]) != -int(t[1]):
+        raise ConfigError(f"rank {dinfo.rank} resumes from {resume or 'step 0'} but the "
+                          "ranks see different checkpoints: put out_dir on storage every "
+                          "server sees, or copy rank 0's latest checkpoint to each")
 
 
 def _optimizer(cfg: TrainConfig, pipe) -> torch.optim.Optimizer:
@@ -221,14 +266,18 @@ class _Job:
         self.elapsed = 0.0                           # seconds spent in training steps
         self.checkpoint: pathlib.Path | None = None
         self.say = echo
+        self.dist = distributed.info()               # rank, world size (1 without torchrun)
 
     def train_step(self) -> dict:
         """One optimizer step; its metrics."""
         cfg, pipe = self.cfg, self.pipe
         t = time.perf_counter()
         ids, labels = self.stream.next_batch()                       # [batch, seq] each
+        x, y = ids, labels                     # torchrun: this rank's rows of the global batch
+        if self.dist.distributed:
+            x, y = distributed.shard_batch((ids, labels), self.dist.rank, self.dist.world_size)
         pipe.reset_peak_memory()
-        loss = pipe.forward_backward(self.wrapped.inputs(ids), labels)
+        loss = pipe.forward_backward(self.wrapped.inputs(x), y)      # the global mean
         lr = self.sched.get_last_lr()[0]
         # Exact: in the synchronous mode param.grad holds the whole step's gradient.
         norm = torch.nn.utils.clip_grad_norm_(list(pipe.parameters()),
@@ -240,10 +289,22 @@ class _Job:
         dt = time.perf_counter() - t
         self.elapsed += dt
         mem = max(pipe.peak_memory(), default=0) / 2**20
+        self.timeline = pipe.last_timeline()   # the forward_backward call, measured
+        bubble = report(self.timeline, ids.numel()).bubble.total if self.timeline else 0.0
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
                 "tokens": self.tokens, "tokens_per_s": ids.numel() / dt,
-                "device_mem_mib": round(mem, 2), "loss_scale": pipe.scaler.scale,
+                "device_mem_mib": round(mem, 2), "bubble": round(bubble, 4),
+                "loss_scale": pipe.scaler.scale,
                 "skipped": not stepped, "elapsed_s": round(self.elapsed, 3)}
+
+    def write_trace(self) -> str:
+        """Chrome/Perfetto trace and timeline PNG of the last step's pipeline call."""
+        from ..sim.gantt import draw_gantt
+        from ..sim.trace import write_trace
+        trace = write_trace(self.timeline, self.out / "trace.json")
+        png = draw_gantt(self.timeline, self.out / "timeline.png",
+                         title=f"rotapipe train, step {self.step} (measured)")
+        return f"{trace} {png}"
 
     def evaluate(self, record: dict) -> float:
         loss = evaluate(self.pipe, self.wrapped, *self.held)
@@ -253,6 +314,10 @@ class _Job:
         return loss
 
     def save(self) -> None:
+        if not self.dist.is_main:                    # rank 0 writes; the others wait for it
+            self.checkpoint = self.out / "checkpoints" / f"step-{self.step:08d}"
+            _collective(self.pipe, "checkpoint barrier", distributed.barrier)
+            return
         pipe, model = self.pipe, self.wrapped.model
         state = {"step": self.step, "tokens": self.tokens, "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "pipe": pipe.pipeline_state(),
@@ -264,6 +329,8 @@ class _Job:
         self.checkpoint = save_checkpoint(self.out / "checkpoints", self.step,
                                           masters=masters, state=state, meta=meta,
                                           tokenizer=self.tokenizer, keep=self.cfg.keep)
+        # no rank reads a half-written one
+        _collective(self.pipe, "checkpoint barrier", distributed.barrier)
 
     def saved_now(self) -> bool:
         return self.checkpoint is not None and \
@@ -282,22 +349,28 @@ def _loop(job: _Job) -> TrainResult:
     cfg = job.cfg
     job.out.mkdir(parents=True, exist_ok=True)
     metrics_path = job.out / "metrics.jsonl"
-    _truncate_metrics(metrics_path, job.start)
-    evals = [m["eval_loss"] for m in _read_metrics(metrics_path) if "eval_loss" in m]
+    main = job.dist.is_main                      # torchrun: rank 0 writes metrics.jsonl
+    if main:
+        _truncate_metrics(metrics_path, job.start)
+    evals = [m["eval_loss"] for m in (_read_metrics(metrics_path) if main else [])
+             if "eval_loss" in m]
     t_start = time.perf_counter()
-    bar = tqdm(total=cfg.steps, initial=job.start, disable=not cfg.progress, unit="step",
-               dynamic_ncols=True, leave=False)
-    if cfg.progress:
+    bar = tqdm(total=cfg.steps, initial=job.start, disable=not (cfg.progress and main),
+               unit="step", dynamic_ncols=True, leave=False)
+    if cfg.progress and main:
         job.say = bar.write                       # lines above the bar, not through it
-    with _Stop() as stop, open(metrics_path, "a") as metrics:
+    with _Stop() as stop, open(metrics_path if main else os.devnull, "a") as metrics:
         if job.start == 0 and cfg.eval_interval:
             record = {"step": 0}
             evals.append(job.evaluate(record))
             metrics.write(json.dumps(record) + "\n")
-        while job.step < cfg.steps and not stop.requested:
+        # torchrun: Ctrl-C reaching any rank stops every rank after the same step.
+        while job.step < cfg.steps and not _stop_everywhere(stop, job.pipe):
             if cfg.epochs is not None and job.stream.epoch >= cfg.epochs:
                 break
-            if cfg.time_limit is not None and job.elapsed >= cfg.time_limit:
+            if cfg.time_limit is not None and _collective(
+                    job.pipe, "time-limit check", distributed.any_rank,
+                    job.elapsed >= cfg.time_limit):
                 job.say(f"time limit {cfg.time_limit:g} s reached")
                 break
             r = job.train_step()
@@ -307,8 +380,10 @@ def _loop(job: _Job) -> TrainResult:
             metrics.write(json.dumps(r) + "\n")
             metrics.flush()
             bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{r['tokens_per_s']:.0f}",
-                            lr=f"{r['lr']:.2e}", mem=f"{r['device_mem_mib']:.0f}MiB",
-                            refresh=False)
+                            lr=f"{r['lr']:.2e}", bubble=f"{r['bubble']:.0%}",
+                            mem=f"{r['device_mem_mib']:.0f}MiB", refresh=False)
+            if cfg.trace and step == min(3, cfg.steps) and job.dist.is_main:
+                job.say(f"trace of step {step}: {job.write_trace()}")
             bar.update(1)
             if step % cfg.log_every == 0 or step == 1:
                 job.say(f"step {step:5d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad norm "
@@ -319,17 +394,17 @@ def _loop(job: _Job) -> TrainResult:
                 job.save()
         bar.close()
         job.say = job.echo
-        if (job.step > job.start or stop.requested) and not job.saved_now():
+        if (job.step > job.start or stop.agreed) and not job.saved_now():
             job.save()
     wall = time.perf_counter() - t_start
     sample = None
-    if stop.requested:
+    if stop.agreed:
         job.echo(f"stopped at step {job.step}; saved {job.checkpoint}; continue with "
                  "--resume")
     else:
-        if cfg.export:
+        if cfg.export and job.dist.is_main:
             job.export()
-        if cfg.sample_tokens:
+        if cfg.sample_tokens and job.dist.is_main:
             sample = generate_sample(job.wrapped, job.tokenizer, cfg)
             job.echo(f"sample (greedy, prompt {cfg.sample_prompt!r}):\n{sample}")
     first, last = (evals[0], evals[-1]) if evals else (None, None)
@@ -338,8 +413,33 @@ def _loop(job: _Job) -> TrainResult:
         job.echo(f"held-out loss {first:.4f} -> {last:.4f} ({100 * (last / first - 1):+.1f}%)"
                  f" over steps {job.start}..{job.step}; {wall:.1f} s, {job.tokens} tokens, "
                  f"{rate:.0f} tokens/s while training")
-    return TrainResult(job.start, job.step, first, last, wall, job.tokens, stop.requested,
+    return TrainResult(job.start, job.step, first, last, wall, job.tokens, stop.agreed,
                        job.checkpoint, sample)
+
+
+def _stop_everywhere(stop: _Stop, pipe) -> bool:
+    """``stop.requested`` on any rank (one all-reduce per step under torchrun)."""
+    # Decide on the agreed value only: Ctrl-C may land on one rank after the all-reduce
+    # (it then counts at the next step's check, on every rank).
+    stop.agreed = _collective(pipe, "stop check", distributed.any_rank, stop.requested)
+    return stop.agreed
+
+
+def _collective(pipe, what: str, fn, *args, **kwargs):
+    """``fn(*args)``, a collective of the trainer's own; a lost rank becomes a one-line
+    :class:`DistributedError` (named through the pipeline's heartbeats when it has them)."""
+    try:
+        return fn(*args, **kwargs)
+    except RotapipeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+        reducer = getattr(pipe, "data_parallel", None)
+        if reducer is not None:
+            raise reducer._error(max(0, reducer.issued - 1), what, exc) from None
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise DistributedError(f"{what} across the ranks failed on rank "
+                               f"{distributed.rank()}: a rank died, hung or left. Underlying "
+                               f"error: {type(exc).__name__}: {first}") from None
 
 
 def _read_metrics(path: pathlib.Path) -> list[dict]:

@@ -1,0 +1,183 @@
+"""`rotapipe train` unchanged under torchrun: 2 ranks over gloo on loopback train to
+the same weights as 1 process with the same global batch; rank 0 alone writes
+metrics.jsonl, checkpoints and the export."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train_util import env, flags, run, text_jsonl
+
+pytest.importorskip("transformers")
+if not torch.distributed.is_available():
+    pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 120):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "-m", "rotapipe", "train", *args]
+    return subprocess.run(cmd, env={**env(), "LOGLEVEL": "WARNING"}, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path):
+    data = text_jsonl(tmp_path / "d.jsonl", 300)
+    common = dict(data=str(data), steps=3, batch=8, eval_interval=2, save_interval=2,
+                  dist_timeout=60, lr=2e-3)
+    two = torchrun(flags(out_dir=str(tmp_path / "two"), microbatches=2, **common))
+    assert two.returncode == 0, two.stdout + two.stderr
+    # rank 0 alone prints: each progress line once
+    assert two.stdout.count("exported model to") == 1, two.stdout
+    assert "data parallel: 2 ranks" in two.stdout
+    one = run(flags(out_dir=str(tmp_path / "one"), microbatches=4, **common))
+    assert one.returncode == 0, one.stdout + one.stderr
+
+    steps = [json.loads(l)["step"] for l in (tmp_path / "two" / "metrics.jsonl")
+             .read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]
+    m2 = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    m1 = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(m1[1:], m2[1:]):      # the reported loss is the global mean
+        assert a["tokens"] == b["tokens"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]) + 1e-6
+    names = sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir())
+    assert names == ["step-00000002", "step-00000003"]          # no .tmp- leftovers
+
+    fa = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    fb = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
+    assert fa.keys() == fb.keys()
+    for k in fa:
+        torch.testing.assert_close(fb[k], fa[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_one_line(tmp_path):
+    data = text_jsonl(tmp_path / "d.jsonl", 100)
+    bad = torchrun(flags(data=str(data), out_dir=str(tmp_path / "o"), steps=1, batch=6,
+                         microbatches=6))
+    assert bad.returncode != 0
+    lines = [l for l in bad.stderr.splitlines() if l.startswith("rotapipe train: error")]
+    assert lines and "batch=6" in lines[0] and "2 ranks" in lines[0], bad.stderr
+
+
+def test_checkpoints_resume_across_world_sizes(tmp_path):
+    """A 2-rank checkpoint resumes on 1 process and a 1-process one on 2 ranks; both
+    end where a straight 1-process run does."""
+    data = text_jsonl(tmp_path / "d.jsonl", 300)
+    common = dict(data=str(data), batch=8, eval_interval=0, dist_timeout=60, lr=2e-3)
+    straight = run(flags(out_dir=str(tmp_path / "s"), microbatches=4, steps=3, **common))
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    first = torchrun(flags(out_dir=str(tmp_path / "a"), microbatches=2, steps=2, **common))
+    assert first.returncode == 0, first.stdout + first.stderr
+    then = run(flags(out_dir=str(tmp_path / "a"), microbatches=4, steps=3, resume=True,
+                     **common))
+    assert then.returncode == 0, then.stdout + then.stderr
+    first = run(flags(out_dir=str(tmp_path / "b"), microbatches=4, steps=2, **common))
+    assert first.returncode == 0, first.stdout + first.stderr
+    then = torchrun(flags(out_dir=str(tmp_path / "b"), microbatches=2, steps=3, resume=True,
+                          **common))
+    assert then.returncode == 0, then.stdout + then.stderr
+    assert then.stdout.count("resumed from") == 1, then.stdout
+    want = load_file(str(tmp_path / "s" / "final" / "model.safetensors"))
+    for out in ("a", "b"):
+        got = load_file(str(tmp_path / out / "final" / "model.safetensors"))
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6,
+                                       msg=f"{out}: {k}")
+        steps = [json.loads(l)["step"] for l in (tmp_path / out / "metrics.jsonl")
+                 .read_text().splitlines()]
+        assert steps == [1, 2, 3], (out, steps)
+
+
+def test_a_time_limit_stops_every_rank_at_the_same_step(tmp_path):
+    data = text_jsonl(tmp_path / "d.jsonl", 300)
+    r = torchrun(flags(data=str(data), out_dir=str(tmp_path / "o"), batch=8, steps=100_000,
+                       eval_interval=0, save_interval=0, time_limit=1.0, export=False,
+                       dist_timeout=60))
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = [json.loads(l)["step"] for l in (tmp_path / "o" / "metrics.jsonl")
+             .read_text().splitlines()]
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] > 1
+    ck = sorted(p.name for p in (tmp_path / "o" / "checkpoints").iterdir())
+    assert ck == [f"step-{steps[-1]:08d}"]
+
+
+def _spawn(args: list[str]) -> list[subprocess.Popen]:
+    """Two ranks started with torchrun's variables by hand (so a test can signal one)."""
+    port = str(_free_port())
+    procs = []
+    for rank in (0, 1):
+        e = {**env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, "-m", "rotapipe", "train", *args],
+                                      env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _wait_for_steps(metrics, proc, n: int) -> None:
+    import time
+    end = time.monotonic() + 60
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        time.sleep(0.05)
+
+
+def test_ctrl_c_on_one_rank_stops_both_after_the_same_step(tmp_path):
+    import signal
+    data = text_jsonl(tmp_path / "d.jsonl", 300)
+    procs = _spawn(flags(data=str(data), out_dir=str(tmp_path / "o"), batch=8,
+                         steps=100_000, eval_interval=0, save_interval=0, dist_timeout=20))
+    try:
+        _wait_for_steps(tmp_path / "o" / "metrics.jsonl", procs[0], 2)
+        procs[1].send_signal(signal.SIGINT)                 # rank 1 alone gets Ctrl-C
+        (out0, err0), (out1, err1) = (p.communicate(timeout=60) for p in procs)
+        assert procs[0].returncode == 0 and procs[1].returncode == 0, err0 + err1
+        steps = [json.loads(l)["step"] for l in (tmp_path / "o" / "metrics.jsonl")
+                 .read_text().splitlines()]
+        ck = sorted(p.name for p in (tmp_path / "o" / "checkpoints").iterdir())
+        assert ck == [f"step-{steps[-1]:08d}"]
+        assert f"stopped at step {steps[-1]}" in out0 and "stopped" not in out1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+def test_a_killed_rank_ends_the_other_with_a_one_line_error(tmp_path):
+    """Two processes started with torchrun's variables by hand (one torchrun agent would
+    stop the survivor itself); SIGKILL rank 1 mid-run: rank 0 exits 1 naming it."""
+    import os
+    import signal
+    import time
+    data = text_jsonl(tmp_path / "d.jsonl", 300)
+    procs = _spawn(flags(data=str(data), out_dir=str(tmp_path / "o"), batch=8,
+                         steps=100_000, eval_interval=0, save_interval=0, dist_timeout=20))
+    try:
+        _wait_for_steps(tmp_path / "o" / "metrics.jsonl", procs[0], 2)
+        procs[1].send_signal(signal.SIGKILL)
+        t = time.monotonic()
+        out, err = procs[0].communicate(timeout=40)
+        assert procs[0].returncode == 1, err
+        assert time.monotonic() - t < 25
+        lines = [l for l in err.splitlines() if l.startswith("rotapipe train: error")]
+        assert len(lines) == 1 and "rank 1" in lines[0], err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.communicate()
