@@ -335,7 +335,7 @@ class RoundPipe:
         ``rotapipe.sim.gantt.draw_gantt`` (PNG) and ``rotapipe.sim.report.report``
         (bubble). Emulated workers give the times the actions ran; on CUDA the times
         are when their work was issued."""
-        from .sim.engine import Resource, Span, Timeline, _RESOURCE
+        from .sim.engine import Span, Timeline, _RESOURCE
         spans = list(self._executor.last_spans)
         schedule = self._last_schedule
         if not spans or schedule is None:
@@ -343,7 +343,6 @@ class RoundPipe:
         t0 = min(s for _, s, _ in spans)
         out = tuple(Span(a, _RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
                     for a, s, e in sorted(spans, key=lambda x: x[1]))
-        del Resource
         return Timeline(schedule, out, {sp.action.key: sp.start for sp in out},
                         {sp.action.key: sp.end for sp in out})
 
