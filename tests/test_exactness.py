@@ -82,11 +82,14 @@ def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_pipe(model: nn.Module, sizes, config: rotapipe.PipeConfig, optimizer: str,
-               loss_fn=lm_loss, plan=None, data=None) -> Trained:
+               loss_fn=lm_loss, plan=None, data=None, setup=None) -> Trained:
+    """``setup(pipe)``, if given, runs once before training (e.g. ``use_schedule``)."""
     data = data or step_batches(sizes)
     losses, grads, first = [], None, None
     with rotapipe.RoundPipe(model, loss_fn, config=config, plan=plan,
                             optimizer=OPTIMIZERS[optimizer]) as pipe:
+        if setup is not None:
+            setup(pipe)
         for calls in data:
             total = sum(y.shape[0] for _, y in calls)
             loss = 0.0
@@ -101,8 +104,9 @@ def train_pipe(model: nn.Module, sizes, config: rotapipe.PipeConfig, optimizer: 
 
 def train_reference(model: nn.Module, sizes, microbatches: int, optimizer: str,
                     loss_fn=lm_loss, forward_backward=reference_forward_backward,
-                    data=None) -> Trained:
-    """Plain PyTorch; call ``c`` (counted over all steps) uses random streams of call c."""
+                    data=None, clip: float | None = None) -> Trained:
+    """Plain PyTorch; call ``c`` (counted over all steps) uses random streams of call c.
+    ``clip``: ``clip_grad_norm_`` to that norm before each step (``grads`` are before)."""
     data = data or step_batches(sizes)
     opt = OPTIMIZERS[optimizer](model.parameters())
     losses, grads, first, call = [], None, None, 0
@@ -119,6 +123,8 @@ def train_reference(model: nn.Module, sizes, microbatches: int, optimizer: str,
             first = first or _snapshot(model)
             call += 1
         grads = grads or _grads(model)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss)
@@ -497,7 +503,8 @@ def test_tail_context_gives_whole_batch_statistics_and_an_unweighted_extra_term(
     model, ref = tiny_transformer(), tiny_transformer()
     with rotapipe.RoundPipe(model, loss3, config=emulated(3, M),
                             tail_context=context) as pipe:
-        assert f"DA:F4:m{M - 1}@5" in pipe.schedule().by_key()["FT:T:m0"].deps
+        last = pipe.plan.forward[-1].name   # the stage that downloads the tail's input
+        assert f"DA:{last}:m{M - 1}@5" in pipe.schedule().by_key()["FT:T:m0"].deps
         loss = pipe.forward_backward(x, y)
     # plain PyTorch: whole-batch statistic of the head's input, then the same sum
     hidden = ref[:-1](x)

@@ -2,6 +2,7 @@
 force, whole plans against exhaustive simulation, coverage and memory properties,
 planning time, host-memory arithmetic and measured-cost refinement."""
 
+import random
 import time
 
 import pytest
@@ -9,13 +10,15 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from rotapipe.config import RecomputeGrain
 from rotapipe.errors import PlanError
-from rotapipe.plan import LayerCost, ModelCosts, hardware, model_costs
+from rotapipe.plan import (LayerCost, ModelCosts, Plan, Stage, StageKind, hardware,
+                           model_costs)
 from rotapipe.plan.hostmem import host_memory, lora_params
 from rotapipe.plan.measured import MeasuredCosts, Pass, PlanRefiner
 from rotapipe.plan.balance import greedy_compute_plan
 from rotapipe.plan.partitioner import Direction, Footprint, candidate_plans, min_max_cut
 from rotapipe.sim.autoplan import (PlannerConfig, all_plans, choose_plan, device_need,
                                    simulate_plan)
+from rotapipe.sim.exact import step_lower_bound
 
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -100,6 +103,69 @@ def test_planner_equals_brute_force_on_small_instances(times, uploads, workers, 
     assert choice.device_bytes <= memory
 
 
+def _random_model(rng, n):
+    """Layers with random compute, uploads and hops (the hops as large as compute on
+    some layers, so transfers can decide the step), fixed bytes."""
+    return ModelCosts(tuple(
+        LayerCost(f"l{i}", rng.uniform(0.2, 5.0), rng.uniform(0.2, 10.0), rng.uniform(0.2, 5.0),
+                  rng.choice([0.0, rng.uniform(0.0, 6.0)]), rng.choice([0.1, rng.uniform(0, 3)]),
+                  40, 30, 10) for i in range(n)), 1, input_hop_ms=rng.uniform(0, 1), input_bytes=10)
+
+
+def _every_plan(n):
+    """Independent of the planner: every tail size x forward cut x backward cut."""
+    if n == 1:
+        yield Plan(1, (), Stage(StageKind.TAIL, 0, 0, 1), ())
+        return
+    for tail in range(1, n):
+        body = n - tail
+        for fwd in _compositions(0, body):
+            for bwd in _compositions(0, body):
+                yield Plan(n, tuple(Stage(StageKind.FORWARD, i, a, b) for i, (a, b) in enumerate(fwd)),
+                           Stage(StageKind.TAIL, 0, body, n),
+                           tuple(Stage(StageKind.BACKWARD, i, a, b) for i, (a, b) in enumerate(bwd)))
+
+
+def _check_exact(rng, n, workers):
+    costs = _random_model(rng, n)
+    mbs, memory = rng.randint(1, 4), rng.randint(400, 1000)
+    fp = Footprint.of(costs, mbs)
+    steps = [simulate_plan(p, costs, workers, mbs).step_ms for p in _every_plan(n)
+             if device_need(p, fp) <= memory]
+    config = PlannerConfig(workers, memory, (mbs,), grains=(RecomputeGrain.STAGE,))
+    if not steps:
+        with pytest.raises(PlanError):
+            choose_plan(lambda m: costs, config)
+        return None
+    choice = choose_plan(lambda m: costs, config)
+    assert choice.step_ms == pytest.approx(min(steps), rel=1e-9), (n, workers, mbs, memory)
+    assert choice.device_bytes <= memory
+    return len(steps), choice.simulated
+
+
+def test_step_lower_bound_never_exceeds_the_simulated_step():
+    rng = random.Random(7)
+    for n, workers, mbs in [(1, 2, 3), (3, 1, 2), (4, 3, 4), (5, 2, 1), (5, 4, 3)]:
+        costs = _random_model(rng, n)
+        for plan in _every_plan(n):
+            sim = simulate_plan(plan, costs, workers, mbs).step_ms
+            assert step_lower_bound(plan, costs, workers, mbs) <= sim * (1 + 1e-9), plan
+
+
+@pytest.mark.parametrize("n,workers,seed", [(1, 2, 5), (2, 3, 6), (7, 1, 0), (7, 2, 1),
+                                            (7, 3, 2), (7, 4, 3), (8, 3, 4)])
+def test_planner_equals_brute_force_on_7_and_8_layers(n, workers, seed):
+    _check_exact(random.Random(seed), n, workers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [9, 10])
+def test_planner_equals_brute_force_on_10_layers(n, workers):
+    """Up to 87,381 plans each: minutes of simulation (the fast case is 7-8 layers)."""
+    _check_exact(random.Random(100 * n + workers), n, workers)
+
+
 @FAST
 @given(times=st.lists(st.floats(0.1, 20.0), min_size=2, max_size=40),
        workers=st.integers(1, 8), mbs=st.integers(1, 16), memory=st.integers(200, 2000))
@@ -133,6 +199,23 @@ def test_layer_grain_keeps_one_layer_of_activations_in_a_backward_stage():
     b = Direction.BACKWARD
     assert stage.working(b, 0, 3) - layer.working(b, 0, 3) == 300 - (100 + 3 * 10)
     assert layer.cost(b, 0, 3) == pytest.approx(2 * 3 * (2 * 1.0 + 2.0))   # 2x recompute
+
+
+def test_planner_chooses_layer_grain_when_its_longer_stages_are_faster():
+    """Tight memory and costly hops: at stage grain every backward stage must be one
+    layer (a two-layer stage keeps both layers' activations); layer grain fits two-layer
+    stages, crossing half the boundaries for a cheap second recompute."""
+    costs = ModelCosts(tuple(LayerCost(f"l{i}", 0.01, 1.0, 0.01, 0.0, 2.0, 10, 100, 10)
+                             for i in range(5)), 1, input_bytes=10)
+    G = RecomputeGrain
+
+    def best(grains):
+        return choose_plan(lambda m: costs, PlannerConfig(2, 250, (2,), grains=grains))
+    stage, layer, both = best((G.STAGE,)), best((G.LAYER,)), best((G.STAGE, G.LAYER))
+    assert max(s.stop - s.start for s in stage.plan.backward) == 1
+    assert max(s.stop - s.start for s in layer.plan.backward) == 2
+    assert both.grain is G.LAYER and layer.step_ms < stage.step_ms
+    assert both.step_ms == pytest.approx(min(stage.step_ms, layer.step_ms))
 
 
 def test_planning_100_layers_takes_under_a_second():

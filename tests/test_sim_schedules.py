@@ -44,6 +44,46 @@ def test_bound_sweep_validates_round_trips_and_binds_stages(name, devices, mbs):
         assert K.FUSED not in kinds and {K.FORWARD_KEEP, K.BACKWARD_KEPT} <= kinds
 
 
+@pytest.mark.parametrize("name", list(BOUND))
+@pytest.mark.parametrize("devices, mbs", [(1, 3), (2, 1), (2, 4), (3, 5), (4, 2)])
+def test_bound_with_offload_optimizer_moves_host_state(name, devices, mbs):
+    """``offload_optimizer=True``: per chunk one UW (under its backward stage's name) at
+    the start, DW + O after its last backward, X at the end; every loss downloaded.
+    Weight transfers that cost nothing leave the simulated step unchanged."""
+    make, per = BOUND[name]
+    layers = devices * per + 2
+    plan = bound_plan([1.0] * layers, devices * per, devices=devices)
+    model = ModelCosts(tuple(LayerCost(f"l{i}", 1.0, 2.0, 1.0, hop_ms=0.1)
+                             for i in range(layers)), 1)
+    for recompute, side in ((False, False), (True, True)):
+        s = make(plan, devices, mbs, recompute=recompute, offload_optimizer=True,
+                 side_inputs=side, buffer_layers=() if recompute else [layers - 1])
+        validate(s, dataflow=True)
+        assert Schedule.from_text(s.to_text()) == s
+        chunks = plan.backward + (plan.tail,)
+        for c, stage in enumerate(chunks):
+            mine = [a for a in s.actions if a.stage == stage.name]
+            kinds = [a.kind for a in mine if a.kind in (K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD,
+                                                        K.OPTIMIZER, K.FREE)]
+            assert sorted(k.value for k in kinds) == ["DW", "O", "UW", "X"]
+            assert s.worker_actions(c % devices)[0].kind is K.UPLOAD_WEIGHTS
+            lane = [a.key for a in s.worker_actions(c % devices) if a.lane is Lane.COMPUTE]
+            last_bwd = max(i for i, k in enumerate(lane) if k.startswith(("BK:", "B:"))
+                           and k.split(":")[1] == stage.name)
+            dw = next(a for a in mine if a.kind is K.DOWNLOAD_WGRAD)
+            # ... and after the input gradient that became ready with it (priority).
+            dg = [a.key for a in mine if a.kind is K.DOWNLOAD_GRAD
+                  and a.mb == int(lane[last_bwd].split(":m")[1])]
+            assert dw.deps == (lane[last_bwd],) + tuple(dg)
+        assert {a.key for a in s.actions if a.kind is K.DOWNLOAD_GRAD
+                and a.stage == "T"} == {f"DG:T:m{m}@{plan.tail.start}" for m in range(mbs)}
+        assert (K.UPLOAD_SIDE in {a.kind for a in s.actions}) == side
+        plain = make(plan, devices, mbs, recompute=recompute)
+        if devices > 1:   # on one device the tail's input now goes through the host
+            assert simulate(s, model).report.step_ms == \
+                pytest.approx(simulate(plain, model).report.step_ms)
+
+
 def test_one_f_one_b_orders_warmup_then_alternates():
     s = _bound("1f1b", 4, 6)
     order = [a.key for a in s.worker_actions(1) if a.lane is Lane.COMPUTE]

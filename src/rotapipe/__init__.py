@@ -1,8 +1,8 @@
 """rotapipe: RoundPipe pipeline training with model state in host memory and
 stateless, round-robin workers (CUDA GPUs, or emulated CPU workers)."""
 
-from .config import (BackendKind, DataParallelConfig, PipeConfig, PrecisionConfig,
-                     RecomputeGrain)
+from .config import (BackendKind, DataParallelConfig, OptimizerMode, PartitionMode,
+                     PipeConfig, PrecisionConfig, RecomputeGrain)
 from .errors import (ConfigError, DeviceOutOfMemoryError, DistributedError, InputError,
                      PlanError, RaceError, RotapipeError, ScheduleError, WorkerError)
 from .pipe import RoundPipe
@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendKind", "ConfigError", "DataParallelConfig", "DeviceOutOfMemoryError",
-    "DistributedError", "InputError", "Plan",
+    "DistributedError", "InputError", "OptimizerMode", "PartitionMode", "Plan",
     "PipeConfig", "PlanError", "PrecisionConfig", "RaceError", "RecomputeGrain",
     "RotapipeError", "RoundPipe", "Schedule", "ScheduleError", "Stage", "StageKind",
     "WorkerError", "even_plan", "layer_seed", "roundpipe_schedule", "validate",

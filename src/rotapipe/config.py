@@ -9,8 +9,8 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "PipeConfig",
-           "PrecisionConfig"]
+__all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "OptimizerMode",
+           "PartitionMode", "PipeConfig", "PrecisionConfig"]
 
 
 class RecomputeGrain(str, enum.Enum):
@@ -30,6 +30,34 @@ class BackendKind(str, enum.Enum):
     """All CUDA GPUs when present, else emulated CPU workers."""
     CUDA = "cuda"
     EMULATED = "emulated"
+
+
+class PartitionMode(str, enum.Enum):
+    """How a :class:`rotapipe.RoundPipe` without an explicit ``plan=`` cuts its layers
+    into stages (docs/planning.md, "The runtime's plan")."""
+
+    AUTO = "auto"
+    """The planner's fastest plan that fits ``device_memory``, from costs the runtime
+    knows (parameter counts, or the timed emulation's costs); ``forward_stages`` /
+    ``backward_stages`` set explicitly switch to the even partition."""
+    EVEN = "even"
+    """Even split into ``forward_stages`` / ``backward_stages`` stages."""
+    REFINE = "refine"
+    """As ``auto``, then re-planned from measured per-stage times between the first
+    training calls, until the timings are stable (then frozen)."""
+
+
+class OptimizerMode(str, enum.Enum):
+    """When :meth:`rotapipe.RoundPipe.train_step` runs the optimizer (docs/optimizer.md)."""
+
+    SYNC = "sync"
+    """After the call, over all gradients at once (exact)."""
+    OVERLAP = "overlap"
+    """During the call: each stage's parameters as soon as their gradients are in host
+    memory, on the optimizer thread, while shallower stages run backward (exact)."""
+    STALE = "stale"
+    """During the *next* call, in the background: each call runs on weights one step
+    old (the RoundPipe paper's asynchronous step; not exact)."""
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -121,14 +149,21 @@ class PipeConfig:
     grain: RecomputeGrain | str = RecomputeGrain.STAGE
     """Recompute grain of backward stages: ``"stage"`` (fast) or ``"layer"`` (least
     device memory)."""
+    partition: PartitionMode | str = PartitionMode.AUTO
+    """``"auto"`` (the planner), ``"even"`` or ``"refine"`` (the planner, then measured
+    timings): see :class:`PartitionMode`. An explicit ``RoundPipe(plan=...)`` wins."""
     forward_stages: int | None = None
-    """Number of forward stages (even partition). ``None``: ``2 x workers``, capped by
-    the number of layers before the tail."""
+    """Number of forward stages. Setting it (or ``backward_stages``) selects the even
+    partition. ``None``: the planner's choice, or ``2 x workers`` for an even
+    partition, capped by the number of layers before the tail."""
     backward_stages: int | None = None
-    """Number of backward stages. ``None``: ``3 x forward_stages`` (backward costs
+    """Number of backward stages (setting it selects the even partition). ``None``: the
+    planner's choice, or ``3 x forward_stages`` for an even partition (backward costs
     about 3x forward, so backward stages hold about a third of the layers)."""
     tail_layers: int = 1
-    """Layers in the fused tail stage (forward, loss and backward without recompute)."""
+    """Layers in the fused tail stage (forward, loss and backward without recompute).
+    The runtime's planner keeps it too: the tail keeps all its activations, whose size
+    it does not know before the first call (``rotapipe plan`` chooses it)."""
     backend: BackendKind | str = BackendKind.AUTO
     """``"auto"``, ``"cuda"`` or ``"emulated"``."""
     device_memory: int | None = None
@@ -145,14 +180,36 @@ class PipeConfig:
     """Data parallelism across ``torch.distributed`` ranks (:class:`DataParallelConfig`;
     a bool or ``None`` is shorthand for its ``enabled``). Default: on exactly when a
     process group with more than one rank is initialized."""
+    optimizer: OptimizerMode | str = OptimizerMode.SYNC
+    """When :meth:`~rotapipe.RoundPipe.train_step` steps the optimizer: ``"sync"``,
+    ``"overlap"`` or ``"stale"`` (:class:`OptimizerMode`, docs/optimizer.md)."""
+    clip_grad_norm: float | None = None
+    """Clip gradients to this global L2 norm before every step, as
+    ``torch.nn.utils.clip_grad_norm_`` over all trainable parameters (``None``: off)."""
     timeout_s: float = 600.0
     """A call whose workers make no progress for this long fails instead of hanging;
     a worker still stuck in an action this long after a failure retires the pipeline
     (later calls raise at once) rather than blocking the caller."""
+    prefetch: int = 1
+    """How many stage jobs ahead a worker's weight upload may run (1: the next stage's
+    weights load while the current stage computes; deeper prefetch hides uploads of
+    PCIe-bound stages at the cost of holding more stages' weights; pick it within the
+    device memory with :func:`rotapipe.schedule.prefetch_depth`)."""
+    emulation: object = None
+    """Timed emulation (:class:`rotapipe.sim.TimedEmulation`): emulated workers whose
+    kernels and copies take the time a hardware profile says. Needs the emulated
+    backend. ``None``: they run as fast as the CPU does."""
 
     def __post_init__(self):
         object.__setattr__(self, "grain", _enum(RecomputeGrain, self.grain, "grain"))
         object.__setattr__(self, "backend", _enum(BackendKind, self.backend, "backend"))
+        object.__setattr__(self, "optimizer",
+                           _enum(OptimizerMode, self.optimizer, "optimizer"))
+        clip = self.clip_grad_norm
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                 or not 0 < clip < float("inf")):
+            raise ConfigError(f"clip_grad_norm={clip!r}: use a finite norm > 0, or None "
+                              "to turn clipping off")
         if self.workers is not None and (not isinstance(self.workers, int)
                                          or self.workers < 1):
             raise ConfigError(f"workers={self.workers!r}: use a positive int or None")
@@ -162,6 +219,8 @@ class PipeConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name}={v!r}: use a positive int or None")
+        object.__setattr__(self, "partition",
+                           _enum(PartitionMode, self.partition, "partition"))
         if not isinstance(self.tail_layers, int) or self.tail_layers < 1:
             raise ConfigError(f"tail_layers={self.tail_layers!r}: the fused tail needs "
                               "at least one layer")
@@ -170,6 +229,17 @@ class PipeConfig:
                               "or None")
         if self.timeout_s <= 0:
             raise ConfigError("timeout_s must be > 0")
+        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ConfigError(f"prefetch={self.prefetch!r}: use an int >= 1 (stage jobs a "
+                              "worker's weight upload may run ahead)")
+        if self.emulation is not None:
+            from .sim.timing import TimedEmulation
+            if not isinstance(self.emulation, TimedEmulation):
+                raise ConfigError(f"emulation={self.emulation!r}: use a "
+                                  "rotapipe.sim.TimedEmulation or None")
+            if self.backend is BackendKind.CUDA:
+                raise ConfigError("emulation (timed emulation) runs on emulated workers, "
+                                  "but backend='cuda': use backend='emulated'")
         dp = self.data_parallel
         if not isinstance(dp, DataParallelConfig):
             if dp not in (None, True, False):

@@ -5,29 +5,34 @@
     pipe.attach_optimizer(opt)
     for x, y in data:
         loss = pipe.forward_backward(x, y)
-        pipe.step()
+        pipe.step()            # or: loss = pipe.train_step(x, y) (docs/optimizer.md)
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from .config import PipeConfig
+from .config import OptimizerMode, PipeConfig
 from .errors import ConfigError, DistributedError, InputError, WorkerError
 from .model import LayerSet
-from .plan import Plan, even_plan
-from .schedule import Schedule, roundpipe_schedule, validate
+from .pipe_plan import PipePlanner, emulation_costs, parameter_costs
+from .plan import Plan
+from .schedule import (ActionKind as K, Lane, Schedule, action_key, roundpipe_schedule,
+                       validate)
+from .schedule.bound import weight_stages
 from .runtime.allreduce import GradReducer
 from .runtime.backend import Device
 from .runtime.devices import make_devices
 from .runtime.executor import Executor
 from .runtime.host import CallGrads, HostState, LossScaler
 from .runtime.kernels import ActionRunner, CallContext
+from .runtime.optimizer import HostOptimizer, OverlapStep
 from .runtime.store import Store
 from .runtime import trees
 
@@ -60,7 +65,8 @@ class RoundPipe:
             per call with every microbatch's input of the fused tail (host copies) and
             labels; ``loss_fn(output, labels, context)`` then receives it. The tail
             waits until every microbatch's input has reached host memory.
-        plan: an explicit :class:`rotapipe.plan.Plan` instead of the even partition.
+        plan: an explicit :class:`rotapipe.plan.Plan`, validated and kept. Default: the
+            planner's (``config.partition``; the rule is in :mod:`rotapipe.pipe_plan`).
         devices: explicit device objects (tests); default from ``config.backend``.
         process_group: the ``torch.distributed`` group to be data parallel over
             (default: the default group, when ``config.data_parallel`` turns it on).
@@ -79,6 +85,10 @@ class RoundPipe:
                  plan: Plan | None = None, devices: Sequence[Device] | None = None,
                  process_group=None):
         self.config = config = config or PipeConfig()
+        self._optimizer_cost: Callable[[list[int]], None] | None = None
+        """Called after every optimizer step of a set of parameters (indices into
+        ``layerset.params``), on the thread that stepped them; timed emulation sets it
+        to sleep for the modeled host optimizer time."""
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.layerset = LayerSet(layers)
@@ -102,23 +112,18 @@ class RoundPipe:
             raise
 
     def _build(self, layers, loss_fn, config, optimizer, side_inputs, plan, group) -> None:
-        w = len(self.devices)
-        n = len(self.layerset)
-        if plan is None:
-            tail = min(config.tail_layers, n)
-            nf = config.forward_stages or 2 * w
-            nb = config.backward_stages or 3 * nf
-            plan = even_plan(n, nf, nb, tail)
-        elif plan.num_layers != n:
-            raise ConfigError(f"the plan covers {plan.num_layers} layers but the model has "
-                              f"{n}: build the plan for {n} layers")
-        self.plan = plan
+        self._planner = self._make_planner()
+        self.plan = plan = self._planner.initial(plan)
         pin = None
         if self.devices and self.devices[0].torch_device.type == "cuda":
             from .runtime.cuda import pin
-        self.host = HostState(self.layerset, config.precision, pin)
+        # The stale optimizer steps the masters while workers upload the compute copies.
+        self.host = HostState(self.layerset, config.precision, pin,
+                              separate=config.optimizer is OptimizerMode.STALE)
         self._check_budget()
         self.scaler = LossScaler(config.precision)
+        self._host_opt = HostOptimizer(self.host, self.scaler, config.optimizer,
+                                       config.clip_grad_norm)
         check = config.check_races and self.devices[0].torch_device.type == "cpu"
         self.stores = [Store(f"worker {d.index}", d, check) for d in self.devices]
         self._check = check
@@ -138,11 +143,20 @@ class RoundPipe:
             {pid: self.layerset.params[pid].shape for pid in trainable},
             lambda stage: [pid for pid in self.layerset.stage_params(stages[stage].layers)
                            if pid in trainable])
+        if self.data_parallel is not None and config.optimizer is OptimizerMode.OVERLAP:
+            raise ConfigError("optimizer='overlap' does not support data parallelism yet "
+                              "(a stage's step would have to wait for its all-reduce): use "
+                              "optimizer='sync' or 'stale', or data_parallel=False")
         self._lock = threading.Lock()
         self.calls = 0
         """Successful ``forward_backward`` calls so far; with ``config.seed`` it defines
         the random streams (see :func:`rotapipe.layer_seed`)."""
         self._evals = 0
+        self._setup_emulation()
+        if self.data_parallel is not None and self._planner.refiner is not None:
+            raise ConfigError("partition='refine' re-plans from this process's timings, "
+                              "but data-parallel ranks must keep one plan: use "
+                              "partition='auto' (or pass plan=)")
         self.optimizer = None
         if optimizer is not None:
             self.attach_optimizer(optimizer if isinstance(optimizer, torch.optim.Optimizer)
@@ -186,7 +200,48 @@ class RoundPipe:
         Data parallel (``config.data_parallel``): each rank passes its shard; the weights
         are shares of the global batch, gradients are all-reduced as each stage's land,
         and the returned loss is the global mean. Every rank must make the call.
+
+        With ``config.optimizer="stale"`` the first call after a :meth:`train_step`
+        runs that step's optimizer update in the background (docs/optimizer.md).
         """
+        with self._lock:
+            return self._train_call(inputs, labels)
+
+    def train_step(self, inputs, labels) -> float:
+        """:meth:`forward_backward` on the batch, then the optimizer step; returns the
+        mean loss. With gradient accumulation call :meth:`forward_backward` for all but
+        the last batch of the step, then ``train_step`` on the last.
+
+        ``config.optimizer`` says how the step runs (docs/optimizer.md): ``"sync"``
+        after the call (exactly ``forward_backward`` then :meth:`step`); ``"overlap"``
+        during the call, each stage's parameters as soon as their gradients are
+        complete (exact, same result as ``sync``); ``"stale"`` during the next call,
+        so the next call runs on weights one step old (:meth:`flush` applies it now).
+        A failed call changes no weight, gradient or optimizer state (``stale``: the
+        weights the next call runs on do not change).
+        """
+        self._need_optimizer()
+        with self._lock:
+            mode = self.config.optimizer
+            if mode is OptimizerMode.OVERLAP:
+                return self._train_call(inputs, labels, overlap=True)
+            loss = self._train_call(inputs, labels)
+            if mode is OptimizerMode.SYNC:
+                self._host_opt.sync_step(self.optimizer, self._optimizer_cost)
+            else:
+                self._host_opt.stash()
+            return loss
+
+    def flush(self) -> None:
+        """Stale optimizer: apply the pending step now and refresh the weights the
+        workers read, so the next call runs on current weights. Reading or replacing
+        weights (:meth:`state_dict`, :meth:`load_state_dict`, evaluation,
+        :meth:`pipeline_state`, :meth:`close`) flushes first. No-op in other modes."""
+        with self._lock:
+            self._flush()
+
+    def _train_call(self, inputs, labels, overlap: bool = False) -> float:
+        """One training call (under ``self._lock``); ``overlap``: step as gradients land."""
         M = self.config.microbatches
         n = trees.batch_size(inputs, "inputs")
         n_labels = trees.batch_size(labels, "labels")
@@ -208,51 +263,66 @@ class RoundPipe:
             raise InputError(f"loss_weight gave {units} for the microbatches: the items "
                              "the loss averages over must be >= 0 and not all 0 (are all "
                              "labels ignored?)")
-        with self._lock:
-            if dp is not None:
-                # Every rank weights its microbatches by their share of the global batch.
-                local, total = total, dp.global_sum(total, "sum of the loss units")
-                if not total > 0:
-                    raise InputError("loss_weight gave 0 items on every rank: are all "
-                                     "labels ignored?")
-            grads = CallGrads(1.0 / self.scaler.scale)
-            ctx = self._context(True, [u / total for u in units], grads)
-            schedule = self._schedule(True)
-            if dp is not None:
-                reduce = dp.begin(schedule, grads)
-                ctx.handoff, ctx.mb_offset = reduce.handoff, dp.rank * M
-                ctx.extra_weight = local / total
-            host_store = self._host_store(mbs, ctx)
-            for m, y in enumerate(lbs):
-                host_store.put(("labels", m), y)
+        if dp is not None:
+            # Every rank weights its microbatches by their share of the global batch.
+            local, total = total, dp.global_sum(total, "sum of the loss units")
+            if not total > 0:
+                raise InputError("loss_weight gave 0 items on every rank: are all "
+                                 "labels ignored?")
+        grads = CallGrads(1.0 / self.scaler.scale)
+        ctx = self._context(True, [u / total for u in units], grads)
+        schedule = self._schedule(True)
+        if dp is not None:
+            reduce = dp.begin(schedule, grads)
+            ctx.handoff, ctx.mb_offset = reduce.handoff, dp.rank * M
+            ctx.extra_weight = local / total
+        host_store = self._host_store(mbs, ctx)
+        for m, y in enumerate(lbs):
+            host_store.put(("labels", m), y)
+        # The optimizer work of this call (after ctx: it captured the loss scale).
+        stages = self._runner.stages
+        hook = self._host_opt.start_call(
+            self.optimizer, schedule, lambda name: self.layerset.stage_params(
+                stages[name].layers), grads, total, overlap, self._optimizer_cost)
+        if isinstance(hook, OverlapStep):
+            ctx.handoff = hook.handoff      # never data parallel (checked in _build)
+        try:
             self._run_training(schedule, ctx, host_store)
             losses = [host_store.get(("loss", m)) for m in range(M)]
             loss = float(sum(l.item() for l in losses))   # weighted contributions
             if dp is not None:
                 reduce.finish()
                 loss = dp.global_sum(loss, "sum of the weighted losses")
-            for bid in range(len(self.layerset.buffers)):
-                if host_store.contains(("buf", bid)):
-                    self.layerset.set_buffer(bid, host_store.get(("buf", bid)))
+        except BaseException:
+            if hook is not None:
+                hook.abort()
+            raise
+        if hook is not None:
+            hook.finish()
+        for bid in range(len(self.layerset.buffers)):
+            if host_store.contains(("buf", bid)):
+                self.layerset.set_buffer(bid, host_store.get(("buf", bid)))
+        if not isinstance(hook, OverlapStep):      # overlap consumed the gradients
             self.host.commit(grads, total)
-            self.calls += 1
+        self.calls += 1
+        self._refine_plan()
         return loss
 
     def step(self) -> bool:
         """Run the optimizer on the accumulated gradients, refresh the compute-dtype
         weights, and clear the gradients. With dynamic loss scaling, a step whose
-        gradients overflowed is skipped (and the scale lowered): returns ``False``."""
+        gradients overflowed is skipped (and the scale lowered): returns ``False``.
+        Clips to ``config.clip_grad_norm`` first when set. Always synchronous, whatever
+        ``config.optimizer`` (stale: after applying the pending step)."""
+        self._need_optimizer()
+        with self._lock:
+            self._flush()
+            return self._host_opt.sync_step(self.optimizer, self._optimizer_cost)
+
+    def _need_optimizer(self) -> None:
         if self.optimizer is None:
             raise ConfigError("no optimizer: pass optimizer= to RoundPipe or call "
                               "pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters()))")
-        with self._lock:
-            overflow = self.scaler.dynamic and not self.host.grads_finite()
-            if not overflow:
-                self.optimizer.step()
-                self.host.write_back()
-            self.scaler.update(overflow)
-            self.host.zero_grad()
-        return not overflow
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping."""
@@ -268,6 +338,7 @@ class RoundPipe:
         M = min(self.config.microbatches, trees.batch_size(inputs, "inputs"))
         mbs = trees.split(trees.cast_floating(inputs, self.host.dtype), M)
         with self._lock:
+            self._flush()
             ctx = self._context(False, [1.0 / M] * M, None, M)
             # Evaluation draws from its own streams so that it never shifts training's.
             ctx.call = -1 - self._evals
@@ -281,20 +352,24 @@ class RoundPipe:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Trained weights (fp32 masters, frozen weights) and buffers, keyed like the
         ``state_dict`` of the container passed in (``nn.Sequential(*layers)`` for a
-        list). The tensors are the live masters: copy them to keep a snapshot."""
+        list). The tensors are the live masters: copy them to keep a snapshot. Stale
+        optimizer: applies the pending step first (:meth:`flush`)."""
+        self.flush()
         return self._container.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights and buffers (keys as :meth:`state_dict`) into the masters and
         refresh the compute-dtype copies the workers upload."""
         with self._lock:
+            self._flush()
             self._container.load_state_dict(state)
             self.host.write_back()
 
     def pipeline_state(self) -> dict:
         """The pipeline's own counters, for exact resume: training calls and evaluation
         calls (they define the random streams) and the loss scaler. Weights are in
-        :meth:`state_dict`, optimizer state in the optimizer's."""
+        :meth:`state_dict`, optimizer state in the optimizer's (stale: flushes first)."""
+        self.flush()
         return {"calls": self.calls, "evals": self._evals, "scaler": self.scaler.state_dict()}
 
     def load_pipeline_state(self, state: dict) -> None:
@@ -319,14 +394,23 @@ class RoundPipe:
     def use_schedule(self, schedule: Schedule) -> None:
         """Run ``schedule`` instead of the generated one for calls of its kind (training
         when its name does not end in ``-eval``) and microbatch count. It must be for
-        this pipeline's plan and worker count; it is validated (a dry run) first."""
+        this pipeline's plan and worker count; it is validated (a dry run) first, and it
+        must move the model state this pipeline keeps in host memory (weight uploads,
+        gradient downloads and hand-offs, side inputs, buffers). The baselines run with
+        ``offload_optimizer=True``: build the pipeline with ``plan=bound_plan(...)`` and
+        pass e.g. ``one_f_one_b_schedule(pipe.plan, workers, microbatches,
+        offload_optimizer=True)``."""
         if schedule.plan != self.plan or schedule.workers != len(self.devices):
             raise ConfigError(f"the schedule is for {schedule.workers} workers and plan "
                               f"{schedule.plan.to_text()}; this pipeline has "
                               f"{len(self.devices)} workers and plan {self.plan.to_text()}")
         validate(schedule)
+        _check_runnable(schedule, self.side_inputs is not None, self.layerset.buffer_layers(),
+                        self.tail_context is not None)
         training = not schedule.name.endswith("-eval")
         self._schedules[(training, schedule.microbatches)] = schedule
+        if self._planner.refiner is not None:   # a schedule of the user's: keep its plan
+            self._planner.refiner.frozen = True
 
     def last_timeline(self):
         """When each action of the last call ran, as a :class:`rotapipe.sim.Timeline`
@@ -355,7 +439,15 @@ class RoundPipe:
             d.reset_peak()
 
     def close(self) -> None:
-        """Stop the worker threads (emulated backend). The pipeline is unusable after."""
+        """Stop the worker threads (emulated backend) and the optimizer thread, after
+        applying a pending stale step. The pipeline is unusable after."""
+        host_opt = getattr(self, "_host_opt", None)
+        if host_opt is not None:
+            try:
+                if host_opt.pending is not None and hasattr(self, "_lock"):
+                    self.flush()
+            finally:
+                host_opt.close()
         if getattr(self, "data_parallel", None) is not None:
             self.data_parallel.close()
         if self._finalizer is not None:
@@ -376,10 +468,14 @@ class RoundPipe:
                                    side_inputs=self.side_inputs is not None,
                                    buffer_layers=self.layerset.buffer_layers(),
                                    tail_barrier=self.tail_context is not None,
-                                   training=training)
+                                   training=training, prefetch=self.config.prefetch)
             validate(s)
             self._schedules[key] = s
         return self._schedules[key]
+
+    def _flush(self) -> None:
+        """Stale: apply the pending step and refresh the compute copies (under the lock)."""
+        self._host_opt.flush(self.optimizer, self._optimizer_cost)
 
     def _context(self, training, weights, grads, microbatches=None) -> CallContext:
         autocast = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda")
@@ -400,9 +496,43 @@ class RoundPipe:
                 store.put(("side", m), self.side_inputs(x))
         return store
 
+    def _timing(self, plan: Plan):
+        """Timed emulation: the action durations for ``plan`` (``None`` when off)."""
+        em = self.config.emulation
+        if em is None:
+            return None
+        if self._timed is None or self._timed[0] != plan:
+            self._timed = (plan, em.action_seconds(plan))
+        return self._timed[1]
+
+    def _setup_emulation(self) -> None:
+        """Check a timed emulation against the model and make the host optimizer take
+        its emulated time (``_optimizer_cost``)."""
+        self._timed = None
+        em = self.config.emulation
+        if em is None:
+            return
+        n = len(self.layerset)
+        if len(em.costs.layers) != n:
+            raise ConfigError(f"the timed emulation describes {len(em.costs.layers)} layers "
+                              f"but the model has {n}: build the model with as many "
+                              "layers (TimedEmulation.stand_in() does)")
+        if any(d.torch_device.type != "cpu" for d in self.devices):
+            raise ConfigError("timed emulation needs emulated workers: pass "
+                              "backend='emulated' and no CUDA devices")
+        owner = {}
+        for l, pids in enumerate(self.layerset.layer_params):
+            for pid in pids:
+                owner.setdefault(pid, l)
+
+        def cost(pids) -> None:
+            time.sleep(em.optimizer_seconds({owner[p] for p in pids}))
+        self._optimizer_cost = cost
+
     def _run(self, schedule: Schedule, ctx: CallContext, host_store: Store) -> None:
         runner = self._runner
         runner.ctx, runner.host_store = ctx, host_store
+        runner.timing = self._timing(schedule.plan)
         runner.set_schedule(schedule)
         for shells in self.shells:
             self.layerset.set_training(shells)
@@ -451,6 +581,52 @@ class RoundPipe:
                     "(raise forward_stages / backward_stages, lower tail_layers) or raise "
                     "device_memory")
 
+    def _make_planner(self) -> PipePlanner:
+        """The plan's source: per-layer costs from parameter counts (times from a timed
+        emulation when set), weight-gradient bytes of trainable layers, the budget."""
+        ls, nbytes = self.layerset, self.config.precision.compute_dtype.itemsize
+        params, weights, grads = [], [], []
+        for pids in ls.layer_params:
+            ps = [ls.params[p] for p in pids]
+            params.append(sum(p.numel() for p in ps))
+            size = [p.numel() * (nbytes if p.is_floating_point() else p.element_size())
+                    for p in ps]
+            weights.append(sum(size))
+            grads.append(sum(b for b, p in zip(size, ps) if p.requires_grad))
+        costs = parameter_costs(params, weights)
+        em = self.config.emulation
+        if em is not None and len(em.costs.layers) == len(params):
+            costs = emulation_costs(em.costs, weights)
+        budgets = [d.budget for d in self.devices if d.budget is not None]
+        if not budgets and self.devices and self.devices[0].torch_device.type == "cuda":
+            # Leave room for the CUDA context and fragmentation (as `rotapipe plan`).
+            budgets = [int(0.9 * torch.cuda.get_device_properties(d.torch_device).total_memory)
+                       for d in self.devices]
+        return PipePlanner(self.config, len(self.devices), costs, grads,
+                           min(budgets) if budgets else None)
+
+    def _refine_plan(self) -> None:
+        """``partition="refine"``: feed this call's stage times to the planner and switch
+        to its new plan, if any, before the next call (the schedules are rebuilt; the
+        math does not depend on the plan)."""
+        if not self._planner.refining:
+            return
+        new = self._planner.observe(self._executor.last_spans, self._runner.stages,
+                                    self.calls)
+        if new is None:
+            return
+        old = self.plan
+        self.plan = new
+        try:
+            self._check_budget()
+        except ConfigError:
+            self.plan = old            # the planner's bound fits; keep the safe plan
+            self._planner.refiner.frozen = True
+            return
+        self._schedules = {}
+        # A new dict (not mutated): a pending stale step keeps the stages it started with.
+        self._runner.stages = {s.name: s for s in new.eval_jobs() + new.jobs()}
+
     def _where(self, action) -> str:
         s = self._runner.stages.get(action.stage)
         if s is None:
@@ -458,6 +634,58 @@ class RoundPipe:
         layers = f"layer {s.start}" if s.stop - s.start == 1 else \
             f"layers {s.start}-{s.stop - 1}"
         return f"{s.name} ({layers})"
+
+
+def _check_runnable(schedule: Schedule, side: bool, buffer_layers: frozenset[int],
+                    tail_context: bool) -> None:
+    """Raise :class:`ConfigError` unless ``schedule`` moves what the runtime keeps in host
+    memory: each compute's weights uploaded on its worker, every trained stage's weight
+    gradients downloaded and handed to the optimizer, every tail loss downloaded, side
+    inputs uploaded, and updated buffers downloaded. A whole-batch loss context needs
+    RoundPipe's fused tail (its first action waits for every microbatch's input)."""
+    twins = weight_stages(schedule)
+    stages = {x.name: x for x in schedule.plan.jobs() + schedule.plan.eval_jobs()}
+    keys = {a.key for a in schedule.actions}
+    uploaded = {(a.worker, a.stage, a.call) for a in schedule.actions
+                if a.kind is K.UPLOAD_WEIGHTS}
+    side_at = {(a.worker, a.mb, a.call) for a in schedule.actions if a.kind is K.UPLOAD_SIDE}
+    training = not schedule.name.endswith("-eval")
+    hint = ("; the bound generators (gpipe_schedule, one_f_one_b_schedule, ...) add them "
+            "with offload_optimizer=True")
+
+    def fail(a, what):
+        raise ConfigError(f"schedule {schedule.name}: {a.key} on worker {a.worker} {what}")
+
+    for a in schedule.actions:
+        if a.lane is not Lane.COMPUTE or a.kind is K.FREE:
+            continue
+        s, w = stages[a.stage], twins.get(a.stage, a.stage)
+        if (a.worker, w, a.call) not in uploaded:
+            fail(a, f"has no upload of its weights (UW:{w}); this pipeline keeps the "
+                 "weights in host memory" + hint)
+        if side and (a.worker, a.mb, a.call) not in side_at:
+            fail(a, f"has no upload of microbatch {a.mb}'s side inputs (UZ): generate the "
+                 "schedule with side_inputs=True")
+        if not training:
+            continue
+        if a.kind in (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED) and not (
+                action_key(K.DOWNLOAD_WGRAD, a.stage, call=a.call) in keys
+                and action_key(K.OPTIMIZER, a.stage, call=a.call) in keys):
+            fail(a, f"runs a backward whose weight gradients are never downloaded and "
+                 f"handed to the optimizer (DW:{a.stage}, O:{a.stage})" + hint)
+        tail = s.name == schedule.plan.tail.name
+        if tail_context and a.kind is K.FORWARD_KEEP and tail:
+            fail(a, "computes the loss before every microbatch's tail input is in host "
+                 "memory, which tail_context needs: run RoundPipe's own schedule")
+        if tail and a.kind in (K.FORWARD_KEEP, K.FUSED) and \
+                action_key(K.DOWNLOAD_GRAD, s.name, a.mb, s.start, a.call) not in keys:
+            fail(a, f"computes a loss that is never downloaded (DG:{s.name}:m{a.mb})" + hint)
+        layers = sorted(buffer_layers & set(s.layers))
+        if layers and a.kind in (K.FORWARD, K.FORWARD_KEEP, K.FUSED) and \
+                action_key(K.DOWNLOAD_BUFFERS, s.name, call=a.call) not in keys:
+            fail(a, f"updates the buffers of layers {layers} but never downloads them "
+                 f"(DB:{s.name}): generate the schedule with "
+                 f"buffer_layers={sorted(buffer_layers)}")
 
 
 def _close(devices) -> None:

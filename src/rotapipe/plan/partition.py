@@ -27,8 +27,11 @@ class Stage:
 
     @property
     def name(self) -> str:
-        """Short name used in schedules: ``F0``, ``F1``..., ``T``, ``B0``, ``B1``..."""
-        return "T" if self.kind is StageKind.TAIL else f"{self.kind.value}{self.index}"
+        """Short name used in schedules: ``F0``, ``F1``..., ``T``, ``B0``, ``B1``...
+        (a tail split over several jobs: ``T``, ``T1``, ``T2``...)."""
+        if self.kind is StageKind.TAIL and self.index == 0:
+            return "T"
+        return f"{self.kind.value}{self.index}"
 
     @property
     def layers(self) -> range:
@@ -52,11 +55,17 @@ class Plan:
     forward: tuple[Stage, ...]
     tail: Stage
     backward: tuple[Stage, ...]
+    tail_jobs: int = 1
+    """Jobs the fused tail is split into, each on its own worker for a contiguous share
+    of the microbatches (the tail is the heaviest stage of models with a large
+    vocabulary; splitting it is data parallelism inside the pipeline)."""
 
     def __post_init__(self):
         n = self.num_layers
         if n < 1:
             raise PlanError("a plan needs at least one layer")
+        if not isinstance(self.tail_jobs, int) or self.tail_jobs < 1:
+            raise PlanError(f"tail_jobs={self.tail_jobs!r} must be an int >= 1")
         t = self.tail
         if t.kind is not StageKind.TAIL or t.stop != n or not 0 <= t.start < n:
             raise PlanError(f"the tail must be a TAIL stage ending at layer {n}, got {t}")
@@ -73,9 +82,30 @@ class Plan:
                                 f"tail starts at layer {t.start}")
 
     def jobs(self) -> tuple[Stage, ...]:
-        """Stage jobs in execution order: forward stages, the tail, backward stages
-        deepest first. Job ``j`` runs on worker ``j % workers`` (round-robin)."""
-        return self.forward + (self.tail,) + tuple(reversed(self.backward))
+        """Stage jobs in execution order: forward stages, the tail (its jobs), backward
+        stages deepest first. Job ``j`` runs on worker ``j % workers`` (round-robin)."""
+        return self.forward + self.tails() + tuple(reversed(self.backward))
+
+    def tails(self) -> tuple[Stage, ...]:
+        """The tail's jobs: ``T`` (index 0), then ``T1``, ``T2``... over the same layers."""
+        t = self.tail
+        return tuple(Stage(StageKind.TAIL, i, t.start, t.stop) for i in range(self.tail_jobs))
+
+    def tail_microbatches(self, index: int, microbatches: int) -> range:
+        """The microbatches tail job ``index`` runs: a contiguous, near-equal share."""
+        k = self.tail_jobs
+        if microbatches < k:
+            raise PlanError(f"the tail is split into {k} jobs but a call has only "
+                            f"{microbatches} microbatches: use at least {k} microbatches "
+                            "or fewer tail jobs")
+        return range(microbatches * index // k, microbatches * (index + 1) // k)
+
+    def tail_for(self, mb: int, microbatches: int) -> Stage:
+        """The tail job that runs microbatch ``mb``."""
+        for t in self.tails():
+            if mb in self.tail_microbatches(t.index, microbatches):
+                return t
+        raise PlanError(f"microbatch {mb} is outside 0..{microbatches - 1}")
 
     def eval_jobs(self) -> tuple[Stage, ...]:
         """Stage jobs of an evaluation call: the forward stages, then the tail's layers
@@ -95,13 +125,23 @@ class Plan:
         return frozenset(s.start for s in self.backward) | {self.tail.start}
 
     def to_text(self) -> str:
-        return " ".join(str(s) for s in self.forward + (self.tail,) + self.backward)
+        """E.g. ``F0[0:2] T[2:3] B0[0:1] B1[1:2]``; a split tail reads ``T[2:3]x2``."""
+        tail = str(self.tail) + (f"x{self.tail_jobs}" if self.tail_jobs > 1 else "")
+        return " ".join([str(s) for s in self.forward] + [tail] +
+                        [str(s) for s in self.backward])
 
     @classmethod
     def from_text(cls, text: str) -> Plan:
         """Parse the form :meth:`to_text` writes, e.g. ``F0[0:2] T[2:3] B0[0:1] B1[1:2]``."""
-        fwd, bwd, tail = [], [], None
+        fwd, bwd, tail, tail_jobs = [], [], None, 1
         for tok in text.split():
+            if tok.startswith("T[") and "]x" in tok:
+                tok, _, jobs = tok.partition("]x")
+                tok += "]"
+                if not jobs.isdigit():
+                    raise PlanError(f"cannot parse the tail's job count in {tok}x{jobs}: "
+                                    "write T[start:stop]xN")
+                tail_jobs = int(jobs)
             try:
                 name, rng = tok.rstrip("]").split("[")
                 start, stop = (int(v) for v in rng.split(":"))
@@ -117,7 +157,7 @@ class Plan:
                 raise PlanError(f"unknown stage name {name!r} in {tok!r}")
         if tail is None:
             raise PlanError(f"plan text {text!r} has no tail stage T[start:stop]")
-        return cls(tail.stop, tuple(fwd), tail, tuple(bwd))
+        return cls(tail.stop, tuple(fwd), tail, tuple(bwd), tail_jobs)
 
 
 def _split(start: int, stop: int, parts: int) -> list[tuple[int, int]]:

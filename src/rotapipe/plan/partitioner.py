@@ -326,7 +326,8 @@ def _caps(fp: Footprint, n_body: int, memory: int) -> list[int]:
 
 
 def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
-                    max_tail_layers: int = 3, spread: int = 2) -> list[tuple[float, Plan]]:
+                    max_tail_layers: int = 3, spread: int = 2,
+                    tail_layers: int | None = None) -> list[tuple[float, Plan]]:
     """Fitting RoundPipe plans for ``fp``, best first by :func:`estimate_step_ms`.
 
     Tries fused tails of 1..``max_tail_layers`` layers and longer ones (sizes growing
@@ -334,7 +335,8 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
     longer tail recomputes less), several resident caps, and, per
     direction, stage counts around the count that makes stages as heavy as the heaviest
     single job (RoundPipe's rule) up to ``spread`` workers' worth more; each count gets
-    its exact min-max cut. Raises :class:`PlanError` (naming the layer) if nothing fits."""
+    its exact min-max cut. ``tail_layers`` fixes the tail's length instead. Raises
+    :class:`PlanError` (naming the layer) if nothing fits."""
     L = len(fp.costs.layers)
     check_layers_fit(fp, memory)
     if L == 1:
@@ -345,8 +347,12 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
     seen: dict[str, tuple[float, Plan]] = {}
     tried: set = set()
     error: PlanError | None = None
-    for tail_layers in _tail_sizes(fp, workers, max_tail_layers):
-        body = L - tail_layers
+    if tail_layers is not None and not 1 <= tail_layers < L:
+        raise PlanError(f"a fused tail of {tail_layers} layers leaves no layer of the "
+                        f"{L} for the forward stages: use 1..{L - 1} tail layers")
+    sizes = [tail_layers] if tail_layers else _tail_sizes(fp, workers, max_tail_layers)
+    for tail in sizes:
+        body = L - tail
         tail_res = fp.resident(Direction.BACKWARD, body, L)
         for cap in _caps(fp, body, memory):
             if tail_res > cap or fp.needs(Direction.BACKWARD, body, L, cap) > memory:

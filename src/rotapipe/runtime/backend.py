@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from ..schedule import Lane
+from .transfer import Link
 
 
 class Aborted(Exception):
@@ -95,6 +96,13 @@ class Device(abc.ABC):
 
     def use_on(self, tensor: torch.Tensor) -> None:
         """Tell the allocator ``tensor`` is used on the current stream (rule 4)."""
+
+    def link(self, lane: Lane) -> Link | None:
+        """The host-link arbiter a copy on ``lane`` takes chunk by chunk
+        (:mod:`rotapipe.runtime.transfer`), or ``None`` where the hardware arbitrates
+        (CUDA: the critical lanes' streams have high priority, the weights and grads
+        lanes' low)."""
+        return None
 
     @abc.abstractmethod
     def seeded(self, seed: int) -> AbstractContextManager:

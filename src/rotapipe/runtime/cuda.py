@@ -36,10 +36,10 @@ class CudaEvent(Event):
 
 
 class CudaStream(Stream):
-    def __init__(self, device: torch.device, name: str):
+    def __init__(self, device: torch.device, name: str, priority: int = 0):
         self.name = name
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = torch.cuda.Stream(device=device, priority=priority)
 
     def submit(self, fn, on_error, abort):
         if abort.is_set():
@@ -64,8 +64,12 @@ class CudaDevice(Device):
         self.index = index
         self.torch_device = torch.device("cuda", index)
         self.budget = budget
-        self._streams = {lane: CudaStream(self.torch_device, f"cuda{index}.{lane.value}")
-                         for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.UPLOAD, Lane.DOWNLOAD)}
+        # Critical copies (activations, input gradients) on high-priority streams; weight
+        # prefetch and weight-gradient downloads on low-priority ones (-1 is high).
+        prio = {Lane.UPLOAD: -1, Lane.DOWNLOAD: -1, Lane.COMPUTE: 0, Lane.WEIGHTS: 0,
+                Lane.GRADS: 0}
+        self._streams = {lane: CudaStream(self.torch_device, f"cuda{index}.{lane.value}", p)
+                         for lane, p in prio.items()}
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0

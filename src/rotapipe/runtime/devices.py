@@ -13,6 +13,8 @@ def make_devices(config: PipeConfig) -> list[Device]:
     """Devices for ``config``: every CUDA GPU (``workers`` of them, if given) with
     ``backend='auto'`` and a GPU present, else ``workers`` (default 2) emulated ones."""
     kind = config.backend
+    if kind is BackendKind.AUTO and config.emulation is not None:
+        kind = BackendKind.EMULATED
     if kind is BackendKind.AUTO:
         kind = BackendKind.CUDA if torch.cuda.is_available() else BackendKind.EMULATED
     if kind is BackendKind.CUDA:

@@ -20,6 +20,7 @@ from ..schedule import Lane
 from .backend import Aborted, Device, Event, Stream
 from .pool import BlockPool
 from .store import Actor
+from .transfer import Link
 
 # torch's CPU generator is one per process and shared by every thread (TRAPS.md), so
 # seeding it and drawing from it must not interleave between emulated workers. This
@@ -93,14 +94,21 @@ class EmulatedStream(Stream):
 
 
 class EmulatedDevice(Device):
-    """A virtual worker device backed by host memory, with a byte budget."""
+    """A virtual worker device backed by host memory, with a byte budget and a host
+    link per direction (:class:`~rotapipe.runtime.transfer.Link`) that its copying
+    lanes share by priority."""
 
-    def __init__(self, index: int, budget: int | None = None):
+    def __init__(self, index: int, budget: int | None = None, record_links: bool = False):
         self.index = index
         self.torch_device = torch.device("cpu")
         self.budget = budget
         self._streams = {lane: EmulatedStream(f"w{index}.{lane.value}")
-                         for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.UPLOAD, Lane.DOWNLOAD)}
+                         for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.UPLOAD, Lane.DOWNLOAD,
+                                      Lane.GRADS)}
+        up = Link(f"w{index} host->device", record_links)
+        down = Link(f"w{index} device->host", record_links)
+        self._links = {Lane.WEIGHTS: up, Lane.UPLOAD: up, Lane.DOWNLOAD: down,
+                       Lane.GRADS: down}
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0
@@ -115,6 +123,9 @@ class EmulatedDevice(Device):
 
     def stream(self, lane):
         return self._streams[lane]
+
+    def link(self, lane):
+        return self._links.get(lane)
 
     def upload(self, host, dtype=None):
         out = self._device_blocks.empty(host.shape, dtype or host.dtype)

@@ -27,6 +27,8 @@ _VERBS = {K.UPLOAD_WEIGHTS: "weight upload", K.UPLOAD_SIDE: "side-input upload",
           K.UPLOAD_ACT: "activation upload", K.UPLOAD_GRAD: "gradient upload",
           K.FORWARD: "forward", K.FUSED: "fused forward+loss+backward",
           K.RECOMPUTE: "recompute", K.BACKWARD: "backward", K.FREE: "weight free",
+          K.FORWARD_KEEP: "forward (keeping its graph)",
+          K.BACKWARD_KEPT: "backward (through the kept graph)",
           K.DOWNLOAD_ACT: "activation download", K.DOWNLOAD_GRAD: "gradient download",
           K.DOWNLOAD_BUFFERS: "buffer download", K.DOWNLOAD_WGRAD: "weight-gradient download",
           K.OPTIMIZER: "gradient hand-off to the optimizer"}

@@ -22,8 +22,12 @@ from ..model import LayerSet
 
 
 class HostState:
+    """``separate=True`` gives every master a compute copy of its own even in fp32 (the
+    stale optimizer steps the masters while workers still upload the old weights)."""
+
     def __init__(self, layerset: LayerSet, precision: PrecisionConfig,
-                 pin: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 separate: bool = False):
         self.layerset = layerset
         self.dtype = precision.compute_dtype
         self.compute: list[torch.Tensor] = []
@@ -32,12 +36,12 @@ class HostState:
             if p.requires_grad:
                 if p.dtype != torch.float32:
                     p.data = p.data.float()
-                if self.dtype == torch.float32:
+                if self.dtype == torch.float32 and not separate:
                     if pin is not None:
                         p.data = pin(p.data)
                     self.compute.append(p.data)
                 else:
-                    c = p.data.to(self.dtype)
+                    c = p.data.to(self.dtype, copy=True)
                     self.compute.append(pin(c) if pin is not None else c)
                     self._separate.append(pid)
             else:
@@ -46,16 +50,20 @@ class HostState:
                 if pin is not None:
                     p.data = pin(p.data)
                 self.compute.append(p.data)
+        self._is_separate = frozenset(self._separate)
         self.trainable = [pid for pid, p in enumerate(layerset.params) if p.requires_grad]
         self.samples = 0.0
         """Loss items (samples, or ``loss_weight`` units) whose gradients ``param.grad``
         holds since the last step/zero_grad."""
 
-    def write_back(self) -> None:
-        """Refresh compute-dtype copies from the masters after an optimizer step."""
+    def write_back(self, pids: list[int] | None = None) -> None:
+        """Refresh compute-dtype copies from the masters after an optimizer step (of the
+        parameters ``pids``; default all): one pass that reads fp32 and writes the
+        compute dtype. Copies that alias their master need nothing."""
         params = self.layerset.params
+        todo = self._separate if pids is None else [p for p in pids if p in self._is_separate]
         with torch.no_grad():
-            for pid in self._separate:
+            for pid in todo:
                 self.compute[pid].copy_(params[pid].data)
 
     def commit(self, grads: CallGrads, samples: float) -> None:

@@ -10,12 +10,19 @@ Data flows through the stores (``store.py``) under these keys:
   ``("labels", mb)``; ``("gout", stage, mb)``; ``("out", stage, mb, boundary)``;
   ``("gin", stage, mb)``; ``("loss", mb)``; ``("graph", stage, mb)``; ``("wgrad", stage)``;
   ``("bufout", stage)``.
+
+Bound schedules (``schedule/bound.py``) upload a chunk's weights once, under its backward
+stage's name: ``FK:Fc`` binds ``("w", Bc)`` and keeps its graph as ``("graph", Bc, mb)``
+for ``BK:Bc``. Chunks on one device hand over on the device: a forward puts its output
+as the next stage's ``("in", ...)``, a backward its input gradient as the shallower
+stage's ``("gout", ...)`` (``ActionRunner.set_schedule``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +34,17 @@ from ..errors import InputError
 from ..model import LayerSet, call_layer
 from ..plan import Stage, StageKind
 from ..schedule import Action, ActionKind as K
+from ..schedule.bound import weight_stages
 from .backend import Device
 from .host import CallGrads, HostState
 from .rng import layer_seed
 from .store import Store
+from .transfer import PRIORITY, sleep_until
 from .trees import map_tensors
+
+
+_COMPUTE = frozenset({K.FORWARD, K.FORWARD_KEEP, K.FUSED, K.RECOMPUTE, K.BACKWARD,
+                      K.BACKWARD_KEPT})
 
 
 @dataclass
@@ -65,25 +78,54 @@ class ActionRunner:
         self.host_store: Store | None = None
         self.ctx: CallContext | None = None
 
+    timing: Callable[[Action], tuple[float, ...]] | None = None
+    """Timed emulation (:mod:`rotapipe.runtime.timed`): an action's duration in seconds,
+    as chunks (per layer for weight uploads and weight-gradient downloads). Compute
+    actions then last at least their duration, copies hold their link that long."""
+
     def run(self, a: Action) -> None:
+        if self.timing is None or a.kind not in _COMPUTE:
+            getattr(self, "_" + a.kind.name.lower())(a)
+            return
+        t0 = time.perf_counter()
         getattr(self, "_" + a.kind.name.lower())(a)
+        # Sleep outside the random-generator lock: emulated workers overlap here.
+        sleep_until(t0 + sum(self.timing(a)))
+
+    def _copy(self, a: Action, chunk: int = 0):
+        """Hold the link ``a`` copies over for one chunk (priority transfer engine)."""
+        link = self.devices[a.worker].link(a.lane)
+        if link is None:
+            return nullcontext()
+        seconds = 0.0
+        if self.timing is not None:
+            chunks = self.timing(a)
+            seconds = chunks[chunk] if chunk < len(chunks) else 0.0
+        return link.hold(PRIORITY[a.kind], seconds, a.key)
 
     # -- uploads --------------------------------------------------------------------
     def _upload_weights(self, a: Action) -> None:
         s, dev = self.stages[a.stage], self.devices[a.worker]
         grad = self.ctx.training and s.kind is not StageKind.FORWARD
-        params = {}
-        for pid in self.ls.stage_params(s.layers):
-            t = dev.upload(self.host.compute[pid])
-            params[pid] = nn.Parameter(t, requires_grad=grad and self.ls.params[pid].requires_grad)
-        buffers = {}
-        for bid in self.ls.stage_buffers(s.layers):
-            src = self.host_store.get(("buf", bid)) if self.host_store.contains(("buf", bid)) \
-                else self.ls.buffer_value(bid)
-            # Floating buffers (BatchNorm statistics) compute in the compute dtype, as
-            # they would in a model cast with .to(dtype); the host keeps their dtype.
-            dtype = self.host.dtype if src.is_floating_point() else None
-            buffers[bid] = dev.upload(src, dtype)
+        params, buffers = {}, {}
+        # One chunk per layer: a critical copy on the same link waits at most one layer.
+        for i, l in enumerate(s.layers):
+            with self._copy(a, i):
+                for pid in self.ls.layer_params[l]:
+                    if pid in params:      # tied weight, already uploaded with a layer
+                        continue
+                    t = dev.upload(self.host.compute[pid])
+                    params[pid] = nn.Parameter(
+                        t, requires_grad=grad and self.ls.params[pid].requires_grad)
+                for bid in self.ls.layer_buffers[l]:
+                    if bid in buffers:
+                        continue
+                    src = self.host_store.get(("buf", bid)) \
+                        if self.host_store.contains(("buf", bid)) else self.ls.buffer_value(bid)
+                    # Floating buffers (BatchNorm statistics) compute in the compute dtype,
+                    # as in a model cast with .to(dtype); the host keeps their dtype.
+                    dtype = self.host.dtype if src.is_floating_point() else None
+                    buffers[bid] = dev.upload(src, dtype)
         self.stores[a.worker].put(("w", s.name), (params, buffers), f"weights of stage {s}")
 
     def _upload_side(self, a: Action) -> None:
@@ -95,7 +137,9 @@ class ActionRunner:
         store = self.stores[a.worker]
         store.put(("in", a.stage, a.mb), self._up(a, x), f"input of {a.stage} mb {a.mb}")
         if self.stages[a.stage].kind is StageKind.TAIL and self.ctx.training:
-            store.put(("labels", a.mb), self._up(a, self.host_store.get(("labels", a.mb))))
+            # Labels ride with the activation (a few bytes: no link time of their own).
+            labels = self.host_store.get(("labels", a.mb))
+            store.put(("labels", a.mb), map_tensors(self.devices[a.worker].upload, labels))
 
     def _upload_grad(self, a: Action) -> None:
         g = self.host_store.get(("grad", a.at, a.mb))
@@ -103,7 +147,8 @@ class ActionRunner:
                                   f"output gradient of {a.stage} mb {a.mb}")
 
     def _up(self, a: Action, tree):
-        return map_tensors(self.devices[a.worker].upload, tree)
+        with self._copy(a):
+            return map_tensors(self.devices[a.worker].upload, tree)
 
     # -- compute --------------------------------------------------------------------
     @contextmanager
@@ -111,7 +156,7 @@ class ActionRunner:
         """Bind the stage's device weights into this worker's shells, with the caller's
         autocast state re-entered (it is thread-local)."""
         s = self.stages[a.stage]
-        params, buffers = self.stores[a.worker].get(("w", s.name))
+        params, buffers = self.stores[a.worker].get(("w", self._weights_of.get(s.name, s.name)))
         shells = self.shells[a.worker]
         for l in s.layers:
             shells[l].bind(params, buffers)
@@ -138,17 +183,11 @@ class ActionRunner:
         return self.stores[a.worker].get(("side", a.mb)) if self.ctx.has_side else None
 
     def _forward(self, a: Action) -> None:
-        s, store = self.stages[a.stage], self.stores[a.worker]
-        x = store.pop(("in", s.name, a.mb))
-        wanted = self._downloads.get((s.name, a.mb), ())
-
-        def keep(boundary, y):
-            if boundary in wanted:
-                store.put(("out", s.name, a.mb, boundary), _detach(y),
-                          f"activation at layer {boundary} mb {a.mb}")
-
+        s = self.stages[a.stage]
+        x = self._take_input(a)
         with self._bound(a), torch.no_grad():
-            self._layers(a, s.layers, x, self._side(a), keep)
+            out = self._layers(a, s.layers, x, self._side(a), self._keeper(a))
+            self._hand_on(a, out)
             if a.mb == self.ctx.microbatches - 1:
                 self._keep_buffers(a, s)
 
@@ -160,23 +199,28 @@ class ActionRunner:
                 _WorkingSet(self.devices[a.worker], params, f"working set of {a.key}"):
             x = _leaf(x) if s.start > 0 else x
             out = self._layers(a, s.layers, x, self._side(a))
-            if self.ctx.tail_context is None:
-                result = self.loss_fn(out, labels)
-            else:
-                result = self.loss_fn(out, labels, self._tail_value(s))
-            # loss_fn returns its microbatch's mean loss, optionally with a second term
-            # already normalised over the whole batch (added unweighted).
-            loss, extra = result if isinstance(result, tuple) else (result, None)
-            contribution = _scalar(loss).float() * self.ctx.weights[a.mb]
-            if extra is not None:
-                # Data parallel: a per-rank whole-batch term counts by the rank's share.
-                contribution = contribution + _scalar(extra).float() * self.ctx.extra_weight
+            contribution = self._contribution(a, s, out, labels)
             (contribution * self.ctx.loss_scale).backward()
             store.put(("gin", s.name, a.mb), _input_grads(x) if s.start > 0 else None)
             store.put(("loss", a.mb), contribution.detach())
-            if a.mb == self.ctx.microbatches - 1:
+            if a.key in self._last_pass:     # the job's last microbatch (split tails)
                 self._keep_wgrads(a, params)
                 self._keep_buffers(a, s)
+
+    def _contribution(self, a: Action, s: Stage, out, labels) -> torch.Tensor:
+        """Microbatch ``a.mb``'s weighted share of the batch loss (fp32 scalar)."""
+        if self.ctx.tail_context is None:
+            result = self.loss_fn(out, labels)
+        else:
+            result = self.loss_fn(out, labels, self._tail_value(s))
+        # loss_fn returns its microbatch's mean loss, optionally with a second term
+        # already normalised over the whole batch (added unweighted).
+        loss, extra = result if isinstance(result, tuple) else (result, None)
+        contribution = _scalar(loss).float() * self.ctx.weights[a.mb]
+        if extra is not None:
+            # Data parallel: a per-rank whole-batch term counts by the rank's share.
+            contribution = contribution + _scalar(extra).float() * self.ctx.extra_weight
+        return contribution
 
     def _tail_value(self, s: Stage):
         """The whole-batch context of the loss: computed by the first fused-tail action
@@ -229,10 +273,83 @@ class ActionRunner:
                     g = _input_grads(xi) if l > 0 else None
                     graph[i] = None
                 gin = g
-            if s.start > 0:
-                store.put(("gin", s.name, a.mb), gin, f"input gradient of {s.name} mb {a.mb}")
-            if a.mb == self.ctx.microbatches - 1:
+            self._give_input_grad(a, s, gin)
+            if a.key in self._last_pass:
                 self._keep_wgrads(a, params)
+
+    def _forward_keep(self, a: Action) -> None:
+        """Forward keeping its autograd graph on the device for the ``BK`` of the same
+        layers (bound schedules). On the tail the graph's root is the scaled loss."""
+        s, store = self.stages[a.stage], self.stores[a.worker]
+        x = self._take_input(a)
+        labels = store.pop(("labels", a.mb)) if s.kind is StageKind.TAIL else None
+        with self._bound(a) as params, torch.enable_grad(), _SavedBytes(params) as counter:
+            x = _leaf(x) if s.start > 0 else x
+            out = self._layers(a, s.layers, x, self._side(a), self._keeper(a))
+            if labels is not None:
+                contribution = self._contribution(a, s, out, labels)
+                store.put(("loss", a.mb), contribution.detach())
+                out = contribution * self.ctx.loss_scale
+            else:
+                self._hand_on(a, out)
+            if a.key in self._last_pass:
+                self._keep_buffers(a, s)
+        # Keyed by the weights' stage (Bc for Fc): BK:Bc backpropagates through it.
+        store.put(("graph", self._weights_of.get(s.name, s.name), a.mb), (x, out),
+                  f"kept graph of {s.name} mb {a.mb}", extra_bytes=counter.bytes)
+
+    def _backward_kept(self, a: Action) -> None:
+        """Backward through the graph the stage's ``FK`` kept (freeing it), from the
+        output gradient (``UG`` or the deeper stage's ``BK`` on this device) or, on the
+        tail, from the scaled loss."""
+        s, store = self.stages[a.stage], self.stores[a.worker]
+        x, out = store.pop(("graph", s.name, a.mb))
+        params, _ = store.get(("w", self._weights_of.get(s.name, s.name)))
+        if s.kind is StageKind.TAIL:
+            out.backward()
+        else:
+            _backward(out, store.pop(("gout", s.name, a.mb)))
+        self._give_input_grad(a, s, _input_grads(x) if s.start > 0 else None)
+        if a.key in self._last_pass:
+            self._keep_wgrads(a, params)
+
+    def _take_input(self, a: Action):
+        """Pop the input of forward/recompute ``a``; in bound schedules with recompute
+        the forward keeps it for the recompute of the same layers (``set_schedule``)."""
+        store = self.stores[a.worker]
+        x = store.pop(("in", a.stage, a.mb))
+        for stage in self._also_input.get((a.stage, a.mb), ()):
+            store.put(("in", stage, a.mb), x, f"input of {stage} mb {a.mb}")
+        return x
+
+    def _keeper(self, a: Action):
+        """``keep(boundary, y)`` for :meth:`_layers`: store what a ``DA`` downloads."""
+        s, store = self.stages[a.stage], self.stores[a.worker]
+        wanted = self._downloads.get((s.name, a.mb), ())
+
+        def keep(boundary, y):
+            if boundary in wanted:
+                store.put(("out", s.name, a.mb, boundary), _detach(y),
+                          f"activation at layer {boundary} mb {a.mb}")
+        return keep
+
+    def _hand_on(self, a: Action, out) -> None:
+        """Give a forward's output to the stages on this device that read it directly."""
+        for stage in self._act_to.get(a.key, ()):
+            self.stores[a.worker].put(("in", stage, a.mb), _detach(out),
+                                      f"input of {stage} mb {a.mb}")
+
+    def _give_input_grad(self, a: Action, s: Stage, gin) -> None:
+        """Store a backward's input gradient for its ``DG``, or as the output gradient
+        of the shallower stage on this device; the tail's ``DG`` always runs (it also
+        downloads the loss)."""
+        store = self.stores[a.worker]
+        to = self._grad_to.get(a.key)
+        if to is not None:
+            store.put(("gout", to, a.mb), gin, f"output gradient of {to} mb {a.mb}")
+            gin = None
+        if (to is None and s.start > 0) or s.kind is StageKind.TAIL:
+            store.put(("gin", s.name, a.mb), gin, f"input gradient of {s.name} mb {a.mb}")
 
     def _free(self, a: Action) -> None:
         self.stores[a.worker].pop(("w", a.stage))
@@ -254,19 +371,21 @@ class ActionRunner:
 
     # -- downloads and host work -----------------------------------------------------
     def _down(self, a: Action, tree):
-        return map_tensors(self.devices[a.worker].download, tree)
+        with self._copy(a):
+            return map_tensors(self.devices[a.worker].download, tree)
 
     def _download_act(self, a: Action) -> None:
         y = self.stores[a.worker].pop(("out", a.stage, a.mb, a.at))
         self.host_store.put(("act", a.at, a.mb), self._down(a, y))
 
     def _download_grad(self, a: Action) -> None:
-        store = self.stores[a.worker]
+        store, down = self.stores[a.worker], self.devices[a.worker].download
         g = store.pop(("gin", a.stage, a.mb))
-        if self.stages[a.stage].start > 0:
-            self.host_store.put(("grad", a.at, a.mb), self._down(a, g))
-        if self.stages[a.stage].kind is StageKind.TAIL:
-            self.host_store.put(("loss", a.mb), self._down(a, store.pop(("loss", a.mb))))
+        with self._copy(a):
+            if self.stages[a.stage].start > 0:
+                self.host_store.put(("grad", a.at, a.mb), map_tensors(down, g))
+            if self.stages[a.stage].kind is StageKind.TAIL:
+                self.host_store.put(("loss", a.mb), down(store.pop(("loss", a.mb))))
 
     def _download_buffers(self, a: Action) -> None:
         for bid, t in self.stores[a.worker].pop(("bufout", a.stage)).items():
@@ -274,7 +393,14 @@ class ActionRunner:
 
     def _download_wgrad(self, a: Action) -> None:
         grads = self.stores[a.worker].pop(("wgrad", a.stage))
-        self.host_store.put(("wgrad", a.stage), self._down(a, grads))
+        dev, out = self.devices[a.worker], {}
+        # One chunk per layer, as the weight upload.
+        for i, l in enumerate(self.stages[a.stage].layers):
+            with self._copy(a, i):
+                for pid in self.ls.layer_params[l]:
+                    if pid in grads and pid not in out:
+                        out[pid] = dev.download(grads[pid])
+        self.host_store.put(("wgrad", a.stage), out)
 
     def _optimizer(self, a: Action) -> None:
         for pid, g in self.host_store.pop(("wgrad", a.stage)).items():
@@ -285,11 +411,40 @@ class ActionRunner:
 
     # -- per-schedule data -----------------------------------------------------------
     def set_schedule(self, schedule) -> None:
-        """Remember which boundaries each forward microbatch must keep for download."""
+        """Remember which boundaries each forward microbatch must keep for download, and
+        what the bound schedules hand over on one device (``bound.py``): the forward
+        stage's weights stage (``FK:Fc`` uses ``UW:Bc``), a forward's output read by
+        the next chunk's forward or recompute, an uploaded input also read by a
+        recompute, a backward's input gradient read by the shallower chunk's backward.
+        The last forward and backward of each stage (in list order) keep buffers and
+        weight gradients."""
         self._downloads: dict[tuple[str, int], set[int]] = {}
         for act in schedule.actions:
             if act.kind is K.DOWNLOAD_ACT:
                 self._downloads.setdefault((act.stage, act.mb), set()).add(act.at)
+        self._weights_of = weight_stages(schedule)
+        last: dict[tuple, str] = {}
+        self._act_to: dict[str, list[str]] = {}
+        self._also_input: dict[tuple[str, int], list[str]] = {}
+        self._grad_to: dict[str, str] = {}
+        by_key = schedule.by_key()
+        for act in schedule.actions:
+            s = self.stages.get(act.stage)
+            if act.kind in (K.FORWARD, K.FORWARD_KEEP, K.RECOMPUTE):
+                last[("f", act.stage, act.call)] = act.key
+                for p in (by_key[d] for d in act.deps if d in by_key):
+                    if p.kind is K.UPLOAD_ACT and p.at == s.start and p.stage != act.stage:
+                        self._also_input.setdefault((p.stage, act.mb), []).append(act.stage)
+                    elif p.kind in (K.FORWARD, K.FORWARD_KEEP) and \
+                            self.stages[p.stage].stop == s.start:
+                        self._act_to.setdefault(p.key, []).append(act.stage)
+            elif act.kind in (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED):
+                last[("b", act.stage, act.call)] = act.key
+                for p in (by_key[d] for d in act.deps if d in by_key):
+                    if p.kind in (K.BACKWARD, K.BACKWARD_KEPT) and \
+                            self.stages[p.stage].start == s.stop:
+                        self._grad_to[p.key] = act.stage
+        self._last_pass = set(last.values())
 
 
 class _SavedBytes:

@@ -10,10 +10,11 @@ and download streams) run concurrently, ordered only by dependencies.
 Two families of schedules share the vocabulary. RoundPipe's (``roundpipe.py``) uploads
 every stage's weights, recomputes backward stages from host checkpoints and dispatches
 stage jobs round-robin. The baselines (``bound.py``: GPipe, 1F1B, interleaved 1F1B,
-looped BFS) bind stages to devices: weights stay resident (no ``UW``), a forward keeps
-its autograd graph on the device (``FK``) for the backward that uses it (``BK``), and a
-boundary between two devices is a download to the host and an upload from it (consumer
-GPUs have no peer-to-peer). A schedule may span several calls (RoundPipe with the stale
+looped BFS) bind stages to devices: weights stay resident (no ``UW``; with
+``offload_optimizer=True`` one ``UW`` per chunk and call, as a host optimizer needs), a
+forward keeps its autograd graph on the device (``FK``) for the backward that uses it
+(``BK``), and a boundary between two devices is a download to the host and an upload
+from it (consumer GPUs have no peer-to-peer). A schedule may span several calls (RoundPipe with the stale
 optimizer overlaps them): every action then carries its call number.
 """
 
@@ -33,12 +34,16 @@ HOST = -1
 class Lane(str, enum.Enum):
     """The stream an action runs on. Uploads and downloads use separate streams so the
     PCIe link runs in both directions at once; weights get their own upload stream so
-    a prefetch never sits in front of a critical activation upload."""
+    a prefetch never sits in front of a critical activation upload; weight-gradient
+    downloads get their own download stream so that they never sit in front of a
+    critical activation or input-gradient download. On a shared link the critical
+    lane's copies go first (``rotapipe.runtime.transfer``)."""
 
     COMPUTE = "compute"
     WEIGHTS = "weights"
     UPLOAD = "upload"
     DOWNLOAD = "download"
+    GRADS = "grads"
     HOST = "host"
 
 
@@ -77,7 +82,7 @@ _LANES = {
     ActionKind.FORWARD_KEEP: Lane.COMPUTE, ActionKind.BACKWARD_KEPT: Lane.COMPUTE,
     ActionKind.FREE: Lane.COMPUTE,
     ActionKind.DOWNLOAD_ACT: Lane.DOWNLOAD, ActionKind.DOWNLOAD_GRAD: Lane.DOWNLOAD,
-    ActionKind.DOWNLOAD_BUFFERS: Lane.DOWNLOAD, ActionKind.DOWNLOAD_WGRAD: Lane.DOWNLOAD,
+    ActionKind.DOWNLOAD_BUFFERS: Lane.DOWNLOAD, ActionKind.DOWNLOAD_WGRAD: Lane.GRADS,
     ActionKind.OPTIMIZER: Lane.HOST,
 }
 COMPUTE_KINDS = frozenset(k for k, lane in _LANES.items() if lane is Lane.COMPUTE)

@@ -4,6 +4,11 @@ A *bound* plan cuts the model into chunks: the forward stages ``F0..Fk-2`` and t
 ``T`` in order, with backward stage ``Bi`` covering the same layers as ``Fi`` (see
 :func:`rotapipe.plan.bound_plan`). Chunk ``c`` lives on device ``c % devices`` for the
 whole call: its weights stay resident (no ``UW``/``X``), the usual Megatron-style setup.
+With ``offload_optimizer=True`` the master weights and the optimizer live in host memory
+instead (as in ZeRO-Offload, and as the rotapipe runtime keeps them): each call uploads
+every chunk's weights at its start and hands its weight gradients back after its last
+backward (see :func:`_lower`). Every chunk of a device stays resident for the whole call:
+swapping chunks that do not fit (Mobius) is not generated.
 
 Each generator first writes, per device, the order of its compute passes as
 ``(pass, chunk, microbatch)`` triples (the part that differs between GPipe, 1F1B, ...);
@@ -18,18 +23,29 @@ one lowering pass (:func:`_lower`) then turns them into actions and adds the tra
   GPUs have no peer-to-peer copies. Chunks on the same device hand over directly.
 - the upload lane fetches inputs in compute order, at most ``INPUT_DEPTH`` compute
   passes ahead (an upload waits for the compute that many passes back).
+- with ``offload_optimizer=True``, per chunk: a weight upload ``UW`` first on the
+  weights lane, a weight-gradient download ``DW`` and the host hand-off ``O`` after the
+  chunk's last backward, a free ``X`` at the end. A chunk's weights are uploaded once,
+  under its backward stage's name (``UW:Bc``, ``UW:T``): ``FK:Fc`` computes with them
+  (:func:`weight_stages`). The tail always downloads its loss (``DG:T``), and the
+  options ``side_inputs`` (``UZ`` once per device and microbatch) and ``buffer_layers``
+  (``DB`` after a chunk's last forward) give the runtime what RoundPipe's schedule gives it.
+  The tail's input always goes through host memory then (its upload brings the labels),
+  also from a chunk on the same device.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
+from dataclasses import dataclass
 
 from ..errors import ScheduleError
 from ..plan import Plan
-from .actions import Action, ActionKind as K, Schedule, action_key
+from .actions import HOST, Action, ActionKind as K, Schedule, action_key
 
 __all__ = ["gpipe_schedule", "one_f_one_b_schedule", "interleaved_1f1b_schedule",
-           "looped_bfs_schedule", "Pass"]
+           "looped_bfs_schedule", "weight_stages", "Pass"]
 
 INPUT_DEPTH = 2
 """Compute passes a device's upload lane may run ahead of its compute lane."""
@@ -46,21 +62,45 @@ Op = tuple[Pass, int, int]   # (pass, chunk, microbatch)
 
 
 def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
-                   recompute: bool = False) -> Schedule:
+                   recompute: bool = False, offload_optimizer: bool = False,
+                   side_inputs: bool = False,
+                   buffer_layers: Collection[int] = ()) -> Schedule:
     """GPipe: every device runs all its forwards, then all its backwards (one chunk
-    per device)."""
+    per device).
+
+    Options (the same for every generator of this module):
+
+    - ``recompute``: forwards keep only their input (``F``); the backward re-runs
+      them (``R``, ``B``). The tail is never recomputed.
+    - ``offload_optimizer``: master weights and optimizer state live in host memory
+      (ZeRO-Offload; what :class:`rotapipe.RoundPipe` runs): each chunk's weights are
+      uploaded at the start of the call (``UW:Bc``), its weight gradients downloaded
+      after its last backward (``DW``) and handed to the host optimizer (``O``), its
+      weights freed at the end (``X``); the tail downloads every microbatch's loss.
+      The weights of a device's chunks stay resident for the whole call (no swapping).
+      Off (the default): weights and optimizer stay on the device, as in Megatron.
+    - ``side_inputs``: the model has per-microbatch side inputs, uploaded once per
+      device and microbatch (``UZ``).
+    - ``buffer_layers``: layers whose forward updates buffers; a chunk holding one
+      downloads its buffers after microbatch ``M - 1``'s forward (``DB``). Not with
+      ``recompute``, which would update them twice.
+    """
     _check(plan, devices, microbatches, per_device=1)
     M = microbatches
     orders = [[(Pass.FORWARD, d, m) for m in range(M)] + [(Pass.BACKWARD, d, m) for m in range(M)]
               for d in range(devices)]
-    return _lower(plan, devices, M, orders, recompute, "gpipe")
+    return _lower(plan, devices, M, orders, recompute, "gpipe",
+                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers)))
 
 
 def one_f_one_b_schedule(plan: Plan, devices: int, microbatches: int, *,
-                         recompute: bool = False) -> Schedule:
+                         recompute: bool = False, offload_optimizer: bool = False,
+                         side_inputs: bool = False,
+                         buffer_layers: Collection[int] = ()) -> Schedule:
     """1F1B (PipeDream-flush): device ``d`` runs ``devices - 1 - d`` warm-up forwards,
     then alternates one forward and one backward, then drains the backwards. At most
-    ``devices - d`` microbatches' activations are alive on device ``d``."""
+    ``devices - d`` microbatches' activations are alive on device ``d``. Options as
+    :func:`gpipe_schedule`."""
     _check(plan, devices, microbatches, per_device=1)
     M, orders = microbatches, []
     for d in range(devices):
@@ -70,11 +110,14 @@ def one_f_one_b_schedule(plan: Plan, devices: int, microbatches: int, *,
             ops += [(Pass.FORWARD, d, warm + i), (Pass.BACKWARD, d, i)]
         ops += [(Pass.BACKWARD, d, m) for m in range(M - warm, M)]
         orders.append(ops)
-    return _lower(plan, devices, M, orders, recompute, "1f1b")
+    return _lower(plan, devices, M, orders, recompute, "1f1b",
+                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers)))
 
 
 def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
-                              recompute: bool = False) -> Schedule:
+                              recompute: bool = False, offload_optimizer: bool = False,
+                              side_inputs: bool = False,
+                              buffer_layers: Collection[int] = ()) -> Schedule:
     """Interleaved 1F1B (Megatron-LM): each device holds ``v = chunks / devices``
     chunks (virtual stages) ``d, d + devices, ...``. Microbatches go in rounds: a
     round runs through local chunk 0, then chunk 1, ...; backwards go through the
@@ -83,7 +126,8 @@ def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
     backward. Megatron's rounds hold ``devices`` microbatches and need ``devices`` to
     divide the microbatch count; here there are ``microbatches // devices`` rounds (at
     least one) of near-equal size, which is the same when it divides and keeps the
-    bubble at ``(p - 1) / (v * m + p - 1)`` for any ``m >= p``."""
+    bubble at ``(p - 1) / (v * m + p - 1)`` for any ``m >= p``. Options as
+    :func:`gpipe_schedule`."""
     v = _check(plan, devices, microbatches, per_device=None)
     M, p = microbatches, devices
     rounds = max(1, M // p)
@@ -100,14 +144,18 @@ def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
             ops += [(Pass.FORWARD, fi * p + d, fm), (Pass.BACKWARD, bi * p + d, bm)]
         ops += [(Pass.BACKWARD, i * p + d, m) for i, m in bwd[M * v - warm:]]
         orders.append(ops)
-    return _lower(plan, p, M, orders, recompute, "interleaved-1f1b")
+    return _lower(plan, p, M, orders, recompute, "interleaved-1f1b",
+                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers)))
 
 
 def looped_bfs_schedule(plan: Plan, devices: int, microbatches: int, *,
-                        recompute: bool = False) -> Schedule:
+                        recompute: bool = False, offload_optimizer: bool = False,
+                        side_inputs: bool = False,
+                        buffer_layers: Collection[int] = ()) -> Schedule:
     """Looped BFS (breadth-first pipeline): chunks placed as in interleaved 1F1B, but
     each device runs every microbatch through its first chunk, then its second, ...,
-    then the backwards chunk by chunk in reverse (microbatches in reverse too)."""
+    then the backwards chunk by chunk in reverse (microbatches in reverse too). Options
+    as :func:`gpipe_schedule`."""
     v = _check(plan, devices, microbatches, per_device=None)
     M, p = microbatches, devices
     orders = []
@@ -116,7 +164,8 @@ def looped_bfs_schedule(plan: Plan, devices: int, microbatches: int, *,
         ops += [(Pass.BACKWARD, i * p + d, m) for i in reversed(range(v))
                 for m in reversed(range(M))]
         orders.append(ops)
-    return _lower(plan, p, M, orders, recompute, "looped-bfs")
+    return _lower(plan, p, M, orders, recompute, "looped-bfs",
+                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers)))
 
 
 def _check(plan: Plan, devices: int, microbatches: int, per_device: int | None) -> int:
@@ -136,15 +185,51 @@ def _check(plan: Plan, devices: int, microbatches: int, per_device: int | None) 
     return chunks // devices
 
 
+@dataclass(frozen=True)
+class _Options:
+    """What a runtime that keeps the model in host memory needs (module docstring)."""
+
+    offload_optimizer: bool = False
+    side_inputs: bool = False
+    buffer_layers: frozenset[int] = frozenset()
+
+
+def weight_stages(schedule: Schedule) -> dict[str, str]:
+    """``{forward stage: stage whose weight upload it computes with}`` for forward stages
+    without a ``UW`` of their own: a bound schedule with ``offload_optimizer=True``
+    uploads chunk ``c`` once, as ``UW:Bc``, and ``FK:Fc`` (or ``F:Fc``) uses those
+    weights (the same device tensors, so ``BK:Bc`` backpropagates into them)."""
+    uploaded = {a.stage for a in schedule.actions if a.kind is K.UPLOAD_WEIGHTS}
+    twins = {}
+    for f in schedule.plan.forward:
+        if f.name in uploaded:
+            continue
+        for b in schedule.plan.backward:
+            if (b.start, b.stop) == (f.start, f.stop) and b.name in uploaded:
+                twins[f.name] = b.name
+                break
+    return twins
+
+
 def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
-           recompute: bool, name: str) -> Schedule:
+           recompute: bool, name: str, opts: _Options = _Options()) -> Schedule:
     """Turn per-device compute orders into actions with transfers (module docstring)."""
     fwd_stages = plan.forward + (plan.tail,)
     bwd_stages = plan.backward + (plan.tail,)
     last = len(fwd_stages) - 1
+    redone = sorted(l for s in plan.forward for l in s.layers if l in opts.buffer_layers)
+    if recompute and redone:
+        raise ScheduleError(f"recompute=True re-runs the forward of layers {redone}, whose "
+                            "forward updates buffers, on the same device buffers: the update "
+                            "would count twice; use recompute=False")
 
     def dev(c: int) -> int:
         return c % devices
+
+    def crosses(c: int) -> bool:
+        """Whether the boundary into chunk ``c`` goes through host memory: between
+        devices, and into the tail when the runtime needs its upload (the labels)."""
+        return dev(c - 1) != dev(c) or (opts.offload_optimizer and c == last)
 
     def fwd_key(c: int, m: int) -> str:
         kind = K.FORWARD if recompute and c < last else K.FORWARD_KEEP
@@ -155,13 +240,28 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
         return action_key(kind, bwd_stages[c].name, m)
 
     out: list[Action] = []
+    hand_offs: list[tuple[int, Action]] = []   # (chunk, O action) for the host lane
     for d, ops in enumerate(orders):
         computes: list[str] = []     # this device's compute keys, in order
+        # Per chunk: its weights' upload, and the index of its last backward op.
+        uw: dict[int, tuple[str, ...]] = {}
+        final_bwd = {c: i for i, (pas, c, _) in enumerate(ops) if pas is Pass.BACKWARD}
+        if opts.offload_optimizer:
+            for c in sorted(final_bwd):
+                out.append(Action(K.UPLOAD_WEIGHTS, d, bwd_stages[c].name))
+                uw[c] = (out[-1].key,)
+        side: dict[int, str] = {}    # microbatch -> its side-input upload on this device
         for i, (pas, c, m) in enumerate(ops):
             ahead = [computes[i - INPUT_DEPTH]] if i >= INPUT_DEPTH else []
+            extra = uw.get(c, ())
+            if opts.side_inputs:
+                if m not in side:
+                    out.append(Action(K.UPLOAD_SIDE, d, fwd_stages[c].name, m))
+                    side[m] = out[-1].key
+                extra += (side[m],)
             if pas is Pass.FORWARD:
                 s = fwd_stages[c]
-                if c == 0 or dev(c - 1) != d:
+                if c == 0 or crosses(c):
                     src = [action_key(K.DOWNLOAD_ACT, fwd_stages[c - 1].name, m, s.start)] \
                         if c > 0 else []
                     a = Action(K.UPLOAD_ACT, d, s.name, m, s.start, tuple(src), tuple(ahead))
@@ -170,14 +270,17 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
                 else:
                     inp = fwd_key(c - 1, m)
                 kind = K.FORWARD if recompute and c < last else K.FORWARD_KEEP
-                out.append(Action(kind, d, s.name, m, deps=(inp,)))
+                out.append(Action(kind, d, s.name, m, deps=(inp,) + extra))
                 computes.append(out[-1].key)
-                if c < last and dev(c + 1) != d:
+                if c < last and crosses(c + 1):
                     out.append(Action(K.DOWNLOAD_ACT, d, s.name, m, s.stop, (out[-1].key,)))
+                if m == microbatches - 1 and any(l in opts.buffer_layers for l in s.layers):
+                    # The runtime keeps the updated buffers after the last microbatch.
+                    out.append(Action(K.DOWNLOAD_BUFFERS, d, s.name, deps=(computes[-1],)))
             else:
                 s = bwd_stages[c]
                 grad: tuple[str, ...] = ()
-                if c < last and dev(c + 1) != d:
+                if c < last and crosses(c + 1):
                     src = action_key(K.DOWNLOAD_GRAD, bwd_stages[c + 1].name, m, s.stop)
                     a = Action(K.UPLOAD_GRAD, d, s.name, m, s.stop, (src,), tuple(ahead))
                     out.append(a)
@@ -186,17 +289,28 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
                     grad = (bwd_key(c + 1, m),)
                 if recompute and c < last:
                     # The recompute reads the forward's input, kept on this device.
-                    if c == 0 or dev(c - 1) != d:
+                    if c == 0 or crosses(c):
                         inp = action_key(K.UPLOAD_ACT, fwd_stages[c].name, m, s.start)
                     else:
                         inp = fwd_key(c - 1, m)
                     out.append(Action(K.RECOMPUTE, d, s.name, m,
-                                      deps=(inp, fwd_key(c, m))))
+                                      deps=(inp, fwd_key(c, m)) + extra))
                     out.append(Action(K.BACKWARD, d, s.name, m, deps=(out[-1].key,) + grad))
                 else:
                     out.append(Action(K.BACKWARD_KEPT, d, s.name, m,
-                                      deps=(fwd_key(c, m),) + grad))
+                                      deps=(fwd_key(c, m),) + grad + extra))
                 computes.append(out[-1].key)
-                if c > 0 and dev(c - 1) != d:
+                if c > 0 and crosses(c) or opts.offload_optimizer and c == last:
+                    # (The tail's download also brings its loss to the host.)
                     out.append(Action(K.DOWNLOAD_GRAD, d, s.name, m, s.start, (out[-1].key,)))
+                if opts.offload_optimizer and i == final_bwd[c]:
+                    # After the input gradient that became ready with it: the critical
+                    # copy must not lose the link to the weight gradients (transfer.py).
+                    dg = (out[-1].key,) if out[-1].kind is K.DOWNLOAD_GRAD else ()
+                    out.append(Action(K.DOWNLOAD_WGRAD, d, s.name, deps=(computes[-1],) + dg))
+                    hand_offs.append((c, Action(K.OPTIMIZER, HOST, s.name,
+                                                host_deps=(out[-1].key,))))
+        out += [Action(K.FREE, d, bwd_stages[c].name) for c in uw]
+    # Deeper chunks finish their backward first: the host takes their gradients first.
+    out += [o for _, o in sorted(hand_offs, key=lambda x: -x[0])]
     return Schedule(plan, devices, microbatches, tuple(out), name)

@@ -8,7 +8,8 @@ and freed when the last action *on the same worker* that depends on it has finis
 - ``UW`` a stage's weights, until its ``X`` (or the end of the schedule); a stage that
   runs backward also holds its weight gradients from its first backward until its
   ``DW``. A stage that computes on a worker without a ``UW`` there (bound schedules)
-  keeps its weights and gradients resident for the whole schedule.
+  keeps its weights and gradients resident for the whole schedule, unless the
+  backward stage with its layers was uploaded there (``offload_optimizer``).
 - ``UA`` / ``UG`` the activation / gradient at a layer boundary; ``F`` its output;
   ``FK`` and ``R`` the activations autograd keeps for the stage's backward, plus the
   output; ``B`` / ``BK`` the gradient w.r.t. the stage input; ``FT`` the tail's
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from ..errors import ScheduleError
 from ..plan import Stage
 from .actions import HOST, ActionKind as K, Lane, Schedule
+from .bound import weight_stages
 
 __all__ = ["Buffer", "MemorySizes", "MemoryPeak", "buffers", "check_limit", "format_bytes",
            "peak_memory"]
@@ -120,6 +122,7 @@ def buffers(schedule: Schedule, sizes: MemorySizes) -> list[Buffer]:
             uploaded.add((a.worker, a.stage, a.call))
     resident: dict[int, set[int]] = defaultdict(set)     # worker -> resident layers
     trained: dict[int, set[int]] = defaultdict(set)      # worker -> layers with grads
+    twins = weight_stages(schedule)     # FK:Fc computes with the weights of UW:Bc
     first_bwd: dict[tuple[int, str, int], str] = {}
     x_key: dict[tuple[int, str, int], str] = {}
     dw_key: dict[tuple[int, str, int], str] = {}
@@ -134,7 +137,7 @@ def buffers(schedule: Schedule, sizes: MemorySizes) -> list[Buffer]:
             dw_key[where] = a.key
         if s is None or a.lane is not Lane.COMPUTE or a.kind is K.FREE:
             pass
-        elif where in uploaded:
+        elif (a.worker, twins.get(a.stage, a.stage), a.call) in uploaded:
             if a.kind in _BACKWARD:
                 first_bwd.setdefault(where, a.key)
         else:

@@ -3,9 +3,10 @@
 Job ``j`` of the plan's execution order (``F0..Fk-1, T, Bj-1..B0``) runs on worker
 ``j % workers``. A worker uploads the stage's weights (prefetched while its previous
 job computes), runs the stage for every microbatch (each starting as soon as its input
-is in host memory), downloads results, and frees the weights. At most two stages'
-weights are resident per worker: the upload of job ``j`` waits (on the host) for the
-free of the job two back on the same worker.
+is in host memory), downloads results, and frees the weights. At most ``prefetch + 1``
+stages' weights are resident per worker: the upload of job ``j`` waits (on the host)
+for the free of the job ``prefetch + 1`` back on the same worker (default 1: two
+stages, the running one and the next).
 
 With the stale optimizer (:func:`roundpipe_stale_schedule`) calls overlap: the stage
 jobs of call ``c`` continue the round-robin where call ``c - 1`` stopped, so the next
@@ -14,7 +15,7 @@ call's forward stages fill the workers while the previous call's backward drains
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from ..errors import ScheduleError
 from ..plan import Plan, Stage, StageKind
@@ -27,7 +28,8 @@ INPUT_DEPTH = 2
 def roundpipe_schedule(plan: Plan, workers: int, microbatches: int, *,
                        side_inputs: bool = False,
                        buffer_layers: Collection[int] = (),
-                       training: bool = True, tail_barrier: bool = False) -> Schedule:
+                       training: bool = True, tail_barrier: bool = False,
+                       prefetch: int = 1) -> Schedule:
     """Generate the RoundPipe schedule of one training call.
 
     ``side_inputs``: the model has per-microbatch side inputs, uploaded once per
@@ -36,10 +38,22 @@ def roundpipe_schedule(plan: Plan, workers: int, microbatches: int, *,
     backward stages wait for those downloads before uploading the layers again.
     ``tail_barrier``: the first fused-tail action waits until every microbatch's tail
     input has reached host memory (for losses that need whole-batch statistics).
+    ``prefetch``: how many jobs ahead of its compute a worker's weight upload may run
+    (1: the next stage's weights load while the current stage computes; deeper
+    prefetch holds more stages' weights, see :func:`prefetch_depth`).
     """
     if workers < 1 or microbatches < 1:
         raise ScheduleError(f"workers={workers} and microbatches={microbatches} must be >= 1")
-    gen = _Generator(plan, workers, microbatches, side_inputs, frozenset(buffer_layers))
+    gen = _Generator(plan, workers, microbatches, side_inputs, frozenset(buffer_layers),
+                     prefetch)
+    if plan.tail_jobs > 1 and tail_barrier and training:
+        raise ScheduleError(f"the tail is split into {plan.tail_jobs} jobs, but a loss "
+                            "with whole-batch context (tail_context) needs one tail job: "
+                            "use a plan with tail_jobs=1")
+    if plan.tail_jobs > 1 and training and set(plan.tail.layers) & set(buffer_layers):
+        raise ScheduleError(f"the tail is split into {plan.tail_jobs} jobs, but its layers "
+                            "update buffers in their forward (each job would keep its own "
+                            "update): use a plan with tail_jobs=1")
     gen.tail_barrier = tail_barrier and training and plan.tail.start > 0
     if not training:
         # Evaluation: forward stages only, the tail's layers run as one more forward
@@ -81,8 +95,33 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
     return Schedule(plan, workers, microbatches, tuple(gen.out), "roundpipe-stale")
 
 
+def prefetch_depth(plan: Plan, workers: int, resident: Mapping[str, int], budget: int,
+                   max_depth: int = 4) -> int:
+    """The deepest weight prefetch (<= ``max_depth``, at least 1) at which every
+    worker's resident stages fit ``budget`` bytes: with depth ``d`` a worker holds the
+    stage it computes plus the next ``d`` jobs' stages. ``resident`` gives each stage's
+    device bytes while it is held (weights, plus weight gradients for stages that run
+    backward); ``budget`` is what the worker can give to them (its memory less one
+    microbatch's working set)."""
+    if max_depth < 1:
+        raise ScheduleError(f"max_depth={max_depth} must be >= 1")
+    sizes = [resident[s.name] for s in plan.jobs()]
+    best = 1
+    for d in range(2, max_depth + 1):
+        # Any d + 1 consecutive jobs of one worker: indices g, g + W, ..., g + d * W.
+        worst = max(sum(sizes[g + i * workers] for i in range(d + 1)
+                        if g + i * workers < len(sizes)) for g in range(len(sizes)))
+        if worst > budget:
+            break
+        best = d
+    return best
+
+
 class _Generator:
-    def __init__(self, plan, workers, mbs, side, buffer_layers):
+    def __init__(self, plan, workers, mbs, side, buffer_layers, prefetch=1):
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ScheduleError(f"prefetch={prefetch!r} must be an int >= 1")
+        self.prefetch = prefetch
         self.plan, self.W, self.M = plan, workers, mbs
         self.side, self.buffer_layers = side, buffer_layers
         self.jobs = plan.jobs()
@@ -111,15 +150,19 @@ class _Generator:
         g = self.call * len(self.jobs) + j          # job index over all calls
         w = g % self.W
         host_deps = list(weight_deps)
-        if g >= 2 * self.W:
-            call2, j2 = divmod(g - 2 * self.W, len(self.jobs))
+        back = (self.prefetch + 1) * self.W     # the job whose free makes room
+        if g >= back:
+            call2, j2 = divmod(g - back, len(self.jobs))
             host_deps.append(self.key(K.FREE, self.jobs[j2].name, call=call2))
         up_deps = sorted({self.buffer_dl[l] for l in s.layers if l in self.buffer_dl}) \
             if s.kind is StageKind.BACKWARD else []
         uw = self.emit(K.UPLOAD_WEIGHTS, w, s, deps=up_deps, host_deps=host_deps)
         compute_keys: list[str] = []
-        for m in range(self.M):
-            ins = [uw] + self.inputs(w, s, m, compute_keys)
+        last_dg = None
+        mbs = self.plan.tail_microbatches(s.index, self.M) if s.kind is StageKind.TAIL \
+            else range(self.M)
+        for i, m in enumerate(mbs):
+            ins = [uw] + self.inputs(w, s, m, i, compute_keys)
             if s.kind is StageKind.FORWARD:
                 compute_keys.append(self.emit(K.FORWARD, w, s, m, deps=ins))
                 for b in range(s.start + 1, s.stop + 1):
@@ -127,17 +170,18 @@ class _Generator:
                         self.act_producer[b] = s.name
                         self.emit(K.DOWNLOAD_ACT, w, s, m, b, deps=[compute_keys[-1]])
             elif s.kind is StageKind.TAIL:
-                if m == 0 and self.tail_barrier:
+                if i == 0 and self.tail_barrier:
                     producer = self.act_producer[s.start]
                     ins = ins + [f"DA:{producer}:m{k}@{s.start}" for k in range(1, self.M)]
                 compute_keys.append(self.emit(K.FUSED, w, s, m, deps=ins))
-                self.emit(K.DOWNLOAD_GRAD, w, s, m, s.start, deps=[compute_keys[-1]])
+                last_dg = self.emit(K.DOWNLOAD_GRAD, w, s, m, s.start, deps=[compute_keys[-1]])
             else:
                 r = self.emit(K.RECOMPUTE, w, s, m, deps=[k for k in ins if not k.startswith("UG:")])
                 ug = [k for k in ins if k.startswith("UG:")]
                 compute_keys.append(self.emit(K.BACKWARD, w, s, m, deps=[r] + ug))
                 if s.start > 0:
-                    self.emit(K.DOWNLOAD_GRAD, w, s, m, s.start, deps=[compute_keys[-1]])
+                    last_dg = self.emit(K.DOWNLOAD_GRAD, w, s, m, s.start,
+                                        deps=[compute_keys[-1]])
         self.emit(K.FREE, w, s)
         last = compute_keys[-1]
         if s.kind is not StageKind.BACKWARD and any(l in self.buffer_layers for l in s.layers):
@@ -145,15 +189,18 @@ class _Generator:
             for l in s.layers:
                 self.buffer_dl[l] = db
         if s.kind is not StageKind.FORWARD:
-            dw = self.emit(K.DOWNLOAD_WGRAD, w, s, deps=[last])
+            # The weight gradients become ready with the last input gradient; the
+            # critical one goes first (the links would let a started chunk finish).
+            dw = self.emit(K.DOWNLOAD_WGRAD, w, s, deps=[last] + ([last_dg] if last_dg else []))
             self.emit(K.OPTIMIZER, HOST, s, host_deps=[dw])
 
-    def inputs(self, w: int, s: Stage, m: int, compute_keys: list[str]) -> list[str]:
-        """Emit the uploads a compute action of (stage, microbatch) reads; return keys."""
+    def inputs(self, w: int, s: Stage, m: int, i: int, compute_keys: list[str]) -> list[str]:
+        """Emit the uploads the ``i``-th compute action of a job (stage, microbatch
+        ``m``) reads; return their keys."""
         keys = []
-        # Bound device memory: the upload of input m waits until the compute of input
-        # m - INPUT_DEPTH of the same stage has finished with its own input.
-        host_deps = [compute_keys[m - INPUT_DEPTH]] if m >= INPUT_DEPTH else []
+        # Bound device memory: the upload of an input waits until the job's compute
+        # INPUT_DEPTH inputs back has finished with its own input.
+        host_deps = [compute_keys[i - INPUT_DEPTH]] if i >= INPUT_DEPTH else []
         if self.side:
             if (w, m) not in self.side_key:
                 self.side_key[(w, m)] = self.emit(K.UPLOAD_SIDE, w, s, m)
@@ -165,13 +212,14 @@ class _Generator:
                                 f"{s.start} that stage {s} needs")
         keys.append(self.emit(K.UPLOAD_ACT, w, s, m, s.start, deps=deps, host_deps=host_deps))
         if s.kind is StageKind.BACKWARD:
-            deeper = self.deeper_stage(s)
+            deeper = self.deeper_stage(s, m)
             keys.append(self.emit(K.UPLOAD_GRAD, w, s, m, s.stop,
                                   deps=[self.key(K.DOWNLOAD_GRAD, deeper.name, m, s.stop)],
                                   host_deps=host_deps))
         return keys
 
-    def deeper_stage(self, s: Stage) -> Stage:
+    def deeper_stage(self, s: Stage, m: int) -> Stage:
+        """The stage whose backward of microbatch ``m`` gives ``s`` its output gradient."""
         if s.stop == self.plan.tail.start:
-            return self.plan.tail
+            return self.plan.tail_for(m, self.M)
         return self.plan.backward[s.index + 1]

@@ -95,7 +95,7 @@ def _check_passes(schedule: Schedule, by_key: dict[str, Action]) -> None:
                                         "twice (F and FK)")
                 if not (has(K.FORWARD, s) or has(K.FORWARD_KEEP, s)):
                     fail("forward", s)
-            t = plan.tail
+            t = plan.tail_for(m, M)
             if has(K.FUSED, t) and (has(K.FORWARD_KEEP, t) or has(K.BACKWARD_KEPT, t)):
                 raise ScheduleError(f"the tail microbatch {m} runs both fused (FT) and "
                                     "split (FK/BK)")
@@ -160,10 +160,10 @@ def _check_order(schedule: Schedule, by_key: dict[str, Action], before: dict,
         if not before[later] >> pos[earlier] & 1:
             raise ScheduleError(message)
 
-    tail = plan.tail
     for c in range(schedule.calls):
         of = _of_call(schedule, c)
         for m in range(M):
+            tail = plan.tail_for(m, M)
             fwd = {s.name: first(s, m, c, (K.FORWARD, K.FORWARD_KEEP, K.FUSED))
                    for s in plan.forward + (tail,)}
             bwd = {s.name: first(s, m, c, (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED))

@@ -6,8 +6,8 @@ from .compare import (SCHEDULES, SimConfig, SimResult, build_schedule, compare,
                       schedule_names, simulate)
 from .engine import Span, Timeline, run
 from .report import Bubble, Report, report, table
-from .timing import ActionTimes, memory_sizes
+from .timing import ActionTimes, TimedEmulation, memory_sizes
 
 __all__ = ["SCHEDULES", "ActionTimes", "Bubble", "Report", "SimConfig", "SimResult", "Span",
-           "Timeline", "build_schedule", "compare", "memory_sizes", "report", "run",
+           "TimedEmulation", "Timeline", "build_schedule", "compare", "memory_sizes", "report", "run",
            "schedule_names", "simulate", "table"]

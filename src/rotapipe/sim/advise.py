@@ -248,7 +248,7 @@ def _with_suggestions(a: PlanAnalysis, model, hw, lora_rank, counts) -> PlanAnal
         if a.global_batch > max(counts):
             out.append(f"more microbatches: --microbatches {a.global_batch} (one sequence, "
                        f"{a.seq} tokens, per microbatch)")
-        out.append("layer recompute grain is already tried when stage grain does not fit; "
+        out.append("layer recompute grain is already tried (the planner tries both grains); "
                    f"fewer tokens per microbatch: the longest sequence that fits is "
                    f"{a.longest_seq:,} tokens")
         if lora_rank is None:

@@ -4,7 +4,9 @@ the fastest simulated step that fits device memory, and says whether host RAM ho
 The exact cuts and the candidate ranking are in :mod:`rotapipe.plan.partitioner`
 (pure arithmetic); this module runs the best candidates through the simulator, which
 models what the ranking leaves out (link contention, the priority transfer queue,
-chunked weight uploads), and keeps the fastest.
+chunked weight uploads), and keeps the fastest. Small models (up to 10 layers by
+default) are searched exactly instead: every plan bounded below, the promising ones
+simulated (:mod:`rotapipe.sim.exact`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from ..config import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import ModelCosts, Plan, StageKind
 from ..plan.hostmem import HostMemory, host_memory
-from ..plan.partitioner import Direction, Footprint, assemble_plan, candidate_plans
+from ..plan.partitioner import (Direction, Footprint, assemble_plan, candidate_plans,
+                                estimate_step_ms)
 from ..schedule import roundpipe_schedule, roundpipe_stale_schedule
 from .engine import run
+from .exact import exact_search
 from .report import Report, report
 from .timing import ActionTimes
 
@@ -42,15 +46,22 @@ class PlannerConfig:
     refine: int = 3
     """Best candidates (by the job-grain estimate) simulated per microbatch count."""
     grains: tuple[RecomputeGrain, ...] = (RecomputeGrain.STAGE, RecomputeGrain.LAYER)
-    """Recompute grains in order of preference: a later one is tried only if no plan
-    fits with the earlier ones (layer grain saves memory and costs a second recompute)."""
-    exhaustive: int = 400
-    """Plan-space size (all tails x all forward cuts x all backward cuts) up to which
-    every fitting plan is simulated: the result is then the optimum, not a ranking's
-    best guess (small models, tests)."""
+    """Recompute grains to try, in order of preference on equal step times. Layer grain
+    costs a second recompute but keeps one layer's activations instead of the stage's,
+    so its backward stages can be longer under the same memory (fewer boundaries to
+    cross); the fastest simulated plan of any grain wins."""
+    exhaustive: int = 100_000
+    """Plan-space size (all tails x all forward cuts x all backward cuts,
+    :func:`plan_space`) up to which the search is exact: every fitting plan is bounded
+    below and simulated best-first (:mod:`rotapipe.sim.exact`), so the result is the
+    optimum, not a ranking's best guess. The default covers models of up to 10 layers
+    (87,381 plans, about a second); with ``stale`` every fitting plan is simulated, so
+    keep it small there."""
     grad_bytes: tuple[int, ...] | None = None
     """Device bytes of each layer's weight gradients (None: as large as its weights;
     LoRA: the adapters' only)."""
+    tail_layers: int | None = None
+    """Fix the fused tail's length (``None``: the planner chooses it)."""
 
     def __post_init__(self):
         if self.workers < 1 or self.memory_bytes < 1 or self.refine < 1:
@@ -84,6 +95,11 @@ class PlanChoice:
     @property
     def step_ms(self) -> float:
         return self.report.step_ms
+
+
+_STALE_EXHAUSTIVE = 400
+"""Largest plan space whose every fitting plan is simulated with overlapping calls
+(no lower bound prunes those)."""
 
 
 def plan_space(num_layers: int) -> int:
@@ -139,40 +155,74 @@ def simulate_plan(plan: Plan, costs: ModelCosts, workers: int, microbatches: int
 def choose_plan(costs_for: Callable[[int], ModelCosts], config: PlannerConfig) -> PlanChoice:
     """The fastest fitting plan. ``costs_for(M)`` gives the per-layer costs of one
     microbatch when the global batch is cut into ``M`` microbatches. Raises
-    :class:`PlanError` naming the layer and the limit if nothing fits."""
+    :class:`PlanError` naming the layer and the limit if nothing fits.
+
+    Exact (the fastest simulated step of every fitting plan) when the plan space is at
+    most ``config.exhaustive`` plans and calls do not overlap (:mod:`.exact`);
+    otherwise the best simulated of the top ``config.refine`` ranked candidates."""
     ranked: list[tuple[float, int, RecomputeGrain, Plan, ModelCosts, Footprint]] = []
+    found: list[tuple[Report, int, RecomputeGrain, Plan, ModelCosts, Footprint]] = []
     errors: list[tuple[int, int, PlanError]] = []
     calls = 6 if config.stale else 1
+    W, memory = config.workers, config.memory_bytes
+    simulated = 0
     for M in config.microbatch_counts:
         base = costs_for(M)
+        space = plan_space(len(base.layers))
         for grain in config.grains:
             costs = _grain_costs(base, grain)
             fp = Footprint.of(base, M, grain, config.grad_bytes)
+            if space <= config.exhaustive and not config.stale:
+                hit = exact_search(costs, fp, W, M, memory,
+                                   lambda p, c=costs, m=M: simulate_plan(p, c, W, m),
+                                   config.tail_layers)
+                if hit is None:
+                    errors.append((M, len(errors),
+                                   _no_fit_error(fp, W, memory, config.tail_layers)))
+                    continue
+                plan, rep, n = hit
+                simulated += n
+                found.append((rep, M, grain, plan, costs, fp))
+                continue
             try:
-                cands = candidate_plans(fp, config.workers, config.memory_bytes, calls=calls)
+                cands = candidate_plans(fp, W, memory, calls=calls,
+                                        tail_layers=config.tail_layers)
             except PlanError as exc:
                 errors.append((M, len(errors), exc))
                 continue
             ranked += [(est, M, grain, plan, costs, fp)
                        for est, plan in cands[:config.refine]]
-            if plan_space(len(base.layers)) <= config.exhaustive:
+            if space <= min(config.exhaustive, _STALE_EXHAUSTIVE):   # every fitting plan
                 ranked += [(0.0, M, grain, plan, costs, fp) for plan in all_plans(len(base.layers))
-                           if device_need(plan, fp) <= config.memory_bytes]
-            break
-    if not ranked:   # the fewest tokens per microbatch tried, the first grain
+                           if device_need(plan, fp) <= memory and config.tail_layers in
+                           (None, plan.num_layers - plan.tail.start)]
+    if not ranked and not found:   # the fewest tokens per microbatch tried, the first grain
         raise min(errors, key=lambda e: (-e[0], e[1]))[2]
-    best, alts, seen = None, [], set()
+    seen = set()
     for est, M, grain, plan, costs, fp in ranked:
         if (M, grain, plan.to_text()) in seen:
             continue
         seen.add((M, grain, plan.to_text()))
-        rep = simulate_plan(plan, costs, config.workers, M, stale=config.stale)
-        alts.append((M, grain.value, rep.step_ms))
-        if best is None or rep.step_ms < best[0].step_ms - 1e-9:
-            best = (rep, est, M, grain, plan, costs, fp)
-    rep, est, M, grain, plan, costs, fp = best
-    return PlanChoice(plan, M, grain, costs, rep, est, device_need(plan, fp), len(seen),
-                      tuple(alts))
+        found.append((simulate_plan(plan, costs, W, M, stale=config.stale), M, grain, plan,
+                      costs, fp))
+    best = None
+    for cand in found:   # first of equals: the order above is the preference order
+        if best is None or cand[0].step_ms < best[0].step_ms - 1e-9:
+            best = cand
+    rep, M, grain, plan, costs, fp = best
+    return PlanChoice(plan, M, grain, costs, rep, estimate_step_ms(plan, fp, W, calls),
+                      device_need(plan, fp), simulated + len(seen),
+                      tuple((m, g.value, r.step_ms) for r, m, g, *_ in found))
+
+
+def _no_fit_error(fp: Footprint, workers: int, memory: int,
+                  tail_layers: int | None) -> PlanError:
+    """The error :func:`candidate_plans` gives (it names the layer that cannot fit)."""
+    try:
+        candidate_plans(fp, workers, memory, tail_layers=tail_layers)
+    except PlanError as exc:
+        return exc
+    return PlanError(f"no plan fits {memory:,} bytes of device memory")   # not reached
 
 
 def host_need(choice: PlanChoice, workers: int,

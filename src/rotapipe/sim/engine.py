@@ -3,12 +3,12 @@
 Each device has three resources: its compute engine, its upload link (host to device)
 and its download link (device to host); the host lane is a fourth, on the host. Lanes
 map onto them: ``compute`` -> compute, ``weights`` and ``upload`` -> the upload link,
-``download`` -> the download link. An action starts when it heads its lane (lanes run
-in list order, one action at a time), every dependency has finished, and its resource
-is free. Where two lanes share the upload link, activation and gradient uploads go
-first; weight uploads move in per-layer chunks, so an activation upload waits at most
-one chunk (the runtime's priority transfer queue). Zero-time actions (frees, hand-offs)
-finish the moment they can start.
+``download`` and ``grads`` -> the download link. An action starts when it heads its
+lane (lanes run in list order, one action at a time), every dependency has finished,
+and its resource is free. Where two lanes share a link, activation and gradient copies go first; weight
+uploads and weight-gradient downloads move in per-layer chunks, so a critical copy
+waits at most one chunk (the runtime's priority transfer engine does the same).
+Zero-time actions (frees, hand-offs) finish the moment they can start.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ class Resource:
 
 
 _RESOURCE = {Lane.COMPUTE: Resource.COMPUTE, Lane.WEIGHTS: Resource.UP,
-             Lane.UPLOAD: Resource.UP, Lane.DOWNLOAD: Resource.DOWN, Lane.HOST: Resource.HOST}
-_PRIORITY = {Lane.UPLOAD: 0, Lane.WEIGHTS: 1}   # lower runs first on a shared link
+             Lane.UPLOAD: Resource.UP, Lane.DOWNLOAD: Resource.DOWN, Lane.GRADS: Resource.DOWN,
+             Lane.HOST: Resource.HOST}
+_PRIORITY = {Lane.UPLOAD: 0, Lane.WEIGHTS: 1, Lane.DOWNLOAD: 0, Lane.GRADS: 1}
+"""Lower runs first on a shared link (as ``rotapipe.runtime.transfer.PRIORITY``)."""
 
 COMPUTE_PASSES = frozenset({K.FORWARD, K.FORWARD_KEEP, K.FUSED, K.RECOMPUTE, K.BACKWARD,
                             K.BACKWARD_KEPT})

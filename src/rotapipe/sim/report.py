@@ -4,8 +4,9 @@ peak memory; and the side-by-side table.
 Bubble = idle compute time / (devices x window). The window is the whole call for a
 one-call schedule; for overlapping calls it is the steady state, from the end of the
 first call to the end of the second-to-last (so neither the first fill nor the last
-drain counts), and the step time is that window divided by the calls it spans. Each
-idle stretch of a device is one of:
+drain counts), and the step time is that window divided by the calls it spans (two
+overlapping calls have no steady state, nor have calls that run side by side: the
+window is then the whole timeline, the step its share per call). Each idle stretch of a device is one of:
 
 - **fill**: before the device's first compute;
 - **drain**: after its last compute;
@@ -85,8 +86,20 @@ def _window(tl: Timeline) -> tuple[float, float, float]:
     ends = [0.0] * calls
     for a in tl.schedule.actions:
         ends[a.call] = max(ends[a.call], tl.end[a.key])
-    last = calls - 2 if calls >= 3 else calls - 1
-    return ends[0], ends[last], (ends[last] - ends[0]) / last
+    whole = (0.0, tl.makespan, tl.makespan / calls)
+    if calls == 2:
+        # No steady state to measure: with enough workers the two calls may run side
+        # by side and end together. Count both calls over the whole timeline.
+        return whole
+    last = calls - 2
+    step = (ends[last] - ends[0]) / last
+    # A period far shorter than one call's compute spread over every device means the
+    # calls ran side by side (independent of each other): no steady state either.
+    busy = sum(sp.end - sp.start for sp in tl.spans
+               if sp.resource == Resource.COMPUTE and sp.action.call == 0)
+    if step * tl.schedule.workers < 0.5 * busy:
+        return whole
+    return ends[0], ends[last], step
 
 
 def report(tl: Timeline, tokens_per_call: int, sizes: MemorySizes | None = None,

@@ -1,0 +1,179 @@
+"""How a :class:`rotapipe.RoundPipe` gets its plan: the planner's choice from costs the
+runtime knows, an explicit plan validated and kept, or the even partition the user
+asked for; and (``partition="refine"``) re-planning from measured stage times.
+
+The rule (docs/planning.md, "The runtime's plan"):
+
+1. ``RoundPipe(plan=...)``: validated (it covers the model's layers; each stage's
+   weights fit the worker budget, checked by the pipeline) and kept as given.
+2. ``partition="even"``, or ``forward_stages`` / ``backward_stages`` set: the even
+   partition with those counts (the defaults of :class:`~rotapipe.PipeConfig`).
+3. Otherwise the planner (:func:`rotapipe.sim.autoplan.choose_plan`) on
+   :func:`parameter_costs` (or the timed emulation's costs), at the pipeline's worker
+   count, microbatch count, recompute grain, ``tail_layers`` and worker budget (a CUDA
+   device's memory when ``device_memory`` is unset). If its memory bound
+   (a sufficient condition) fits no plan, the even partition is used and the
+   pipeline's own budget check and out-of-memory errors take over.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+from .config import PartitionMode, PipeConfig
+from .errors import ConfigError, PlanError
+from .plan import LayerCost, ModelCosts, Plan, Stage, even_plan
+from .plan.measured import MeasuredCosts, Pass, PlanRefiner
+from .schedule import ActionKind as K
+from .sim.autoplan import PlannerConfig, choose_plan
+
+__all__ = ["parameter_costs", "emulation_costs", "stage_samples", "PipePlanner",
+           "RUNTIME_EXHAUSTIVE"]
+
+log = logging.getLogger(__name__)
+
+RUNTIME_EXHAUSTIVE = 400
+"""Plan-space size up to which the runtime's planner is exact (6 layers, milliseconds);
+larger models take the ranked candidates (see :class:`PlannerConfig`)."""
+
+_MS_PER_PARAM = 2e-9
+"""Forward time per parameter and token at a nominal 1 TFLOP/s (2 FLOPs per parameter):
+only the ratios between layers matter to the planner when no transfer is timed."""
+
+
+def parameter_costs(params: Sequence[int], weight_bytes: Sequence[int]) -> ModelCosts:
+    """Costs the runtime knows without a hardware profile: each layer's forward time
+    proportional to its parameters (plus one, so that a parameter-free layer is not
+    free), backward twice and recompute once the forward, weights of ``weight_bytes``;
+    no transfer times and no activation bytes (both unknown before the first call)."""
+    if len(params) != len(weight_bytes):
+        raise ConfigError(f"{len(params)} parameter counts for {len(weight_bytes)} layers")
+    layers = []
+    for i, (n, w) in enumerate(zip(params, weight_bytes)):
+        f = (n + 1) * _MS_PER_PARAM
+        layers.append(LayerCost(f"layer{i}", f, 2 * f, f, weight_bytes=int(w)))
+    return ModelCosts(tuple(layers), 1)
+
+
+def emulation_costs(emulated: ModelCosts, weight_bytes: Sequence[int]) -> ModelCosts:
+    """A timed emulation's times with the real (stand-in) layers' weight bytes."""
+    return replace(emulated, layers=tuple(replace(l, weight_bytes=int(w))
+                                          for l, w in zip(emulated.layers, weight_bytes)))
+
+
+class PipePlanner:
+    """The plan of one pipeline: chooses it, and with ``partition="refine"`` refines it
+    from the stage times of training calls (:meth:`observe`)."""
+
+    def __init__(self, config: PipeConfig, workers: int, costs: ModelCosts,
+                 grad_bytes: Sequence[int], budget: int | None, *,
+                 refine_calls: int = 8):
+        self.config, self.workers = config, workers
+        self.base = costs
+        self.grad_bytes = tuple(int(g) for g in grad_bytes)
+        self.budget = budget
+        n = len(costs.layers)
+        # The tail keeps all its activations (unknown before the first call): its length
+        # is the user's (config.tail_layers), the planner cuts the layers before it.
+        self.tail_layers = min(config.tail_layers, n - 1) if n > 1 else None
+        self.explicit_counts = (config.forward_stages is not None
+                                or config.backward_stages is not None)
+        self.refiner: PlanRefiner | None = None
+        self.measured: MeasuredCosts | None = None
+        self.refine_calls = refine_calls
+        """Training calls after which refinement stops even if timings still move."""
+        self.source = ""
+        """How the plan was made: ``"explicit"``, ``"even"``, ``"planner"`` or
+        ``"even (the planner's memory bound fits no plan)"``."""
+
+    # -- the first plan -------------------------------------------------------------
+    def initial(self, plan: Plan | None) -> Plan:
+        """The plan to build the pipeline with (see the module docstring)."""
+        n = len(self.base.layers)
+        if plan is not None:
+            if not isinstance(plan, Plan):
+                raise ConfigError(f"plan={plan!r} is not a rotapipe.plan.Plan: build one "
+                                  "with Plan.from_text(...) or even_plan(...), or leave "
+                                  "plan=None for the planner")
+            if plan.num_layers != n:
+                raise ConfigError(f"the plan covers {plan.num_layers} layers but the model "
+                                  f"has {n}: build the plan for {n} layers")
+            self.source = "explicit"
+            return plan
+        mode = self.config.partition
+        if mode is PartitionMode.EVEN or self.explicit_counts:
+            self.source = "even"
+            return self._even()
+        try:
+            chosen = self._choose(self.base)
+        except PlanError as exc:
+            log.warning("the planner fits no plan in the worker budget (%s); using the "
+                        "even partition", exc)
+            self.source = "even (the planner's memory bound fits no plan)"
+            return self._even()
+        self.source = "planner"
+        if mode is PartitionMode.REFINE:
+            self.measured = MeasuredCosts(n)
+            self.refiner = PlanRefiner(self._choose, self.base, chosen)
+        return chosen
+
+    def _even(self) -> Plan:
+        c, n, w = self.config, len(self.base.layers), self.workers
+        nf = c.forward_stages or 2 * w
+        return even_plan(n, nf, c.backward_stages or 3 * nf, min(c.tail_layers or 1, n))
+
+    def _choose(self, costs: ModelCosts) -> Plan:
+        memory = self.budget if self.budget is not None else 2 ** 62
+        cfg = PlannerConfig(self.workers, memory, (self.config.microbatches,),
+                            grains=(self.config.grain,), exhaustive=RUNTIME_EXHAUSTIVE,
+                            grad_bytes=self.grad_bytes, tail_layers=self.tail_layers)
+        return choose_plan(lambda m: costs, cfg).plan
+
+    # -- refinement -----------------------------------------------------------------
+    @property
+    def refining(self) -> bool:
+        return self.refiner is not None and not self.refiner.frozen
+
+    def observe(self, spans: Iterable[tuple], stages: dict[str, Stage], calls: int,
+                ) -> Plan | None:
+        """Record one training call's compute spans (``(action, start_s, end_s)``, as
+        :attr:`rotapipe.runtime.executor.Executor.last_spans`) and return a new plan if
+        the refiner changed it (``None``: keep the current one). A stage's time is
+        spread over its layers in proportion to their current estimate."""
+        if not self.refining:
+            return None
+        estimate = self.measured.apply(self.base)
+        for sample in stage_samples(spans, stages, estimate):
+            self.measured.record(*sample)
+        old = self.refiner.plan
+        new = self.refiner.update(self.measured)
+        if calls >= self.refine_calls:
+            self.refiner.frozen = True
+        return new if new != old else None
+
+
+def stage_samples(spans: Iterable[tuple], stages: dict[str, Stage], estimate: ModelCosts,
+                  ) -> Iterable[tuple[int, Pass, float]]:
+    """``(layer, pass, ms)`` samples of one call's compute spans: forward (``F``),
+    recompute (``R``), backward (``B``) and the fused tail (``FT``, split into its
+    forward and backward by the estimate)."""
+    for action, start, end in spans:
+        kind = action.kind
+        if kind not in (K.FORWARD, K.RECOMPUTE, K.BACKWARD, K.FUSED):
+            continue
+        stage = stages.get(action.stage)
+        if stage is None:
+            continue
+        ms = (end - start) * 1e3
+        layers = estimate.layers[stage.start:stage.stop]
+        parts = {K.FORWARD: [(Pass.FORWARD, l.forward_ms) for l in layers],
+                 K.RECOMPUTE: [(Pass.RECOMPUTE, l.recompute_ms) for l in layers],
+                 K.BACKWARD: [(Pass.BACKWARD, l.backward_ms) for l in layers],
+                 K.FUSED: [(p, t) for l in layers for p, t in
+                           ((Pass.FORWARD, l.forward_ms), (Pass.BACKWARD, l.backward_ms))]}[kind]
+        total = sum(t for _, t in parts)
+        for i, (p, t) in enumerate(parts):
+            layer = stage.start + (i // 2 if kind is K.FUSED else i)
+            yield layer, p, ms * (t / total if total > 0 else 1 / len(parts))

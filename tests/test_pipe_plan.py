@@ -1,0 +1,133 @@
+"""The runtime's plan (rotapipe.pipe_plan): the planner by default, explicit plans kept
+or rejected with the fix, explicit stage counts honoured, and measured refinement that
+converges, freezes, and never changes the numbers."""
+
+import copy
+
+import pytest
+import torch
+
+import rotapipe
+from models import emulated, lm_loss, reference_forward_backward, tiny_transformer, token_batch
+from rotapipe import pipe_plan
+from rotapipe.config import RecomputeGrain
+from rotapipe.plan import Plan, even_plan
+from rotapipe.plan.measured import Pass
+from rotapipe.schedule import Action, ActionKind as K
+from rotapipe.sim.autoplan import PlannerConfig, choose_plan
+
+
+def _layer_params(model):
+    return [sum(p.numel() for p in layer.parameters()) for layer in model]
+
+
+def test_default_plan_comes_from_the_planner_and_is_exact():
+    model = tiny_transformer(widths=(24, 160, 8, 32))   # one block 5x wider than the rest
+    ref = copy.deepcopy(model)
+    n = len(model)
+    params = _layer_params(model)
+    costs = pipe_plan.parameter_costs(params, [4 * p for p in params])
+    expected = choose_plan(lambda m: costs, PlannerConfig(
+        2, 2**62, (2,), grains=(RecomputeGrain.STAGE,), exhaustive=pipe_plan.RUNTIME_EXHAUSTIVE,
+        tail_layers=1)).plan
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2)) as pipe:
+        assert pipe.plan == expected
+        assert pipe.plan != even_plan(n, 4, 12, 1)
+        assert pipe._planner.source == "planner"
+        x, y = token_batch(8)
+        loss = pipe.forward_backward(x, y)
+        grads = {k: p.grad.clone() for k, p in pipe.named_parameters()}
+    want = reference_forward_backward(ref, x, y, 2, call=0)
+    assert loss == pytest.approx(want, rel=1e-5)
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_explicit_plan_is_kept_and_explicit_counts_select_the_even_partition():
+    model = tiny_transformer()
+    n = len(model)
+    plan = Plan.from_text("F0[0:1] F1[1:4] T[4:6] B0[0:2] B1[2:3] B2[3:4]")
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2), plan=plan) as pipe:
+        assert pipe.plan is plan and pipe._planner.source == "explicit"
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, forward_stages=2)) as pipe:
+        assert pipe.plan == even_plan(n, 2, 6, 1) and pipe._planner.source == "even"
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, partition="even")) as pipe:
+        assert pipe.plan == even_plan(n, 4, 12, 1)
+
+
+def test_an_invalid_explicit_plan_names_the_problem_and_the_fix():
+    model = tiny_transformer()
+    with pytest.raises(rotapipe.ConfigError, match=r"covers 5 layers but the model has 6: "
+                                                    r"build the plan for 6 layers"):
+        rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2), plan=even_plan(5, 2, 2))
+    with pytest.raises(rotapipe.ConfigError, match=r"not a rotapipe.plan.Plan.*Plan.from_text"):
+        rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2), plan="F0[0:5] T[5:6]")
+    whole = Plan.from_text("F0[0:5] T[5:6] B0[0:5]")
+    budget = sum(p.numel() * 4 for p in model[1:3].parameters())   # two blocks, not five
+    with pytest.raises(rotapipe.ConfigError, match=r"stage F0\[0:5\] needs .* MiB for its "
+                                                    r"weights alone.*raise device_memory"):
+        rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, device_memory=budget),
+                           plan=whole)
+    with pytest.raises(rotapipe.ConfigError, match=r"partition='fast' is invalid: use one of "
+                                                    r"'auto', 'even', 'refine'"):
+        rotapipe.PipeConfig(partition="fast")
+
+
+def test_stage_samples_spread_a_stage_over_its_layers_by_the_estimate():
+    costs = pipe_plan.parameter_costs([9, 19, 0], [0, 0, 0])   # forward 10 : 20 : 1
+    plan = Plan.from_text("F0[0:2] T[2:3] B0[0:2]")
+    stages = {s.name: s for s in plan.jobs()}
+    spans = [(Action(K.FORWARD, 0, "F0", 0), 1.0, 1.003),     # 3 ms over layers 0, 1
+             (Action(K.FUSED, 1, "T", 0), 2.0, 2.006),        # forward 1 : backward 2
+             (Action(K.UPLOAD_WEIGHTS, 0, "B0"), 0.0, 5.0)]   # not compute: ignored
+    got = list(pipe_plan.stage_samples(spans, stages, costs))
+    assert [(l, p) for l, p, _ in got] == [(0, Pass.FORWARD), (1, Pass.FORWARD),
+                                           (2, Pass.FORWARD), (2, Pass.BACKWARD)]
+    assert [ms for *_, ms in got] == pytest.approx([1.0, 2.0, 2.0, 4.0])
+
+
+def test_refinement_converges_then_freezes_and_stays_exact(monkeypatch):
+    """Fake, deterministic timings: block 3 (layer 3) turns out 40x slower than its
+    parameters say. The plan moves once, then freezes; every call stays exact."""
+    slow = {3: 40.0}
+
+    def fake_samples(spans, stages, estimate):
+        for i, l in enumerate(estimate.layers):
+            base = 1.0 * slow.get(i, 1.0)
+            for _ in range(3):
+                yield i, Pass.FORWARD, base
+                yield i, Pass.RECOMPUTE, base
+                yield i, Pass.BACKWARD, 2 * base
+
+    monkeypatch.setattr(pipe_plan, "stage_samples", fake_samples)
+    model = tiny_transformer()
+    ref = copy.deepcopy(model)
+    x, y = token_batch(8)
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, partition="refine")) as pipe:
+        first = pipe.plan
+        plans, losses = [], []
+        for call in range(7):
+            if call == 5:
+                slow[3] = 1.0                       # timings move after the freeze
+            losses.append(pipe.forward_backward(x, y))
+            plans.append(pipe.plan)
+        refiner = pipe._planner.refiner
+        assert refiner.frozen and refiner.replans == 1
+        assert plans[0] != first                    # re-planned after the first call
+        assert len(set(plans)) == 1                 # then never again
+        grads = {k: p.grad.clone() for k, p in pipe.named_parameters()}
+    for call, loss in enumerate(losses):
+        assert loss == pytest.approx(reference_forward_backward(ref, x, y, 2, call), rel=1e-5)
+    for k, p in ref.named_parameters():   # accumulated: the mean over every call's samples
+        torch.testing.assert_close(grads[k], p.grad / len(losses), rtol=1e-4, atol=1e-6)
+
+
+def test_refinement_from_real_timings_runs_and_stops_after_its_calls():
+    model = tiny_transformer()
+    x, y = token_batch(8)
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, partition="refine")) as pipe:
+        pipe._planner.refine_calls = 3
+        for _ in range(3):
+            pipe.forward_backward(x, y)
+        assert not pipe._planner.refining
+        assert pipe._planner.measured.averages()    # the executor's spans were recorded
