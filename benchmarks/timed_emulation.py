@@ -108,11 +108,19 @@ def bench(model: str, args) -> list[dict]:
                             optimizer_params_per_s=args.optimizer_rate)
     M = args.microbatches
     choice = choose_plan(lambda m: em0.costs,
-                         PlannerConfig(DEVICES, USABLE, microbatch_counts=(M,)))
+                         PlannerConfig(DEVICES, USABLE, microbatch_counts=(M,),
+                                       tail_jobs=(1, 2, 3, 4)))
     costs = choice.costs
     sim_rp = run(rotapipe.roundpipe_schedule(choice.plan, DEVICES, M),
                  ActionTimes(choice.plan, costs))
-    dilation = args.dilation or max(0.5, args.target_s * 1e3 / sim_rp.makespan)
+    # Slow down enough that the shortest compute action takes --min-action-ms of real
+    # time (Python overhead per action is a fraction of a millisecond), and the call
+    # about --target-s seconds, whichever is slower.
+    times = ActionTimes(choice.plan, costs)
+    shortest = min(sum(times(a)) for a in sim_rp.schedule.actions
+                   if a.lane.value == "compute" and sum(times(a)) > 0)
+    dilation = args.dilation or max(args.target_s * 1e3 / sim_rp.makespan,
+                                    args.min_action_ms / shortest)
     em = replace(em0, costs=costs, dilation=dilation)
     rows = []
     for mode in ("sync", "overlap", "stale"):
@@ -147,6 +155,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=2, help="measured steps per schedule")
     ap.add_argument("--target-s", type=float, default=2.0,
                     help="real seconds one RoundPipe call should take (sets the dilation)")
+    ap.add_argument("--min-action-ms", type=float, default=15.0,
+                    help="real milliseconds the shortest compute action should take")
     ap.add_argument("--dilation", type=float, default=None, help="fixed dilation instead")
     ap.add_argument("--optimizer-rate", type=float, default=5e9,
                     help="host optimizer throughput, parameters/s")

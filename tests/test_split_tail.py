@@ -75,3 +75,24 @@ def test_split_tail_is_exact(workers, jobs):
     assert loss == pytest.approx(want, rel=1e-6)
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_planner_splits_a_heavy_tail_and_only_then():
+    from rotapipe.plan import LayerCost
+    from rotapipe.sim.autoplan import PlannerConfig, choose_plan
+
+    def costs(head_ms):
+        blocks = [LayerCost(f"b{i}", 1.0, 2.0, 1.0, 0.2, 0.05, weight_bytes=100)
+                  for i in range(12)]
+        head = LayerCost("head", head_ms, 2 * head_ms, head_ms, 0.5, 0.05, weight_bytes=200)
+        return ModelCosts(tuple(blocks) + (head,), 1)
+
+    for head_ms, split in ((12.0, True), (0.5, False)):
+        c = costs(head_ms)
+        one = choose_plan(lambda m: c, PlannerConfig(4, 10**9, (8,)))
+        any_ = choose_plan(lambda m: c, PlannerConfig(4, 10**9, (8,), tail_jobs=(1, 2, 3, 4)))
+        assert one.plan.tail_jobs == 1
+        assert any_.step_ms <= one.step_ms + 1e-9
+        assert (any_.plan.tail_jobs > 1) == split, any_.plan.to_text()
+        if split:
+            assert any_.step_ms < 0.9 * one.step_ms, (any_.step_ms, one.step_ms)

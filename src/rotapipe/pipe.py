@@ -602,8 +602,13 @@ class RoundPipe:
             # Leave room for the CUDA context and fragmentation (as `rotapipe plan`).
             budgets = [int(0.9 * torch.cuda.get_device_properties(d.torch_device).total_memory)
                        for d in self.devices]
+        # A split tail needs transfer times to be judged (the head's weights go to
+        # several workers): only with a timed emulation's costs, and never with a
+        # whole-batch loss context or buffers (each tail job would keep its own).
+        split = em is not None and self.tail_context is None and \
+            not self.layerset.buffer_layers()
         return PipePlanner(self.config, len(self.devices), costs, grads,
-                           min(budgets) if budgets else None)
+                           min(budgets) if budgets else None, split_tail=split)
 
     def _refine_plan(self) -> None:
         """``partition="refine"``: feed this call's stage times to the planner and switch

@@ -11,7 +11,9 @@ The rule (docs/planning.md, "The runtime's plan"):
 3. Otherwise the planner (:func:`rotapipe.sim.autoplan.choose_plan`) on
    :func:`parameter_costs` (or the timed emulation's costs), at the pipeline's worker
    count, microbatch count, recompute grain, ``tail_layers`` and worker budget (a CUDA
-   device's memory when ``device_memory`` is unset). If its memory bound
+   device's memory when ``device_memory`` is unset). It splits the fused tail into
+   several jobs (``Plan.tail_jobs``) only with a timed emulation's costs, which time
+   the transfers a split adds, and never with ``tail_context`` or buffers. If its memory bound
    (a sufficient condition) fits no plan, the even partition is used and the
    pipeline's own budget check and out-of-memory errors take over.
 """
@@ -69,8 +71,10 @@ class PipePlanner:
 
     def __init__(self, config: PipeConfig, workers: int, costs: ModelCosts,
                  grad_bytes: Sequence[int], budget: int | None, *,
-                 refine_calls: int = 8):
+                 refine_calls: int = 8, split_tail: bool = False):
         self.config, self.workers = config, workers
+        self.tail_jobs = (1, 2, 3, 4) if split_tail else (1,)
+        """Tail job counts the planner may use (``Plan.tail_jobs``)."""
         self.base = costs
         self.grad_bytes = tuple(int(g) for g in grad_bytes)
         self.budget = budget
@@ -128,7 +132,8 @@ class PipePlanner:
         memory = self.budget if self.budget is not None else 2 ** 62
         cfg = PlannerConfig(self.workers, memory, (self.config.microbatches,),
                             grains=(self.config.grain,), exhaustive=RUNTIME_EXHAUSTIVE,
-                            grad_bytes=self.grad_bytes, tail_layers=self.tail_layers)
+                            grad_bytes=self.grad_bytes, tail_layers=self.tail_layers,
+                            tail_jobs=self.tail_jobs)
         return choose_plan(lambda m: costs, cfg).plan
 
     # -- refinement -----------------------------------------------------------------

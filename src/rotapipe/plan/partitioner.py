@@ -99,10 +99,12 @@ class Footprint:
         compute = self._sum("f" if direction == Direction.FORWARD else "rb", a, b)
         return max(self.microbatches * compute, self._sum("up", a, b))
 
-    def tail_cost(self, a: int) -> float:
+    def tail_cost(self, a: int, jobs: int = 1) -> float:
+        """Time one of ``jobs`` tail jobs from layer ``a`` holds its worker."""
         n = len(self.costs.layers)
         compute = self._sum("f", a, n) + self.costs.sum("backward_ms", a, n)
-        return max(self.microbatches * compute, self._sum("up", a, n))
+        share = math.ceil(self.microbatches / jobs)
+        return max(share * compute, self._sum("up", a, n))
 
     def resident(self, direction: str, a: int, b: int) -> int:
         """Weights (+ their gradients when the stage runs backward) of ``[a, b)``."""
@@ -262,12 +264,13 @@ def min_max_cut(fp: Footprint, direction: str, start: int, stop: int, parts: int
     return max(fp.cost(direction, a, b) for a, b in runs), runs
 
 
-def assemble_plan(n: int, fwd, tail: int, bwd) -> Plan:
+def assemble_plan(n: int, fwd, tail: int, bwd, tail_jobs: int = 1) -> Plan:
     """A :class:`Plan` of ``n`` layers from ``(start, stop)`` runs: forward ``fwd``, the
-    tail from layer ``tail``, backward ``bwd``."""
+    tail from layer ``tail`` (split into ``tail_jobs`` jobs), backward ``bwd``."""
     return Plan(n, tuple(Stage(StageKind.FORWARD, i, a, b) for i, (a, b) in enumerate(fwd)),
                 Stage(StageKind.TAIL, 0, tail, n),
-                tuple(Stage(StageKind.BACKWARD, i, a, b) for i, (a, b) in enumerate(bwd)))
+                tuple(Stage(StageKind.BACKWARD, i, a, b) for i, (a, b) in enumerate(bwd)),
+                tail_jobs)
 
 
 def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) -> float:
@@ -293,6 +296,8 @@ def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) ->
     link = [0.0] * workers
     ended: list[float] = []
     ends, g = [], 0
+    mbs = [plan.tail_microbatches(s.index, M) if s.kind is StageKind.TAIL else range(M)
+           for s in plan.jobs()]
     for _ in range(calls):
         ready = [0.0] * M
         for j, (early, t, up, hop) in enumerate(jobs):
@@ -300,7 +305,7 @@ def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) ->
             two_back = ended[g - 2 * workers] if g >= 2 * workers else 0.0
             link[w] = max(link[w], two_back) + up
             f = max(free[w], link[w])
-            for m in range(M):
+            for m in mbs[j]:
                 f = max(f + early, ready[m] + (hop if j else 0.0)) + t
                 ready[m] = f
             free[w] = f
@@ -327,7 +332,8 @@ def _caps(fp: Footprint, n_body: int, memory: int) -> list[int]:
 
 def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
                     max_tail_layers: int = 3, spread: int = 2,
-                    tail_layers: int | None = None) -> list[tuple[float, Plan]]:
+                    tail_layers: int | None = None,
+                    tail_jobs: int = 1) -> list[tuple[float, Plan]]:
     """Fitting RoundPipe plans for ``fp``, best first by :func:`estimate_step_ms`.
 
     Tries fused tails of 1..``max_tail_layers`` layers and longer ones (sizes growing
@@ -335,7 +341,9 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
     longer tail recomputes less), several resident caps, and, per
     direction, stage counts around the count that makes stages as heavy as the heaviest
     single job (RoundPipe's rule) up to ``spread`` workers' worth more; each count gets
-    its exact min-max cut. ``tail_layers`` fixes the tail's length instead. Raises
+    its exact min-max cut. ``tail_layers`` fixes the tail's length instead;
+    ``tail_jobs`` splits the tail into that many jobs (each a share of the
+    microbatches), which lowers the heaviest job the stages are sized against. Raises
     :class:`PlanError` (naming the layer) if nothing fits."""
     L = len(fp.costs.layers)
     check_layers_fit(fp, memory)
@@ -359,8 +367,9 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
                 error = error or _fit_error(fp, Direction.BACKWARD, body, L, cap, memory)
                 continue
             try:
-                cuts = {d: _cuts_for(fp, d, body, workers, cap, memory, fp.tail_cost(body),
-                                     spread) for d in (Direction.FORWARD, Direction.BACKWARD)}
+                tail_job = fp.tail_cost(body, tail_jobs)
+                cuts = {d: _cuts_for(fp, d, body, workers, cap, memory, tail_job, spread)
+                        for d in (Direction.FORWARD, Direction.BACKWARD)}
             except PlanError as exc:
                 error = error or exc
                 continue
@@ -373,7 +382,7 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
             fwds, bwds = cuts[Direction.FORWARD], cuts[Direction.BACKWARD]
 
             def score(fwd, bwd):
-                plan = assemble_plan(L, fwd, body, bwd)
+                plan = assemble_plan(L, fwd, body, bwd, tail_jobs)
                 text = plan.to_text()
                 if text not in seen:
                     seen[text] = (estimate_step_ms(plan, fp, workers, calls), plan)

@@ -210,7 +210,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     host_limit = host_ram or default_host_ram(hw)
     trainable, grads = _trainable(model, hw, lora_rank)
     counts = (microbatches,) if microbatches else _divisors(global_batch)
-    config = PlannerConfig(hw.count, device_limit, counts, stale=stale, grad_bytes=grads)
+    config = PlannerConfig(hw.count, device_limit, counts, stale=stale, grad_bytes=grads,
+                           tail_jobs=(1, 2, 3, 4))
 
     def costs_for(M: int) -> ModelCosts:
         return _costs(model, hw, seq, global_batch // M)

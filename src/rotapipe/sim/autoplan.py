@@ -62,11 +62,18 @@ class PlannerConfig:
     LoRA: the adapters' only)."""
     tail_layers: int | None = None
     """Fix the fused tail's length (``None``: the planner chooses it)."""
+    tail_jobs: tuple[int, ...] = (1,)
+    """Tail job counts to try (:attr:`rotapipe.plan.Plan.tail_jobs`; counts above the
+    workers or the microbatches are skipped, and so are all splits when a one-layer
+    tail's job is under a quarter of a worker's share of the step). Split tails are
+    ranked candidates: the exact search covers single-job tails."""
 
     def __post_init__(self):
         if self.workers < 1 or self.memory_bytes < 1 or self.refine < 1:
             raise ConfigError(f"workers ({self.workers}), memory_bytes ({self.memory_bytes}) "
                               f"and refine ({self.refine}) must be >= 1")
+        if not self.tail_jobs or min(self.tail_jobs) < 1:
+            raise ConfigError(f"tail_jobs must be non-empty and >= 1, got {self.tail_jobs}")
         if not self.microbatch_counts or min(self.microbatch_counts) < 1:
             raise ConfigError(f"microbatch_counts must be non-empty and >= 1, got "
                               f"{self.microbatch_counts}")
@@ -152,6 +159,10 @@ def simulate_plan(plan: Plan, costs: ModelCosts, workers: int, microbatches: int
     return report(run(s, ActionTimes(plan, costs)), costs.tokens * microbatches)
 
 
+_HEAVY_TAIL = 0.25
+"""A tail job this fraction of a worker's share of the step is worth splitting."""
+
+
 def choose_plan(costs_for: Callable[[int], ModelCosts], config: PlannerConfig) -> PlanChoice:
     """The fastest fitting plan. ``costs_for(M)`` gives the per-layer costs of one
     microbatch when the global batch is cut into ``M`` microbatches. Raises
@@ -172,6 +183,21 @@ def choose_plan(costs_for: Callable[[int], ModelCosts], config: PlannerConfig) -
         for grain in config.grains:
             costs = _grain_costs(base, grain)
             fp = Footprint.of(base, M, grain, config.grad_bytes)
+            L = len(base.layers)
+            share = (fp.cost(Direction.FORWARD, 0, L) + fp.cost(Direction.BACKWARD, 0, L)) / W
+            # Split the tail only where its job weighs on the step (a large vocabulary's
+            # head next to small blocks): at least a quarter of a worker's share.
+            heavy = L > 1 and fp.tail_cost(L - 1) >= _HEAVY_TAIL * share
+            for k in config.tail_jobs:
+                if k == 1 or k > min(W, M) or not heavy:
+                    continue
+                try:
+                    cands = candidate_plans(fp, W, memory, calls=calls, tail_jobs=k,
+                                            tail_layers=config.tail_layers)
+                except PlanError:
+                    continue            # the single-job tail reports what does not fit
+                ranked += [(est, M, grain, plan, costs, fp)
+                           for est, plan in cands[:config.refine]]
             if space <= config.exhaustive and not config.stale:
                 hit = exact_search(costs, fp, W, M, memory,
                                    lambda p, c=costs, m=M: simulate_plan(p, c, W, m),
