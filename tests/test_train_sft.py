@@ -47,3 +47,28 @@ def test_lora_exports_an_adapter(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base" / "final")
     loaded = peft.PeftModel.from_pretrained(model, adapter)
     assert result.step == 4 and any("lora_" in n for n, _ in loaded.named_parameters())
+
+
+def _losses(out: pathlib.Path) -> list[tuple[float, float]]:
+    import json
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r and "grad_norm" in r]
+
+
+def test_optimizer_modes_in_the_training_job(tmp_path):
+    from train_util import text_jsonl
+    data = text_jsonl(tmp_path / "t.jsonl", 120)
+    runs = {}
+    for mode in ("sync", "overlap", "stale"):
+        cfg = TrainConfig(**TINY, data=str(data), out_dir=str(tmp_path / mode), steps=6,
+                          eval_interval=0, optimizer_mode=mode, save_interval=3)
+        train(cfg, echo=lambda s: None)
+        runs[mode] = _losses(tmp_path / mode)
+        assert len(runs[mode]) == 6
+    # overlap is exact: the same losses and (clipped) gradient norms as sync.
+    assert runs["overlap"] == runs["sync"]
+    # stale: the first two calls run on the initial weights (the first step is applied
+    # during the second call), then it trails sync.
+    assert runs["stale"][0][0] == runs["sync"][0][0]
+    assert runs["stale"][1][0] != runs["sync"][1][0]
+    assert runs["stale"][2][0] != runs["sync"][2][0]

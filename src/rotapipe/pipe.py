@@ -324,6 +324,13 @@ class RoundPipe:
             raise ConfigError("no optimizer: pass optimizer= to RoundPipe or call "
                               "pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters()))")
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global L2 gradient norm (before clipping) of the last optimizer step, in
+        every optimizer mode, when ``config.clip_grad_norm`` is set (``None`` otherwise).
+        In ``stale`` the last step applied is the previous call's."""
+        return self._host_opt.last_norm
+
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping."""
         with self._lock:

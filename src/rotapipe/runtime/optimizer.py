@@ -42,6 +42,9 @@ class HostOptimizer:
         self._thread: OptimizerThread | None = None
         self.pending: dict[int, torch.Tensor] | None = None   # stale: the next step
         self.behind = False     # stale: masters stepped, compute copies not yet
+        self.last_norm: float | None = None
+        """Global gradient norm (before clipping) of the last step taken, when
+        clipping is on (``None`` otherwise)."""
 
     def sync_step(self, optimizer: torch.optim.Optimizer, cost: Cost) -> bool:
         """Step every master on its ``.grad`` now; ``False``: skipped (overflow)."""
@@ -49,7 +52,7 @@ class HostOptimizer:
         overflow = self.scaler.dynamic and not host.grads_finite()
         if not overflow:
             params = host.layerset.params
-            clip((params[pid] for pid in host.trainable), self.max_norm)
+            self.last_norm = clip((params[pid] for pid in host.trainable), self.max_norm)
             optimizer.step()
             host.write_back()
             if cost is not None:
@@ -65,13 +68,13 @@ class HostOptimizer:
         (``overlap``), the pending stale step, or ``None``."""
         if overlap:
             return OverlapStep(optimizer, self.host, schedule, stage_pids, grads, units,
-                               self.max_norm, self.scaler, self._worker(), cost)
+                               self.max_norm, self.scaler, self._worker(), cost, self)
         if self.pending is None:
             return None
         pending, self.pending = self.pending, None
         future = self._worker().submit(step_params, optimizer, self.host,
                                        list(self.host.trainable), pending, self.max_norm,
-                                       self.scaler, cost)
+                                       self.scaler, cost, self)
 
         def applied():
             self.behind = True
@@ -96,7 +99,7 @@ class HostOptimizer:
             pending, self.pending = self.pending, None
             try:
                 step_params(optimizer, self.host, list(self.host.trainable), pending,
-                            self.max_norm, self.scaler, cost)
+                            self.max_norm, self.scaler, cost, self)
             except BaseException:
                 self.pending = pending
                 raise
@@ -134,18 +137,20 @@ class OptimizerThread:
         self._pool.shutdown(wait=True)
 
 
-def clip(params: Iterable[nn.Parameter], max_norm: float | None) -> None:
+def clip(params: Iterable[nn.Parameter], max_norm: float | None) -> float | None:
     """Scale gradients to a global L2 norm of at most ``max_norm`` (``None``: no-op),
-    exactly as ``torch.nn.utils.clip_grad_norm_``, which it calls."""
+    exactly as ``torch.nn.utils.clip_grad_norm_``, which it calls; return the norm
+    before clipping (``None`` when off or without gradients)."""
     if max_norm is not None:
         with_grad = [p for p in params if p.grad is not None]
         if with_grad:
-            torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+            return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+    return None
 
 
 def step_params(optimizer: torch.optim.Optimizer, host: HostState, pids: list[int],
                 grads: dict[int, torch.Tensor], max_norm: float | None,
-                scaler: LossScaler, cost: Cost) -> bool:
+                scaler: LossScaler, cost: Cost, owner: HostOptimizer | None = None) -> bool:
     """One whole step of the parameters ``pids`` on ``grads`` (the stale step): clip,
     skip on overflow under dynamic loss scaling, step, report the cost. The compute
     copies are left alone (workers may be reading them): the caller writes back. The
@@ -157,7 +162,9 @@ def step_params(optimizer: torch.optim.Optimizer, host: HostState, pids: list[in
             params[pid].grad = grads.get(pid)
         overflow = scaler.dynamic and not all(torch.isfinite(g).all() for g in grads.values())
         if not overflow:
-            clip((params[pid] for pid in pids), max_norm)
+            norm = clip((params[pid] for pid in pids), max_norm)
+            if owner is not None:
+                owner.last_norm = norm
             optimizer.step()
             if cost is not None:
                 cost(pids)
@@ -243,8 +250,9 @@ class OverlapStep:
     def __init__(self, optimizer: torch.optim.Optimizer, host: HostState,
                  schedule: Schedule, stage_pids: Callable[[str], list[int]],
                  grads: CallGrads, units: float, max_norm: float | None,
-                 scaler: LossScaler, thread: OptimizerThread, cost: Cost):
-        self.opt, self.host, self.grads = optimizer, host, grads
+                 scaler: LossScaler, thread: OptimizerThread, cost: Cost,
+                 owner: HostOptimizer | None = None):
+        self.opt, self.host, self.grads, self.owner = optimizer, host, grads, owner
         self.max_norm, self.scaler, self.thread, self.cost = max_norm, scaler, thread, cost
         self.params = host.layerset.params
         trainable = set(host.trainable)
@@ -328,6 +336,9 @@ class OverlapStep:
             raise error
         missing = [pid for pid, n in self.left.items() if n > 0]
         assert not missing, f"parameters {missing} were never handed off"
+        if self.owner is not None and self.max_norm is not None and self.norms:
+            norms = [self.norms[pid] for pid in self.host.trainable if pid in self.norms]
+            self.owner.last_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
         if self.overflow:
             self._undo(grads=False)
         elif self.max_norm is not None and self.norms and self._needs_clipping():

@@ -84,7 +84,9 @@ class TrainConfig:
     optimizer: str = "adamw"
     """``adamw`` (torch fused AdamW on the CPU masters) or ``sgd``."""
     optimizer_mode: str = "sync"
-    """``sync``: exact, synchronous step (the only mode the runtime has today)."""
+    """``sync`` (step after the call), ``overlap`` (exact; each stage stepped as its
+    gradients land, during the backward) or ``stale`` (the authors' one-step-stale
+    step, overlapping the next call); see docs/optimizer.md."""
     lr: float = 4e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -171,9 +173,9 @@ class TrainConfig:
             raise ConfigError("lr must be > 0, min_lr_ratio in [0, 1], grad_clip >= 0")
         if self.optimizer not in ("adamw", "sgd"):
             raise ConfigError(f"optimizer={self.optimizer!r}: use 'adamw' or 'sgd'")
-        if self.optimizer_mode != "sync":
-            raise ConfigError(f"optimizer_mode={self.optimizer_mode!r}: only 'sync' (exact) "
-                              "is implemented by the runtime today")
+        if self.optimizer_mode not in ("sync", "overlap", "stale"):
+            raise ConfigError(f"optimizer_mode={self.optimizer_mode!r}: use 'sync', "
+                              "'overlap' or 'stale'")
         if not self.dist_timeout > 0:
             raise ConfigError(f"dist_timeout={self.dist_timeout}: use seconds > 0")
         if self.time_limit is not None and self.time_limit <= 0:
@@ -186,6 +188,8 @@ class TrainConfig:
         return PipeConfig(workers=self.workers, microbatches=self.microbatches,
                           grain=self.grain, backend=self.backend, seed=self.seed,
                           precision=PrecisionConfig(compute_dtype=self.dtype),
+                          optimizer=self.optimizer_mode,
+                          clip_grad_norm=self.grad_clip or None,
                           data_parallel=DataParallelConfig(timeout_s=self.dist_timeout))
 
     def replace(self, **changes) -> TrainConfig:

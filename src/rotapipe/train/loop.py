@@ -18,6 +18,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -277,13 +278,23 @@ class _Job:
         if self.dist.distributed:
             x, y = distributed.shard_batch((ids, labels), self.dist.rank, self.dist.world_size)
         pipe.reset_peak_memory()
-        loss = pipe.forward_backward(self.wrapped.inputs(x), y)      # the global mean
         lr = self.sched.get_last_lr()[0]
-        # Exact: in the synchronous mode param.grad holds the whole step's gradient.
-        norm = torch.nn.utils.clip_grad_norm_(list(pipe.parameters()),
-                                              cfg.grad_clip or float("inf")).item()
-        stepped = pipe.step()
-        self.sched.step()
+        scale = pipe.scaler.scale
+        # The pipeline clips (config.clip_grad_norm) and reports the norm, in every
+        # optimizer mode; without clipping the norm is measured here (sync only).
+        if cfg.optimizer_mode == "sync" and not cfg.grad_clip:
+            loss = pipe.forward_backward(self.wrapped.inputs(x), y)  # the global mean
+            norm = torch.nn.utils.clip_grad_norm_(list(pipe.parameters()), float("inf")).item()
+            stepped = pipe.step()
+        else:
+            loss = pipe.train_step(self.wrapped.inputs(x), y)
+            norm = pipe.last_grad_norm if pipe.last_grad_norm is not None else float("nan")
+            stepped = not pipe.scaler.scale < scale          # a skipped step lowers it
+        with warnings.catch_warnings():
+            # stale: the first call's step runs during the second call; the schedule
+            # still advances once per train_step (docs/optimizer.md).
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            self.sched.step()
         self.step += 1
         self.tokens += ids.numel()
         dt = time.perf_counter() - t
@@ -314,6 +325,8 @@ class _Job:
         return loss
 
     def save(self) -> None:
+        # Stale optimizer: every rank applies its pending step before the state is read.
+        self.pipe.flush()
         if not self.dist.is_main:                    # rank 0 writes; the others wait for it
             self.checkpoint = self.out / "checkpoints" / f"step-{self.step:08d}"
             _collective(self.pipe, "checkpoint barrier", distributed.barrier)
