@@ -96,3 +96,14 @@ def test_planner_splits_a_heavy_tail_and_only_then():
         assert (any_.plan.tail_jobs > 1) == split, any_.plan.to_text()
         if split:
             assert any_.step_ms < 0.9 * one.step_ms, (any_.step_ms, one.step_ms)
+
+
+def test_every_tail_job_must_download_its_losses():
+    from rotapipe.schedule.validate import check_runnable
+    plan = dataclasses.replace(even_plan(6, 2, 3), tail_jobs=2)
+    s = roundpipe_schedule(plan, 2, 4)
+    check_runnable(s)
+    gone = "DG:T1:m3@5"
+    broken = dataclasses.replace(s, actions=tuple(a for a in s.actions if a.key != gone))
+    with pytest.raises(ScheduleError, match="FT:T1:m3 .*never downloaded"):
+        check_runnable(broken)

@@ -19,13 +19,12 @@ import torch
 from torch import nn
 
 from .config import OptimizerMode, PipeConfig
-from .errors import ConfigError, DistributedError, InputError, WorkerError
+from .errors import ConfigError, DistributedError, InputError, ScheduleError, WorkerError
 from .model import LayerSet
-from .pipe_plan import PipePlanner, emulation_costs, parameter_costs
+from .pipe_plan import PipePlanner
 from .plan import Plan
-from .schedule import (ActionKind as K, Lane, Schedule, action_key, roundpipe_schedule,
-                       validate)
-from .schedule.bound import weight_stages
+from .schedule import Schedule, roundpipe_schedule, validate
+from .schedule.validate import check_runnable
 from .runtime.allreduce import GradReducer
 from .runtime.backend import Device
 from .runtime.devices import make_devices
@@ -112,7 +111,8 @@ class RoundPipe:
             raise
 
     def _build(self, layers, loss_fn, config, optimizer, side_inputs, plan, group) -> None:
-        self._planner = self._make_planner()
+        self._planner = PipePlanner.for_pipeline(config, self.layerset, self.devices,
+                                                 self.tail_context is not None)
         self.plan = plan = self._planner.initial(plan)
         pin = None
         if self.devices and self.devices[0].torch_device.type == "cuda":
@@ -412,8 +412,12 @@ class RoundPipe:
                               f"{schedule.plan.to_text()}; this pipeline has "
                               f"{len(self.devices)} workers and plan {self.plan.to_text()}")
         validate(schedule)
-        _check_runnable(schedule, self.side_inputs is not None, self.layerset.buffer_layers(),
-                        self.tail_context is not None)
+        try:
+            check_runnable(schedule, side_inputs=self.side_inputs is not None,
+                           buffer_layers=self.layerset.buffer_layers(),
+                           tail_context=self.tail_context is not None)
+        except ScheduleError as exc:
+            raise ConfigError(str(exc)) from None
         training = not schedule.name.endswith("-eval")
         self._schedules[(training, schedule.microbatches)] = schedule
         if self._planner.refiner is not None:   # a schedule of the user's: keep its plan
@@ -588,35 +592,6 @@ class RoundPipe:
                     "(raise forward_stages / backward_stages, lower tail_layers) or raise "
                     "device_memory")
 
-    def _make_planner(self) -> PipePlanner:
-        """The plan's source: per-layer costs from parameter counts (times from a timed
-        emulation when set), weight-gradient bytes of trainable layers, the budget."""
-        ls, nbytes = self.layerset, self.config.precision.compute_dtype.itemsize
-        params, weights, grads = [], [], []
-        for pids in ls.layer_params:
-            ps = [ls.params[p] for p in pids]
-            params.append(sum(p.numel() for p in ps))
-            size = [p.numel() * (nbytes if p.is_floating_point() else p.element_size())
-                    for p in ps]
-            weights.append(sum(size))
-            grads.append(sum(b for b, p in zip(size, ps) if p.requires_grad))
-        costs = parameter_costs(params, weights)
-        em = self.config.emulation
-        if em is not None and len(em.costs.layers) == len(params):
-            costs = emulation_costs(em.costs, weights)
-        budgets = [d.budget for d in self.devices if d.budget is not None]
-        if not budgets and self.devices and self.devices[0].torch_device.type == "cuda":
-            # Leave room for the CUDA context and fragmentation (as `rotapipe plan`).
-            budgets = [int(0.9 * torch.cuda.get_device_properties(d.torch_device).total_memory)
-                       for d in self.devices]
-        # A split tail needs transfer times to be judged (the head's weights go to
-        # several workers): only with a timed emulation's costs, and never with a
-        # whole-batch loss context or buffers (each tail job would keep its own).
-        split = em is not None and self.tail_context is None and \
-            not self.layerset.buffer_layers()
-        return PipePlanner(self.config, len(self.devices), costs, grads,
-                           min(budgets) if budgets else None, split_tail=split)
-
     def _refine_plan(self) -> None:
         """``partition="refine"``: feed this call's stage times to the planner and switch
         to its new plan, if any, before the next call (the schedules are rebuilt; the
@@ -646,58 +621,6 @@ class RoundPipe:
         layers = f"layer {s.start}" if s.stop - s.start == 1 else \
             f"layers {s.start}-{s.stop - 1}"
         return f"{s.name} ({layers})"
-
-
-def _check_runnable(schedule: Schedule, side: bool, buffer_layers: frozenset[int],
-                    tail_context: bool) -> None:
-    """Raise :class:`ConfigError` unless ``schedule`` moves what the runtime keeps in host
-    memory: each compute's weights uploaded on its worker, every trained stage's weight
-    gradients downloaded and handed to the optimizer, every tail loss downloaded, side
-    inputs uploaded, and updated buffers downloaded. A whole-batch loss context needs
-    RoundPipe's fused tail (its first action waits for every microbatch's input)."""
-    twins = weight_stages(schedule)
-    stages = {x.name: x for x in schedule.plan.jobs() + schedule.plan.eval_jobs()}
-    keys = {a.key for a in schedule.actions}
-    uploaded = {(a.worker, a.stage, a.call) for a in schedule.actions
-                if a.kind is K.UPLOAD_WEIGHTS}
-    side_at = {(a.worker, a.mb, a.call) for a in schedule.actions if a.kind is K.UPLOAD_SIDE}
-    training = not schedule.name.endswith("-eval")
-    hint = ("; the bound generators (gpipe_schedule, one_f_one_b_schedule, ...) add them "
-            "with offload_optimizer=True")
-
-    def fail(a, what):
-        raise ConfigError(f"schedule {schedule.name}: {a.key} on worker {a.worker} {what}")
-
-    for a in schedule.actions:
-        if a.lane is not Lane.COMPUTE or a.kind is K.FREE:
-            continue
-        s, w = stages[a.stage], twins.get(a.stage, a.stage)
-        if (a.worker, w, a.call) not in uploaded:
-            fail(a, f"has no upload of its weights (UW:{w}); this pipeline keeps the "
-                 "weights in host memory" + hint)
-        if side and (a.worker, a.mb, a.call) not in side_at:
-            fail(a, f"has no upload of microbatch {a.mb}'s side inputs (UZ): generate the "
-                 "schedule with side_inputs=True")
-        if not training:
-            continue
-        if a.kind in (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED) and not (
-                action_key(K.DOWNLOAD_WGRAD, a.stage, call=a.call) in keys
-                and action_key(K.OPTIMIZER, a.stage, call=a.call) in keys):
-            fail(a, f"runs a backward whose weight gradients are never downloaded and "
-                 f"handed to the optimizer (DW:{a.stage}, O:{a.stage})" + hint)
-        tail = s.name == schedule.plan.tail.name
-        if tail_context and a.kind is K.FORWARD_KEEP and tail:
-            fail(a, "computes the loss before every microbatch's tail input is in host "
-                 "memory, which tail_context needs: run RoundPipe's own schedule")
-        if tail and a.kind in (K.FORWARD_KEEP, K.FUSED) and \
-                action_key(K.DOWNLOAD_GRAD, s.name, a.mb, s.start, a.call) not in keys:
-            fail(a, f"computes a loss that is never downloaded (DG:{s.name}:m{a.mb})" + hint)
-        layers = sorted(buffer_layers & set(s.layers))
-        if layers and a.kind in (K.FORWARD, K.FORWARD_KEEP, K.FUSED) and \
-                action_key(K.DOWNLOAD_BUFFERS, s.name, call=a.call) not in keys:
-            fail(a, f"updates the buffers of layers {layers} but never downloads them "
-                 f"(DB:{s.name}): generate the schedule with "
-                 f"buffer_layers={sorted(buffer_layers)}")
 
 
 def _close(devices) -> None:

@@ -92,6 +92,37 @@ class PipePlanner:
         """How the plan was made: ``"explicit"``, ``"even"``, ``"planner"`` or
         ``"even (the planner's memory bound fits no plan)"``."""
 
+    @classmethod
+    def for_pipeline(cls, config: PipeConfig, layerset, devices: Sequence,
+                     tail_context: bool) -> PipePlanner:
+        """The planner of a pipeline: per-layer costs from parameter counts (times from
+        a timed emulation when set), weight-gradient bytes of trainable layers, and the
+        worker budget (90% of a CUDA device's memory when ``device_memory`` is unset)."""
+        nbytes = config.precision.compute_dtype.itemsize
+        params, weights, grads = [], [], []
+        for pids in layerset.layer_params:
+            ps = [layerset.params[p] for p in pids]
+            params.append(sum(p.numel() for p in ps))
+            size = [p.numel() * (nbytes if p.is_floating_point() else p.element_size())
+                    for p in ps]
+            weights.append(sum(size))
+            grads.append(sum(b for b, p in zip(size, ps) if p.requires_grad))
+        costs = parameter_costs(params, weights)
+        em = config.emulation
+        if em is not None and len(em.costs.layers) == len(params):
+            costs = emulation_costs(em.costs, weights)
+        budgets = [d.budget for d in devices if d.budget is not None]
+        if not budgets and devices and devices[0].torch_device.type == "cuda":
+            import torch   # leave room for the CUDA context and fragmentation
+            budgets = [int(0.9 * torch.cuda.get_device_properties(d.torch_device).total_memory)
+                       for d in devices]
+        # A split tail needs transfer times to be judged (the head's weights go to
+        # several workers): only with a timed emulation's costs, and never with a
+        # whole-batch loss context or buffers (each tail job would keep its own).
+        split = em is not None and not tail_context and not layerset.buffer_layers()
+        return cls(config, len(devices), costs, grads, min(budgets) if budgets else None,
+                   split_tail=split)
+
     # -- the first plan -------------------------------------------------------------
     def initial(self, plan: Plan | None) -> Plan:
         """The plan to build the pipeline with (see the module docstring)."""

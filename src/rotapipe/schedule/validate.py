@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Collection
 
 from ..errors import ScheduleError
-from ..plan import Stage
+from ..plan import Stage, StageKind
 from .actions import Action, ActionKind as K, Lane, Schedule, action_key
+from .bound import weight_stages
 from .memory import MemorySizes, check_limit, peak_memory
 
 _FORWARD_KINDS = (K.FORWARD, K.FORWARD_KEEP, K.FUSED, K.RECOMPUTE)
@@ -257,3 +259,56 @@ def _dry_run(schedule: Schedule) -> dict[str, int]:
         queues = [q for q in queues if q]
         step += 1
     return step_of
+
+
+def check_runnable(schedule: Schedule, *, side_inputs: bool = False,
+                   buffer_layers: Collection[int] = (), tail_context: bool = False) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` moves what the runtime keeps in host
+    memory: each compute's weights uploaded on its worker, every trained stage's weight
+    gradients downloaded and handed to the optimizer, every tail loss downloaded, side
+    inputs uploaded, and updated buffers downloaded. A whole-batch loss context needs
+    RoundPipe's fused tail (its first action waits for every microbatch's input)."""
+    side, buffer_layers = side_inputs, frozenset(buffer_layers)
+    twins = weight_stages(schedule)
+    stages = {x.name: x for x in schedule.plan.jobs() + schedule.plan.eval_jobs()}
+    keys = {a.key for a in schedule.actions}
+    uploaded = {(a.worker, a.stage, a.call) for a in schedule.actions
+                if a.kind is K.UPLOAD_WEIGHTS}
+    side_at = {(a.worker, a.mb, a.call) for a in schedule.actions if a.kind is K.UPLOAD_SIDE}
+    training = not schedule.name.endswith("-eval")
+    hint = ("; the bound generators (gpipe_schedule, one_f_one_b_schedule, ...) add them "
+            "with offload_optimizer=True")
+
+    def fail(a, what):
+        raise ScheduleError(f"schedule {schedule.name}: {a.key} on worker {a.worker} {what}")
+
+    for a in schedule.actions:
+        if a.lane is not Lane.COMPUTE or a.kind is K.FREE:
+            continue
+        s, w = stages[a.stage], twins.get(a.stage, a.stage)
+        if (a.worker, w, a.call) not in uploaded:
+            fail(a, f"has no upload of its weights (UW:{w}); this pipeline keeps the "
+                 "weights in host memory" + hint)
+        if side and (a.worker, a.mb, a.call) not in side_at:
+            fail(a, f"has no upload of microbatch {a.mb}'s side inputs (UZ): generate the "
+                 "schedule with side_inputs=True")
+        if not training:
+            continue
+        if a.kind in (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED) and not (
+                action_key(K.DOWNLOAD_WGRAD, a.stage, call=a.call) in keys
+                and action_key(K.OPTIMIZER, a.stage, call=a.call) in keys):
+            fail(a, f"runs a backward whose weight gradients are never downloaded and "
+                 f"handed to the optimizer (DW:{a.stage}, O:{a.stage})" + hint)
+        tail = s.kind is StageKind.TAIL
+        if tail_context and a.kind is K.FORWARD_KEEP and tail:
+            fail(a, "computes the loss before every microbatch's tail input is in host "
+                 "memory, which tail_context needs: run RoundPipe's own schedule")
+        if tail and a.kind in (K.FORWARD_KEEP, K.FUSED) and \
+                action_key(K.DOWNLOAD_GRAD, s.name, a.mb, s.start, a.call) not in keys:
+            fail(a, f"computes a loss that is never downloaded (DG:{s.name}:m{a.mb})" + hint)
+        layers = sorted(buffer_layers & set(s.layers))
+        if layers and a.kind in (K.FORWARD, K.FORWARD_KEEP, K.FUSED) and \
+                action_key(K.DOWNLOAD_BUFFERS, s.name, call=a.call) not in keys:
+            fail(a, f"updates the buffers of layers {layers} but never downloads them "
+                 f"(DB:{s.name}): generate the schedule with "
+                 f"buffer_layers={sorted(buffer_layers)}")
