@@ -79,9 +79,10 @@ class ActionRunner:
         self.ctx: CallContext | None = None
 
     timing: Callable[[Action], tuple[float, ...]] | None = None
-    """Timed emulation (:mod:`rotapipe.runtime.timed`): an action's duration in seconds,
-    as chunks (per layer for weight uploads and weight-gradient downloads). Compute
-    actions then last at least their duration, copies hold their link that long."""
+    """Timed emulation (:class:`rotapipe.sim.TimedEmulation`): an action's duration in
+    seconds, as chunks (per layer for weight uploads and weight-gradient downloads).
+    Compute actions then last at least their duration, copies hold their link that
+    long."""
 
     def run(self, a: Action) -> None:
         if self.timing is None or a.kind not in _COMPUTE:

@@ -12,7 +12,8 @@ downloads move one layer per chunk, so a critical copy waits behind at most one 
 of them. Upload and download are separate links and run in parallel.
 
 The simulator (``rotapipe.sim.engine``) arbitrates its links by the same rule, which
-is what lets timed emulation (``rotapipe.runtime.timed``) compare the runtime with it.
+is what lets timed emulation (``rotapipe.sim.TimedEmulation``) compare the runtime
+with it.
 """
 
 from __future__ import annotations
