@@ -19,33 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import subprocess
 import sys
 import tempfile
 
-COMMON = r"""
-import json, resource, torch
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+# The children import the RSS sampler shared with planner_host_memory.py from here.
+COMMON = f"import sys\nsys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n" + r"""
+import json, torch
+from rss import Sampler, rss   # peak RSS over a block (ru_maxrss counts import peaks)
 torch.set_num_threads(2)
 import rotapipe, rotapipe.adapters
 import transformers, peft
 from transformers import AutoModelForCausalLM
-class Sampler:   # peak RSS over a block (ru_maxrss would include import-time peaks)
-    def __enter__(self):
-        import threading
-        self.peak, self._stop = rss(), threading.Event()
-        def loop():
-            while not self._stop.wait(0.005):
-                self.peak = max(self.peak, rss())
-        self._t = threading.Thread(target=loop, daemon=True)
-        self._t.start()
-        return self
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, rss())
 def touch(model):   # fault in every weight page (memory-mapped weights load lazily)
     with torch.no_grad():
         return sum(float(p.sum()) for p in model.parameters())

@@ -13,34 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import threading
 
 import torch
 
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-class Sampler:
-    """Peak RSS over a block, sampled every 5 ms."""
-
-    def __enter__(self):
-        self.peak, self._stop = rss(), threading.Event()
-
-        def loop():
-            while not self._stop.wait(0.005):
-                self.peak = max(self.peak, rss())
-        self._t = threading.Thread(target=loop, daemon=True)
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, rss())
+from rss import Sampler, rss
 
 
 def main() -> None:

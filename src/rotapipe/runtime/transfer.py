@@ -44,7 +44,7 @@ PRIORITY = MappingProxyType({
 class Link:
     """One direction of one device's host link, granted chunk by chunk by priority.
 
-    ``record=True`` keeps ``(what, start, end)`` of every chunk (seconds,
+    ``record=True`` keeps ``(what, requested, start, end)`` of every chunk (seconds,
     ``time.perf_counter``) in :attr:`chunks`, for tests and traces."""
 
     def __init__(self, name: str, record: bool = False):
@@ -54,7 +54,7 @@ class Link:
         self._waiting: list[tuple[int, int]] = []   # heap of (priority, ticket)
         self._tickets = itertools.count()
         self.record = record
-        self.chunks: list[tuple[str, float, float]] = []
+        self.chunks: list[tuple[str, float, float, float]] = []
 
     @contextmanager
     def hold(self, priority: int, seconds: float = 0.0, what: str = ""):
@@ -62,6 +62,7 @@ class Link:
         run the body (the real copy) and, in timed emulation, keep the link busy until
         ``seconds`` have passed since the grant."""
         ticket = (priority, next(self._tickets))
+        requested = time.perf_counter()
         with self._cond:
             heapq.heappush(self._waiting, ticket)
             while self._busy or self._waiting[0] != ticket:
@@ -75,7 +76,7 @@ class Link:
                 sleep_until(start + seconds)
         finally:
             if self.record:
-                self.chunks.append((what, start, time.perf_counter()))
+                self.chunks.append((what, requested, start, time.perf_counter()))
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
