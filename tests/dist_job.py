@@ -22,6 +22,7 @@ with status 3.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import time
@@ -102,6 +103,9 @@ def main() -> int:
     p.add_argument("--mismatch", action="store_true",
                    help="rank 1 builds a different model (construction must fail)")
     args = p.parse_args()
+    # A native abort (SIGABRT, e.g. "terminate called without an active exception")
+    # prints every thread's Python stack to stderr, which the test shows.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     info = distributed.init_from_env(timeout_s=args.timeout)
     # One process runs the whole batch with the microbatches of every rank.

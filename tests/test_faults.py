@@ -390,7 +390,7 @@ def test_a_stalled_worker_times_out_instead_of_hanging():
         assert ">>" in str(info.value)
         assert time.monotonic() - t0 < 5.0
         assert all(p.grad is None for p in pipe.parameters())
-        for shell in pipe.shells:       # the stall is over: the next call works
+        for shell in pipe._calls.shells:       # the stall is over: the next call works
             shell[1].module.seconds = 0
         assert pipe.forward_backward(x, y) > 0
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .errors import ConfigError, InputError
 from .runtime import trees
+from .runtime.allreduce import stop_heartbeats
 
 __all__ = ["DistInfo", "init_from_env", "info", "rank", "world_size", "is_main",
            "shard_batch", "any_rank", "barrier", "shutdown"]
@@ -152,6 +153,8 @@ def barrier() -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group (no-op without one)."""
+    """Leave the process group (no-op without one), after stopping the pipelines'
+    heartbeat threads (they write to the group's store)."""
     if dist.is_available() and dist.is_initialized():
+        stop_heartbeats()
         dist.destroy_process_group()

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -23,16 +22,14 @@ from .errors import ConfigError, DistributedError, InputError, ScheduleError, Wo
 from .model import LayerSet
 from .pipe_plan import PipePlanner
 from .plan import Plan
-from .schedule import Schedule, roundpipe_schedule, validate
+from .schedule import Schedule, validate
 from .schedule.validate import check_runnable
 from .runtime.allreduce import GradReducer
 from .runtime.backend import Device
+from .runtime.calls import CallRunner, check_stage_budget, split_batch
 from .runtime.devices import make_devices
-from .runtime.executor import Executor
 from .runtime.host import CallGrads, HostState, LossScaler
-from .runtime.kernels import ActionRunner, CallContext
 from .runtime.optimizer import HostOptimizer, OverlapStep
-from .runtime.store import Store
 from .runtime import trees
 
 __all__ = ["RoundPipe"]
@@ -120,20 +117,14 @@ class RoundPipe:
         # The stale optimizer steps the masters while workers upload the compute copies.
         self.host = HostState(self.layerset, config.precision, pin,
                               separate=config.optimizer is OptimizerMode.STALE)
-        self._check_budget()
+        check_stage_budget(plan, self.layerset, self.host, self.devices)
         self.scaler = LossScaler(config.precision)
         self._host_opt = HostOptimizer(self.host, self.scaler, config.optimizer,
                                        config.clip_grad_norm)
-        check = config.check_races and self.devices[0].torch_device.type == "cpu"
-        self.stores = [Store(f"worker {d.index}", d, check) for d in self.devices]
-        self._check = check
-        self.shells = [self.layerset.make_shells() for _ in self.devices]
-        self._schedules: dict[tuple[bool, int], Schedule] = {}
-        stages = {s.name: s for s in plan.eval_jobs() + plan.jobs()}
-        self._runner = ActionRunner(self.layerset, self.host, loss_fn, self.devices,
-                                    self.stores, self.shells, stages)
-        self._executor = Executor(self.devices, config.timeout_s)
-        self._last_schedule: Schedule | None = None
+        self._calls = CallRunner(self.layerset, self.host, loss_fn, self.devices, config,
+                                 plan, side_inputs=side_inputs,
+                                 tail_context=self.tail_context)
+        stages = self._calls.stages
         self.data_parallel = None
         """The data-parallel gradient reducer (``None`` when off); ``.last`` holds the
         all-reduce timing of the last call."""
@@ -152,7 +143,7 @@ class RoundPipe:
         """Successful ``forward_backward`` calls so far; with ``config.seed`` it defines
         the random streams (see :func:`rotapipe.layer_seed`)."""
         self._evals = 0
-        self._setup_emulation()
+        self._optimizer_cost = self._calls.optimizer_cost()
         if self.data_parallel is not None and self._planner.refiner is not None:
             raise ConfigError("partition='refine' re-plans from this process's timings, "
                               "but data-parallel ranks must keep one plan: use "
@@ -243,20 +234,7 @@ class RoundPipe:
     def _train_call(self, inputs, labels, overlap: bool = False) -> float:
         """One training call (under ``self._lock``); ``overlap``: step as gradients land."""
         M = self.config.microbatches
-        n = trees.batch_size(inputs, "inputs")
-        n_labels = trees.batch_size(labels, "labels")
-        if n != n_labels:
-            raise InputError(f"inputs hold {n} samples but labels hold {n_labels}: pass "
-                             "one label row per input row")
-        if n < M:
-            raise InputError(f"the batch has {n} samples but config.microbatches={M}: "
-                             f"pass at least {M} samples or lower microbatches")
-        mbs = trees.split(trees.cast_floating(inputs, self.host.dtype), M)
-        lbs = trees.split(labels, M)
-        if self.loss_weight is None:
-            units = [float(trees.batch_size(x, "inputs")) for x in mbs]
-        else:
-            units = [float(self.loss_weight(y)) for y in lbs]
+        mbs, lbs, units = split_batch(inputs, labels, M, self.host.dtype, self.loss_weight)
         total = sum(units)
         dp = self.data_parallel
         if any(u < 0 for u in units) or not (total > 0 or dp is not None):
@@ -270,17 +248,18 @@ class RoundPipe:
                 raise InputError("loss_weight gave 0 items on every rank: are all "
                                  "labels ignored?")
         grads = CallGrads(1.0 / self.scaler.scale)
-        ctx = self._context(True, [u / total for u in units], grads)
+        ctx = self._calls.context(self.calls, True, [u / total for u in units], grads, M,
+                                  self.scaler.scale)
         schedule = self._schedule(True)
         if dp is not None:
             reduce = dp.begin(schedule, grads)
             ctx.handoff, ctx.mb_offset = reduce.handoff, dp.rank * M
             ctx.extra_weight = local / total
-        host_store = self._host_store(mbs, ctx)
+        host_store = self._calls.host_store(mbs)
         for m, y in enumerate(lbs):
             host_store.put(("labels", m), y)
         # The optimizer work of this call (after ctx: it captured the loss scale).
-        stages = self._runner.stages
+        stages = self._calls.stages
         hook = self._host_opt.start_call(
             self.optimizer, schedule, lambda name: self.layerset.stage_params(
                 stages[name].layers), grads, total, overlap, self._optimizer_cost)
@@ -346,11 +325,10 @@ class RoundPipe:
         mbs = trees.split(trees.cast_floating(inputs, self.host.dtype), M)
         with self._lock:
             self._flush()
-            ctx = self._context(False, [1.0 / M] * M, None, M)
             # Evaluation draws from its own streams so that it never shifts training's.
-            ctx.call = -1 - self._evals
-            host_store = self._host_store(mbs, ctx)
-            self._run(self._schedule(False, M), ctx, host_store)
+            ctx = self._calls.context(-1 - self._evals, False, [1.0 / M] * M, None, M, 1.0)
+            host_store = self._calls.host_store(mbs)
+            self._calls.run(self._schedule(False, M), ctx, host_store)
             outs = [host_store.get(("act", self.plan.num_layers, m)) for m in range(M)]
             self._evals += 1
         return trees.concat(outs)
@@ -419,7 +397,7 @@ class RoundPipe:
         except ScheduleError as exc:
             raise ConfigError(str(exc)) from None
         training = not schedule.name.endswith("-eval")
-        self._schedules[(training, schedule.microbatches)] = schedule
+        self._calls.schedules[(training, schedule.microbatches)] = schedule
         if self._planner.refiner is not None:   # a schedule of the user's: keep its plan
             self._planner.refiner.frozen = True
 
@@ -430,16 +408,7 @@ class RoundPipe:
         ``rotapipe.sim.gantt.draw_gantt`` (PNG) and ``rotapipe.sim.report.report``
         (bubble). Emulated workers give the times the actions ran; on CUDA the times
         are when their work was issued."""
-        from .sim.engine import Span, Timeline, _RESOURCE
-        spans = list(self._executor.last_spans)
-        schedule = self._last_schedule
-        if not spans or schedule is None:
-            return None
-        t0 = min(s for _, s, _ in spans)
-        out = tuple(Span(a, _RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
-                    for a, s, e in sorted(spans, key=lambda x: x[1]))
-        return Timeline(schedule, out, {sp.action.key: sp.start for sp in out},
-                        {sp.action.key: sp.end for sp in out})
+        return self._calls.last_timeline()
 
     def peak_memory(self) -> list[int]:
         """Peak accounted device bytes per worker since construction or reset."""
@@ -472,97 +441,19 @@ class RoundPipe:
 
     # -- internals -----------------------------------------------------------------------
     def _schedule(self, training: bool, microbatches: int | None = None) -> Schedule:
-        M = microbatches or self.config.microbatches
-        key = (training, M)
-        if key not in self._schedules:
-            s = roundpipe_schedule(self.plan, len(self.devices), M,
-                                   side_inputs=self.side_inputs is not None,
-                                   buffer_layers=self.layerset.buffer_layers(),
-                                   tail_barrier=self.tail_context is not None,
-                                   training=training, prefetch=self.config.prefetch)
-            validate(s)
-            self._schedules[key] = s
-        return self._schedules[key]
+        return self._calls.schedule(self.plan, training,
+                                    microbatches or self.config.microbatches)
 
     def _flush(self) -> None:
         """Stale: apply the pending step and refresh the compute copies (under the lock)."""
         self._host_opt.flush(self.optimizer, self._optimizer_cost)
 
-    def _context(self, training, weights, grads, microbatches=None) -> CallContext:
-        autocast = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda")
-                    if torch.is_autocast_enabled(dt)]
-        return CallContext(call=self.calls, seed=self.config.seed,
-                           microbatches=microbatches or self.config.microbatches,
-                           weights=weights, loss_scale=self.scaler.scale if training else 1.0,
-                           training=training, grain=self.config.grain,
-                           has_side=self.side_inputs is not None, autocast=autocast,
-                           tail_context=self.tail_context,
-                           grads=grads)
-
-    def _host_store(self, mbs, ctx) -> Store:
-        store = Store("host memory", None, self._check)
-        for m, x in enumerate(mbs):
-            store.put(("act", 0, m), x)
-            if self.side_inputs is not None:
-                store.put(("side", m), self.side_inputs(x))
-        return store
-
-    def _timing(self, plan: Plan):
-        """Timed emulation: the action durations for ``plan`` (``None`` when off)."""
-        em = self.config.emulation
-        if em is None:
-            return None
-        if self._timed is None or self._timed[0] != plan:
-            self._timed = (plan, em.action_seconds(plan))
-        return self._timed[1]
-
-    def _setup_emulation(self) -> None:
-        """Check a timed emulation against the model and make the host optimizer take
-        its emulated time (``_optimizer_cost``)."""
-        self._timed = None
-        em = self.config.emulation
-        if em is None:
-            return
-        n = len(self.layerset)
-        if len(em.costs.layers) != n:
-            raise ConfigError(f"the timed emulation describes {len(em.costs.layers)} layers "
-                              f"but the model has {n}: build the model with as many "
-                              "layers (TimedEmulation.stand_in() does)")
-        if any(d.torch_device.type != "cpu" for d in self.devices):
-            raise ConfigError("timed emulation needs emulated workers: pass "
-                              "backend='emulated' and no CUDA devices")
-        owner = {}
-        for l, pids in enumerate(self.layerset.layer_params):
-            for pid in pids:
-                owner.setdefault(pid, l)
-
-        def cost(pids) -> None:
-            time.sleep(em.optimizer_seconds({owner[p] for p in pids}))
-        self._optimizer_cost = cost
-
-    def _run(self, schedule: Schedule, ctx: CallContext, host_store: Store) -> None:
-        runner = self._runner
-        runner.ctx, runner.host_store = ctx, host_store
-        runner.timing = self._timing(schedule.plan)
-        runner.set_schedule(schedule)
-        for shells in self.shells:
-            self.layerset.set_training(shells)
-        rng_state = torch.get_rng_state()
-        try:
-            self._last_schedule = schedule
-            self._executor.run(schedule, runner.run, self._where)
-        finally:
-            torch.set_rng_state(rng_state)
-            for store in self.stores:
-                store.clear()
-            runner.ctx = runner.host_store = None
-
-    def _run_training(self, schedule: Schedule, ctx: CallContext, host_store: Store) -> None:
-        """:meth:`_run`; under data parallelism a failure also retires the reducer (the
+    def _run_training(self, schedule: Schedule, ctx, host_store) -> None:
+        """``CallRunner.run``; under data parallelism a failure also retires the reducer (the
         ranks' collectives are out of step) and a lost rank surfaces as the
         :class:`DistributedError` itself."""
         try:
-            self._run(schedule, ctx, host_store)
+            self._calls.run(schedule, ctx, host_store)
         except BaseException as exc:
             if self.data_parallel is not None:
                 self.data_parallel.fail(f"{type(exc).__name__} in the schedule")
@@ -576,51 +467,23 @@ class RoundPipe:
         return (f"plan {self.plan.to_text()}, compute dtype {self.host.dtype}, "
                 f"{len(shapes)} trainable parameters, shapes hash {hash(tuple(shapes))}")
 
-    def _check_budget(self) -> None:
-        """Fail before any work when one stage's weights alone exceed a worker budget."""
-        budgets = [d.budget for d in self.devices if d.budget is not None]
-        if not budgets:
-            return
-        budget = min(budgets)
-        for s in self.plan.jobs():
-            need = sum(self.host.compute[p].numel() * self.host.compute[p].element_size()
-                       for p in self.layerset.stage_params(s.layers))
-            if need > budget:
-                raise ConfigError(
-                    f"stage {s} needs {need / 2**20:.2f} MiB for its weights alone, over the "
-                    f"worker memory budget of {budget / 2**20:.2f} MiB: use smaller stages "
-                    "(raise forward_stages / backward_stages, lower tail_layers) or raise "
-                    "device_memory")
-
     def _refine_plan(self) -> None:
         """``partition="refine"``: feed this call's stage times to the planner and switch
         to its new plan, if any, before the next call (the schedules are rebuilt; the
         math does not depend on the plan)."""
         if not self._planner.refining:
             return
-        new = self._planner.observe(self._executor.last_spans, self._runner.stages,
+        new = self._planner.observe(self._calls.executor.last_spans, self._calls.stages,
                                     self.calls)
         if new is None:
             return
-        old = self.plan
-        self.plan = new
         try:
-            self._check_budget()
-        except ConfigError:
-            self.plan = old            # the planner's bound fits; keep the safe plan
+            check_stage_budget(new, self.layerset, self.host, self.devices)
+        except ConfigError:            # the planner's bound fits; keep the safe plan
             self._planner.refiner.frozen = True
             return
-        self._schedules = {}
-        # A new dict (not mutated): a pending stale step keeps the stages it started with.
-        self._runner.stages = {s.name: s for s in new.eval_jobs() + new.jobs()}
-
-    def _where(self, action) -> str:
-        s = self._runner.stages.get(action.stage)
-        if s is None:
-            return action.stage
-        layers = f"layer {s.start}" if s.stop - s.start == 1 else \
-            f"layers {s.start}-{s.stop - 1}"
-        return f"{s.name} ({layers})"
+        self.plan = new
+        self._calls.use_plan(new)
 
 
 def _close(devices) -> None:

@@ -33,6 +33,7 @@ runs but that never issued the collective hung or left the loop).
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import weakref
@@ -294,6 +295,17 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def stop_heartbeats() -> None:
+    """Stop every heartbeat thread of this process (before the process group goes away,
+    and at interpreter exit for pipelines never closed)."""
+    for hb in list(_LIVE):
+        hb.stop()
+
+
 class _Heartbeat:
     """Liveness and progress of every rank, through the rendezvous store.
 
@@ -310,6 +322,7 @@ class _Heartbeat:
         self.members = reducer.members
         self._stop = threading.Event()
         self._beat = 0
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def start(cls, rank: int, interval: float, reducer: GradReducer) -> _Heartbeat | None:
@@ -318,13 +331,22 @@ class _Heartbeat:
         except Exception:  # noqa: BLE001 - no default store: no diagnosis, still exact
             return None
         hb = cls(store, rank, interval, reducer)
-        weakref.finalize(reducer, hb.stop)
-        threading.Thread(target=hb._run, name=f"rotapipe-heartbeat-{rank}",
-                         daemon=True).start()
+        weakref.finalize(reducer, hb._stop.set)
+        hb._thread = threading.Thread(target=hb._run, name=f"rotapipe-heartbeat-{rank}",
+                                      daemon=True)
+        hb._thread.start()
+        _LIVE.add(hb)
         return hb
 
     def stop(self) -> None:
+        """Stop beating and wait (bounded) for a store write in flight to finish. A
+        daemon thread still inside a C++ store call when the interpreter exits is torn
+        down mid-call, and the process aborts ("terminate called without an active
+        exception"), so ``close()`` / ``shutdown()`` must not return before it is out."""
         self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2.0 + 2 * self.interval)
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/hb/{rank}"

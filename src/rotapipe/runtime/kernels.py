@@ -15,7 +15,7 @@ Bound schedules (``schedule/bound.py``) upload a chunk's weights once, under its
 stage's name: ``FK:Fc`` binds ``("w", Bc)`` and keeps its graph as ``("graph", Bc, mb)``
 for ``BK:Bc``. Chunks on one device hand over on the device: a forward puts its output
 as the next stage's ``("in", ...)``, a backward its input gradient as the shallower
-stage's ``("gout", ...)`` (``ActionRunner.set_schedule``).
+stage's ``("gout", ...)`` (:class:`rotapipe.schedule.bound.Routes`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..model import LayerSet, call_layer
 from ..plan import Stage, StageKind
 from ..schedule import Action, ActionKind as K
-from ..schedule.bound import weight_stages
+from ..schedule.bound import Routes
 from .backend import Device
 from .host import CallGrads, HostState
 from .rng import layer_seed
@@ -157,7 +157,8 @@ class ActionRunner:
         """Bind the stage's device weights into this worker's shells, with the caller's
         autocast state re-entered (it is thread-local)."""
         s = self.stages[a.stage]
-        params, buffers = self.stores[a.worker].get(("w", self._weights_of.get(s.name, s.name)))
+        weights = self.routes.weights_of.get(s.name, s.name)
+        params, buffers = self.stores[a.worker].get(("w", weights))
         shells = self.shells[a.worker]
         for l in s.layers:
             shells[l].bind(params, buffers)
@@ -204,7 +205,7 @@ class ActionRunner:
             (contribution * self.ctx.loss_scale).backward()
             store.put(("gin", s.name, a.mb), _input_grads(x) if s.start > 0 else None)
             store.put(("loss", a.mb), contribution.detach())
-            if a.key in self._last_pass:     # the job's last microbatch (split tails)
+            if a.key in self.routes.last_pass:     # the job's last microbatch (split tails)
                 self._keep_wgrads(a, params)
                 self._keep_buffers(a, s)
 
@@ -275,7 +276,7 @@ class ActionRunner:
                     graph[i] = None
                 gin = g
             self._give_input_grad(a, s, gin)
-            if a.key in self._last_pass:
+            if a.key in self.routes.last_pass:
                 self._keep_wgrads(a, params)
 
     def _forward_keep(self, a: Action) -> None:
@@ -293,10 +294,10 @@ class ActionRunner:
                 out = contribution * self.ctx.loss_scale
             else:
                 self._hand_on(a, out)
-            if a.key in self._last_pass:
+            if a.key in self.routes.last_pass:
                 self._keep_buffers(a, s)
         # Keyed by the weights' stage (Bc for Fc): BK:Bc backpropagates through it.
-        store.put(("graph", self._weights_of.get(s.name, s.name), a.mb), (x, out),
+        store.put(("graph", self.routes.weights_of.get(s.name, s.name), a.mb), (x, out),
                   f"kept graph of {s.name} mb {a.mb}", extra_bytes=counter.bytes)
 
     def _backward_kept(self, a: Action) -> None:
@@ -305,28 +306,28 @@ class ActionRunner:
         tail, from the scaled loss."""
         s, store = self.stages[a.stage], self.stores[a.worker]
         x, out = store.pop(("graph", s.name, a.mb))
-        params, _ = store.get(("w", self._weights_of.get(s.name, s.name)))
+        params, _ = store.get(("w", self.routes.weights_of.get(s.name, s.name)))
         if s.kind is StageKind.TAIL:
             out.backward()
         else:
             _backward(out, store.pop(("gout", s.name, a.mb)))
         self._give_input_grad(a, s, _input_grads(x) if s.start > 0 else None)
-        if a.key in self._last_pass:
+        if a.key in self.routes.last_pass:
             self._keep_wgrads(a, params)
 
     def _take_input(self, a: Action):
         """Pop the input of forward/recompute ``a``; in bound schedules with recompute
-        the forward keeps it for the recompute of the same layers (``set_schedule``)."""
+        the forward keeps it for the recompute of the same layers (``Routes.also_input``)."""
         store = self.stores[a.worker]
         x = store.pop(("in", a.stage, a.mb))
-        for stage in self._also_input.get((a.stage, a.mb), ()):
+        for stage in self.routes.also_input.get((a.stage, a.mb), ()):
             store.put(("in", stage, a.mb), x, f"input of {stage} mb {a.mb}")
         return x
 
     def _keeper(self, a: Action):
         """``keep(boundary, y)`` for :meth:`_layers`: store what a ``DA`` downloads."""
         s, store = self.stages[a.stage], self.stores[a.worker]
-        wanted = self._downloads.get((s.name, a.mb), ())
+        wanted = self.routes.downloads.get((s.name, a.mb), ())
 
         def keep(boundary, y):
             if boundary in wanted:
@@ -336,7 +337,7 @@ class ActionRunner:
 
     def _hand_on(self, a: Action, out) -> None:
         """Give a forward's output to the stages on this device that read it directly."""
-        for stage in self._act_to.get(a.key, ()):
+        for stage in self.routes.act_to.get(a.key, ()):
             self.stores[a.worker].put(("in", stage, a.mb), _detach(out),
                                       f"input of {stage} mb {a.mb}")
 
@@ -345,7 +346,7 @@ class ActionRunner:
         of the shallower stage on this device; the tail's ``DG`` always runs (it also
         downloads the loss)."""
         store = self.stores[a.worker]
-        to = self._grad_to.get(a.key)
+        to = self.routes.grad_to.get(a.key)
         if to is not None:
             store.put(("gout", to, a.mb), gin, f"output gradient of {to} mb {a.mb}")
             gin = None
@@ -412,40 +413,8 @@ class ActionRunner:
 
     # -- per-schedule data -----------------------------------------------------------
     def set_schedule(self, schedule) -> None:
-        """Remember which boundaries each forward microbatch must keep for download, and
-        what the bound schedules hand over on one device (``bound.py``): the forward
-        stage's weights stage (``FK:Fc`` uses ``UW:Bc``), a forward's output read by
-        the next chunk's forward or recompute, an uploaded input also read by a
-        recompute, a backward's input gradient read by the shallower chunk's backward.
-        The last forward and backward of each stage (in list order) keep buffers and
-        weight gradients."""
-        self._downloads: dict[tuple[str, int], set[int]] = {}
-        for act in schedule.actions:
-            if act.kind is K.DOWNLOAD_ACT:
-                self._downloads.setdefault((act.stage, act.mb), set()).add(act.at)
-        self._weights_of = weight_stages(schedule)
-        last: dict[tuple, str] = {}
-        self._act_to: dict[str, list[str]] = {}
-        self._also_input: dict[tuple[str, int], list[str]] = {}
-        self._grad_to: dict[str, str] = {}
-        by_key = schedule.by_key()
-        for act in schedule.actions:
-            s = self.stages.get(act.stage)
-            if act.kind in (K.FORWARD, K.FORWARD_KEEP, K.RECOMPUTE):
-                last[("f", act.stage, act.call)] = act.key
-                for p in (by_key[d] for d in act.deps if d in by_key):
-                    if p.kind is K.UPLOAD_ACT and p.at == s.start and p.stage != act.stage:
-                        self._also_input.setdefault((p.stage, act.mb), []).append(act.stage)
-                    elif p.kind in (K.FORWARD, K.FORWARD_KEEP) and \
-                            self.stages[p.stage].stop == s.start:
-                        self._act_to.setdefault(p.key, []).append(act.stage)
-            elif act.kind in (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED):
-                last[("b", act.stage, act.call)] = act.key
-                for p in (by_key[d] for d in act.deps if d in by_key):
-                    if p.kind in (K.BACKWARD, K.BACKWARD_KEPT) and \
-                            self.stages[p.stage].start == s.stop:
-                        self._grad_to[p.key] = act.stage
-        self._last_pass = set(last.values())
+        """Route this schedule's data (:class:`rotapipe.schedule.bound.Routes`)."""
+        self.routes = Routes.of(schedule, self.stages)
 
 
 class _SavedBytes:

@@ -45,7 +45,7 @@ from ..plan import Plan
 from .actions import HOST, Action, ActionKind as K, Schedule, action_key
 
 __all__ = ["gpipe_schedule", "one_f_one_b_schedule", "interleaved_1f1b_schedule",
-           "looped_bfs_schedule", "weight_stages", "Pass"]
+           "looped_bfs_schedule", "weight_stages", "Routes", "Pass"]
 
 INPUT_DEPTH = 2
 """Compute passes a device's upload lane may run ahead of its compute lane."""
@@ -209,6 +209,61 @@ def weight_stages(schedule: Schedule) -> dict[str, str]:
                 twins[f.name] = b.name
                 break
     return twins
+
+
+@dataclass(frozen=True)
+class Routes:
+    """Where the runtime routes each action's data in one schedule (the runtime builds
+    it once per schedule; ``runtime/kernels.py`` reads it):
+
+    - ``downloads[(stage, mb)]``: the boundaries a forward keeps for ``DA`` downloads;
+    - ``weights_of``: :func:`weight_stages`;
+    - bound schedules hand over on one device: ``act_to[key]`` the stages that read a
+      forward's output as their input (the next chunk's forward or recompute);
+      ``also_input[(stage, mb)]`` the stages that also read an uploaded input (a
+      recompute of the same layers); ``grad_to[key]`` the shallower stage that reads a
+      backward's input gradient;
+    - ``last_pass``: the keys of each stage's last forward and last backward (in list
+      order), which keep buffers and weight gradients.
+    """
+
+    downloads: dict
+    weights_of: dict
+    act_to: dict
+    also_input: dict
+    grad_to: dict
+    last_pass: frozenset
+
+    @classmethod
+    def of(cls, schedule: Schedule, stages: dict) -> Routes:
+        """The routes of ``schedule``; ``stages``: stage name -> Stage of its plan."""
+        downloads: dict[tuple[str, int], set[int]] = {}
+        for act in schedule.actions:
+            if act.kind is K.DOWNLOAD_ACT:
+                downloads.setdefault((act.stage, act.mb), set()).add(act.at)
+        last: dict[tuple, str] = {}
+        act_to: dict[str, list[str]] = {}
+        also_input: dict[tuple[str, int], list[str]] = {}
+        grad_to: dict[str, str] = {}
+        by_key = schedule.by_key()
+        for act in schedule.actions:
+            s = stages.get(act.stage)
+            if act.kind in (K.FORWARD, K.FORWARD_KEEP, K.RECOMPUTE):
+                last[("f", act.stage, act.call)] = act.key
+                for p in (by_key[d] for d in act.deps if d in by_key):
+                    if p.kind is K.UPLOAD_ACT and p.at == s.start and p.stage != act.stage:
+                        also_input.setdefault((p.stage, act.mb), []).append(act.stage)
+                    elif p.kind in (K.FORWARD, K.FORWARD_KEEP) and \
+                            stages[p.stage].stop == s.start:
+                        act_to.setdefault(p.key, []).append(act.stage)
+            elif act.kind in (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED):
+                last[("b", act.stage, act.call)] = act.key
+                for p in (by_key[d] for d in act.deps if d in by_key):
+                    if p.kind in (K.BACKWARD, K.BACKWARD_KEPT) and \
+                            stages[p.stage].start == s.stop:
+                        grad_to[p.key] = act.stage
+        return cls(downloads, weight_stages(schedule), act_to, also_input, grad_to,
+                   frozenset(last.values()))
 
 
 def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],

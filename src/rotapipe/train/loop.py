@@ -15,6 +15,7 @@ import math
 import os
 import pathlib
 import random
+import re
 import signal
 import threading
 import time
@@ -293,7 +294,7 @@ class _Job:
         with warnings.catch_warnings():
             # stale: the first call's step runs during the second call; the schedule
             # still advances once per train_step (docs/optimizer.md).
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
             self.sched.step()
         self.step += 1
         self.tokens += ids.numel()
