@@ -1,7 +1,7 @@
 """One rank of the data-parallel tests (run as a script by ``test_distributed.py``).
 
     python tests/dist_job.py OUT [--kill-at STEP | --hang-at STEP | --mismatch]
-                                 [--timeout S]
+                                 [--timeout S] [--overlap]
 
 Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT like torchrun sets them (none: one
 process). Trains ``tiny_transformer(dropout, tied)`` for ``STEPS`` steps on global
@@ -15,6 +15,7 @@ Faults: with ``--mismatch`` rank 1 builds a different model and every rank must 
 construction (status 4). With ``--kill-at S`` rank 1 dies (``os._exit``) inside its
 tail stage at step ``S``; with ``--hang-at S`` it sleeps there instead (alive,
 heartbeat running); either way it first writes the wall-clock time to ``OUT.fault``.
+``--overlap`` runs that training with ``optimizer="overlap"``.
 The other ranks print the DistributedError (with ``at=<wall-clock time>``) and exit
 with status 3.
 """
@@ -59,7 +60,9 @@ def token_loss(out, labels):
 
 def train(info, clip: float | None, microbatches: int, fault: tuple[str, int] | None,
           timeout: float, tokens: bool = False, fault_file: str | None = None,
-          widths=(24, 40, 8, 32)):
+          widths=(24, 40, 8, 32), overlap: bool = False):
+    """``overlap``: ``optimizer="overlap"`` with ``clip_grad_norm=clip``, one
+    ``train_step`` per step (the reference runs ``sync``)."""
     calls = {"n": 0}
 
     def loss_fn(out, labels):
@@ -71,8 +74,9 @@ def train(info, clip: float | None, microbatches: int, fault: tuple[str, int] | 
             time.sleep(3600)
         return token_loss(out, labels) if tokens else lm_loss(out, labels)
 
+    mode = dict(optimizer="overlap", clip_grad_norm=clip) if overlap else {}
     config = emulated(2, microbatches, data_parallel=rotapipe.DataParallelConfig(
-        timeout_s=timeout, heartbeat_s=0.25))
+        timeout_s=timeout, heartbeat_s=0.25), **mode)
     losses = []
     weight = (lambda y: float((y != -100).sum())) if tokens else None
     with rotapipe.RoundPipe(model(widths), loss_fn, config=config, optimizer=optimizer,
@@ -85,7 +89,12 @@ def train(info, clip: float | None, microbatches: int, fault: tuple[str, int] | 
                 if tokens:
                     y = masked(y, seed)
                 x, y = distributed.shard_batch((x, y), info.rank, info.world_size)
+                if overlap:
+                    losses.append(pipe.train_step(x, y))
+                    continue
                 losses.append(pipe.forward_backward(x, y))
+            if overlap:
+                continue
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(pipe.parameters(), clip)
             pipe.step()
@@ -100,6 +109,8 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--hang-at", type=int, default=None)
     p.add_argument("--timeout", type=float, default=20.0)
+    p.add_argument("--overlap", action="store_true",
+                   help='the faulty run uses optimizer="overlap" (train_step)')
     p.add_argument("--mismatch", action="store_true",
                    help="rank 1 builds a different model (construction must fail)")
     args = p.parse_args()
@@ -123,10 +134,15 @@ def main() -> int:
         return 0
     try:
         result = {"plain": train(info, None, mbs, fault, args.timeout,
-                                 fault_file=args.out + ".fault")}
+                                 fault_file=args.out + ".fault", overlap=args.overlap)}
         if fault is None:
             result["clip"] = train(info, CLIP, mbs, None, args.timeout)
             result["tokens"] = train(info, None, mbs, None, args.timeout, tokens=True)
+            # Overlapped steps on the reduced gradients; with clipping (every step
+            # clips at CLIP) the step is redone whole after the call.
+            result["overlap"] = train(info, None, mbs, None, args.timeout, overlap=True)
+            result["overlap_clip"] = train(info, CLIP, mbs, None, args.timeout,
+                                           overlap=True)
             result["any_rank"] = (distributed.any_rank(info.rank == 1),
                                   distributed.any_rank(False))
     except rotapipe.DistributedError as exc:

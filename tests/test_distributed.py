@@ -3,14 +3,17 @@
 - 2 processes x 2 emulated workers, ``GLOBAL / 2`` samples per rank, equal element by
   element (rtol 1e-5 / atol 1e-6) to one process with the whole batch after 3 steps,
   with and without gradient clipping, and with a token-mean loss whose token counts
-  differ between the ranks (two accumulated calls per step); the ranks end bit-identical (dropout and a tied weight
-  included: rank r's microbatch m draws the random stream of microbatch ``r * M + m``
+  differ between the ranks (two accumulated calls per step), and with
+  ``optimizer="overlap"`` (clipping off and on); the ranks end bit-identical (dropout
+  and a tied weight included: rank r's microbatch m draws the random stream of microbatch ``r * M + m``
   of the one-process run).
 - A rank killed mid-step, or hung, makes the other exit with a DistributedError naming
   it within the timeout.
 - Ranks with different models fail at construction, all of them, naming the rank.
 - In-process: a one-rank group runs the whole reduction path (tiny buckets, tied
-  weight) bit-identical to no data parallelism; config, env and sharding errors.
+  weight) bit-identical to no data parallelism, and so does ``optimizer="overlap"``
+  (each stage stepped on the optimizer thread once its all-reduce is in); config, env
+  and sharding errors.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -76,7 +80,9 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
         assert rc == 0, err
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["any_rank"] for r in ranks] == [(True, False)] * 2
-    for mode in ("plain", "clip", "tokens"):
+    # optimizer="overlap" must give the sync reference's weights (plain and clipped).
+    ref["overlap"], ref["overlap_clip"] = ref["plain"], ref["clip"]
+    for mode in ("plain", "clip", "tokens", "overlap", "overlap_clip"):
         want = ref[mode]
         for r, got in enumerate(ranks):
             got = got[mode]
@@ -99,10 +105,14 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
     assert any(c0 != c1 for c0, c1 in counts), counts
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_lost_rank_fails_the_others_naming_it(tmp_path, fault):
+@pytest.mark.parametrize("fault,overlap", [("kill", False), ("hang", False),
+                                           ("kill", True)])
+def test_lost_rank_fails_the_others_naming_it(tmp_path, fault, overlap):
+    """overlap: the survivor's optimizer thread waits for the lost rank's all-reduce
+    too; the error is the same."""
     timeout = 10.0 if fault == "kill" else 3.0
-    procs = _launch(tmp_path, 2, f"--{fault}-at", "1", "--timeout", str(timeout))
+    procs = _launch(tmp_path, 2, f"--{fault}-at", "1", "--timeout", str(timeout),
+                    *(["--overlap"] if overlap else []))
     try:
         rc, err = _finish(procs[0], 40)
     finally:
@@ -176,6 +186,43 @@ def test_one_rank_group_runs_the_reduction_bit_identically(one_rank_group):
                 if a.kind is rotapipe.schedule.ActionKind.OPTIMIZER]
     owner = [k for k, buckets in layout.items() if any(tied in b for b in buckets)]
     assert owner == [handoffs[-1]]
+
+
+@pytest.mark.parametrize("clip", [None, 1e3, 0.05])
+def test_one_rank_group_overlap_steps_on_reduced_gradients(one_rank_group, monkeypatch,
+                                                           clip):
+    """optimizer="overlap" under data parallelism: each stage's step waits for its own
+    all-reduce on the optimizer thread. Bit-identical to sync without data parallelism,
+    with clipping off, never triggering (1e3) and triggering every step (0.05)."""
+    applied = []            # (thread, buckets) of every CallReduce.apply
+    real = rotapipe.runtime.allreduce.CallReduce.apply
+
+    def spy(self, buckets):
+        applied.append((threading.current_thread().name, len(buckets)))
+        return real(self, buckets)
+    monkeypatch.setattr(rotapipe.runtime.allreduce.CallReduce, "apply", spy)
+
+    def run(**kw):
+        model = tiny_transformer(dropout=0.1, tied=True)
+        config = emulated(2, 2, clip_grad_norm=clip, **kw)
+        with rotapipe.RoundPipe(model, lm_loss, config=config, optimizer=lambda ps:
+                                torch.optim.AdamW(ps, lr=1e-2, eps=1e-3)) as pipe:
+            steps = []
+            pipe._optimizer_cost = lambda pids: steps.append(len(pids))
+            losses = [pipe.train_step(*token_batch(8, seed=s)) for s in range(3)]
+            return losses, {k: v.clone() for k, v in pipe.state_dict().items()}, steps, \
+                pipe.last_grad_norm
+
+    dp = rotapipe.DataParallelConfig(enabled=True, bucket_mb=0.001, timeout_s=10)
+    losses, state, steps, norm = run(optimizer="overlap", data_parallel=dp)
+    ref_losses, ref_state, _, ref_norm = run(optimizer="sync", data_parallel=False)
+    assert losses == ref_losses and norm == ref_norm
+    for k, v in ref_state.items():
+        assert torch.equal(state[k], v), k
+    # Stepped stage by stage (clipping at 0.05 then redoes one whole step per call).
+    assert len(steps) >= 3 * (4 if clip == 0.05 else 3), steps
+    # The optimizer thread applied the reduced buckets before stepping on them.
+    assert any(name.startswith("rotapipe-optimizer") and n > 0 for name, n in applied)
 
 
 def test_auto_is_off_without_a_group_and_true_requires_one():

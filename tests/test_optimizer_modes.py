@@ -271,14 +271,3 @@ def test_overlap_is_bitwise_sync_in_mixed_precision(dtype):
         assert s0[0] < 2.0 ** 17 and len(set(s0)) > 1, s0   # skipped, then stepped
     assert all(torch.equal(st0[k], st1[k]) for k in st0)
     assert all(torch.equal(a, b) for a, b in zip(c0, c1))
-
-
-def test_overlap_refuses_data_parallelism(monkeypatch):
-    class Reducer:                     # stands in for a live data-parallel reducer
-        def close(self):
-            pass
-    monkeypatch.setattr(rotapipe.pipe.GradReducer, "create",
-                        classmethod(lambda cls, *args: Reducer()))
-    with pytest.raises(rotapipe.ConfigError, match="overlap.*data parallel"):
-        rotapipe.RoundPipe(tiny_transformer(), lm_loss,
-                           config=emulated(1, 2, optimizer="overlap"))

@@ -134,10 +134,6 @@ class RoundPipe:
             {pid: self.layerset.params[pid].shape for pid in trainable},
             lambda stage: [pid for pid in self.layerset.stage_params(stages[stage].layers)
                            if pid in trainable])
-        if self.data_parallel is not None and config.optimizer is OptimizerMode.OVERLAP:
-            raise ConfigError("optimizer='overlap' does not support data parallelism yet "
-                              "(a stage's step would have to wait for its all-reduce): use "
-                              "optimizer='sync' or 'stale', or data_parallel=False")
         self._lock = threading.Lock()
         self.calls = 0
         """Successful ``forward_backward`` calls so far; with ``config.seed`` it defines
@@ -251,6 +247,7 @@ class RoundPipe:
         ctx = self._calls.context(self.calls, True, [u / total for u in units], grads, M,
                                   self.scaler.scale)
         schedule = self._schedule(True)
+        reduce = None
         if dp is not None:
             reduce = dp.begin(schedule, grads)
             ctx.handoff, ctx.mb_offset = reduce.handoff, dp.rank * M
@@ -262,9 +259,9 @@ class RoundPipe:
         stages = self._calls.stages
         hook = self._host_opt.start_call(
             self.optimizer, schedule, lambda name: self.layerset.stage_params(
-                stages[name].layers), grads, total, overlap, self._optimizer_cost)
+                stages[name].layers), grads, total, overlap, self._optimizer_cost, reduce)
         if isinstance(hook, OverlapStep):
-            ctx.handoff = hook.handoff      # never data parallel (checked in _build)
+            ctx.handoff = hook.handoff      # starts the all-reduce first (data parallel)
         try:
             self._run_training(schedule, ctx, host_store)
             losses = [host_store.get(("loss", m)) for m in range(M)]

@@ -222,8 +222,10 @@ class CallReduce:
         self._inflight: list[_Bucket] = []
         self._lock = threading.Lock()   # finish() runs on the caller, handoff on the host lane
 
-    def handoff(self, key: str) -> None:
-        """The O action ``key`` added its stage's gradients: start its buckets."""
+    def handoff(self, key: str) -> list[_Bucket]:
+        """The O action ``key`` added its stage's gradients: start its buckets (the
+        parameters whose last hand-off this is) and return them."""
+        launched = []
         for pids in self.layout.get(key, ()):
             parts = []
             for pid in pids:
@@ -241,6 +243,35 @@ class CallReduce:
             work.get_future().add_done_callback(bucket.done)
             with self._lock:
                 self._inflight.append(bucket)
+            launched.append(bucket)
+        return launched
+
+    def apply(self, buckets: Sequence[_Bucket]) -> None:
+        """Wait for ``buckets`` (with the deadline) and replace their parameters' staged
+        gradients by the reduced sums: a parameter no rank has a gradient for is
+        dropped. The overlapped optimizer calls it before stepping them; each bucket is
+        applied once."""
+        staged = self.grads.staged
+        for b in buckets:
+            self.r._wait(b.work, b.seq, f"gradient all-reduce of {len(b.pids)} parameters")
+            # Under the lock until written: a thread that finds the bucket applied must
+            # find the reduced gradients in place (the caller's finish() and the
+            # optimizer thread may apply the same bucket).
+            with self._lock:
+                if b.applied:
+                    continue
+                n = len(b.pids)
+                present = b.flat[-n:]
+                off = 0
+                for i, pid in enumerate(b.pids):
+                    shape = self.r._shapes[pid]
+                    numel = shape.numel()
+                    if present[i] > 0:
+                        staged[pid] = b.flat[off:off + numel].view(shape)
+                    else:
+                        staged.pop(pid, None)
+                    off += numel
+                b.applied = True
 
     def finish(self) -> ReduceStats:
         """Wait for every bucket; replace the staged gradients by the reduced sums."""
@@ -250,19 +281,7 @@ class CallReduce:
         for b in buckets:
             self.r._wait(b.work, b.seq, f"gradient all-reduce of {len(b.pids)} parameters")
         exposed = time.perf_counter() - t0
-        staged = self.grads.staged
-        for b in buckets:
-            n = len(b.pids)
-            present = b.flat[-n:]
-            off = 0
-            for i, pid in enumerate(b.pids):
-                shape = self.r._shapes[pid]
-                numel = shape.numel()
-                if present[i] > 0:
-                    staged[pid] = b.flat[off:off + numel].view(shape)
-                else:
-                    staged.pop(pid, None)
-                off += numel
+        self.apply(buckets)
         stats = ReduceStats(len(buckets), sum(b.flat.numel() * 4 for b in buckets),
                             _union([(b.start, b.end or t0 + exposed) for b in buckets]),
                             exposed, t0)
@@ -278,6 +297,7 @@ class _Bucket:
     seq: int
     start: float
     end: float | None = field(default=None)
+    applied: bool = False
 
     def done(self, _future) -> None:
         self.end = time.perf_counter()

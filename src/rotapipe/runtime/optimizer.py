@@ -62,13 +62,16 @@ class HostOptimizer:
         return not overflow
 
     def start_call(self, optimizer, schedule: Schedule, stage_pids: Callable[[str], list[int]],
-                   grads: CallGrads, units: float, overlap: bool, cost: Cost):
+                   grads: CallGrads, units: float, overlap: bool, cost: Cost,
+                   reduce=None):
         """The optimizer work running alongside a training call (``abort()`` if the call
         fails, ``finish()`` if it succeeds): the overlapped step of this call
-        (``overlap``), the pending stale step, or ``None``."""
+        (``overlap``; ``reduce``: the call's data-parallel all-reduce), the pending
+        stale step, or ``None``."""
         if overlap:
             return OverlapStep(optimizer, self.host, schedule, stage_pids, grads, units,
-                               self.max_norm, self.scaler, self._worker(), cost, self)
+                               self.max_norm, self.scaler, self._worker(), cost, self,
+                               reduce)
         if self.pending is None:
             return None
         pending, self.pending = self.pending, None
@@ -241,6 +244,11 @@ class OverlapStep:
     failed) or :meth:`finish` (the global norm needs clipping, or a gradient overflowed
     under dynamic loss scaling) undo it. On success nothing is left in ``param.grad``.
 
+    Data parallel (``reduce``, a :class:`~rotapipe.runtime.allreduce.CallReduce`): a
+    hand-off first starts the all-reduce of the parameters it completes; the optimizer
+    thread waits for it and steps them on the reduced gradients, which are identical on
+    every rank (so are the overflow check, the global norm and the step).
+
     Write-back of the stepped parameters' compute copies happens right after their
     step: once a backward stage has handed off, no action of this call uploads its
     layers again (forward stages uploaded them before the tail ran, shallower backward
@@ -251,8 +259,9 @@ class OverlapStep:
                  schedule: Schedule, stage_pids: Callable[[str], list[int]],
                  grads: CallGrads, units: float, max_norm: float | None,
                  scaler: LossScaler, thread: OptimizerThread, cost: Cost,
-                 owner: HostOptimizer | None = None):
+                 owner: HostOptimizer | None = None, reduce=None):
         self.opt, self.host, self.grads, self.owner = optimizer, host, grads, owner
+        self.reduce = reduce
         self.max_norm, self.scaler, self.thread, self.cost = max_norm, scaler, thread, cost
         self.params = host.layerset.params
         trainable = set(host.trainable)
@@ -274,16 +283,20 @@ class OverlapStep:
 
     # -- during the call (host lane) -----------------------------------------------------
     def handoff(self, key: str) -> None:
+        # The reducer's buckets at ``key`` hold exactly the parameters completed here.
+        buckets = self.reduce.handoff(key) if self.reduce is not None else []
         done = []
         for pid in self.by_key.get(key, ()):
             self.left[pid] -= 1
             if self.left[pid] == 0:
                 done.append(pid)
-        if done:
-            self.futures.append(self.thread.submit(self._step, done))
+        if done or buckets:
+            self.futures.append(self.thread.submit(self._step, done, buckets))
 
     # -- on the optimizer thread ---------------------------------------------------------
-    def _step(self, pids: list[int]) -> None:
+    def _step(self, pids: list[int], buckets=()) -> None:
+        if buckets:
+            self.reduce.apply(buckets)      # the reduced gradients replace the staged
         stepped = []
         for pid in pids:
             g = self._merge(pid)
