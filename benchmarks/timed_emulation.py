@@ -15,7 +15,10 @@ the same runtime on the same hardware model:
   resident, gradients downloaded, masters and optimizer on the host: the same
   offloaded optimizer, stepped after the call; 1F1B also with the ``overlap`` step, for
   reference). Activations are kept on the device when they fit in 24 GiB, else
-  recomputed (marked ``+R``); a schedule that fits neither way is marked.
+  recomputed (marked ``+R``); a schedule that fits neither way is marked;
+- Mobius (``mobius_schedule``): looped BFS over ``v`` chunks per device, each chunk's
+  weights swapped in from host memory for its forwards and again for its backwards,
+  recompute; the smallest ``v`` in 2..4 whose simulated peak fits.
 
 Columns: tokens/s and the speedup over 1F1B for a whole training step (call and
 optimizer); the bubble and exposed transfer time of the call (from the runtime's own
@@ -42,10 +45,10 @@ import torch
 import rotapipe
 from rotapipe.model.tiny import lm_loss, stride_batch
 from rotapipe.plan import bound_plan
-from rotapipe.schedule import gpipe_schedule, one_f_one_b_schedule
+from rotapipe.schedule import gpipe_schedule, mobius_schedule, one_f_one_b_schedule
 from rotapipe.sim import ActionTimes, TimedEmulation, memory_sizes, report, run
 from rotapipe.sim.autoplan import PlannerConfig, choose_plan
-from rotapipe.sim.engine import Span, Timeline
+from rotapipe.sim.engine import Timeline
 
 DEVICES = 8
 GIB = 2**30
@@ -69,6 +72,19 @@ def baseline(costs, name: str, microbatches: int):
         rep = report(tl, costs.tokens * microbatches, memory_sizes(costs), USABLE)
         if rep.fits or recompute:
             return plan, s, tl, rep, recompute
+
+
+def mobius(costs, microbatches: int):
+    """Mobius with the fewest chunks per device (2..4, at most the layers) whose
+    simulated peak fits."""
+    vs = [v for v in (2, 3, 4) if DEVICES * v <= len(costs.layers)]
+    for v in vs:
+        plan = bound_plan(costs, DEVICES * v, devices=DEVICES, recompute=True)
+        s = mobius_schedule(plan, DEVICES, microbatches)
+        tl = run(s, ActionTimes(plan, costs))
+        if report(tl, costs.tokens * microbatches, memory_sizes(costs), USABLE).fits or \
+                v == vs[-1]:
+            return plan, s, tl, v
 
 
 def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl):
@@ -132,6 +148,9 @@ def bench(model: str, args) -> list[dict]:
         label = name + (" +R" if recompute else "") + (f" {mode}" if mode != "sync" else "")
         rows.append(measure(label, em_b, plan, schedule, mode, "stage", M, args.steps,
                             sim_tl))
+    plan, schedule, sim_tl, v = mobius(em0.costs, M)
+    rows.append(measure(f"mobius v={v}", em_b, plan, schedule, "sync", "stage", M,
+                        args.steps, sim_tl))
     base = rows[3]["tokens"]      # 1F1B with the optimizer stepped after the call
     for r in rows:
         r["speedup"] = r["tokens"] / base

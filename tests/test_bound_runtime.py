@@ -5,8 +5,10 @@ RoundPipe on emulated workers.
 fp32, three steps of two calls each (8 and 12 samples) from the same initial weights:
 gradients, weights, buffers and losses match plain PyTorch element by element (the
 reference trainer of ``test_exactness.py``), with dropout, a tied embedding/head weight
-and a BatchNorm layer; with ``recompute=True`` (F/R/B for the forward chunks) too. A
-fault inside a kept forward or a backward through a kept graph reaches the caller as a
+and a BatchNorm layer; with ``recompute=True`` (F/R/B for the forward chunks) too, and
+Mobius (looped BFS swapping each chunk's weights in per phase; it fits a device budget
+that holds two chunks' weights, where looped BFS, which keeps them all, runs out of
+memory). A fault inside a kept forward or a backward through a kept graph reaches the caller as a
 :class:`rotapipe.WorkerError` and changes nothing.
 """
 
@@ -27,7 +29,7 @@ from torch import nn
 import rotapipe
 from rotapipe.plan import bound_plan
 from rotapipe.schedule import (ActionKind as K, gpipe_schedule, interleaved_1f1b_schedule,
-                               looped_bfs_schedule, one_f_one_b_schedule)
+                               looped_bfs_schedule, mobius_schedule, one_f_one_b_schedule)
 from models import emulated, lm_loss, tiny_transformer, token_batch
 from test_exactness import (OPTIMIZERS, assert_bitwise_equal, assert_close_trained, run,
                             train_pipe, train_reference)
@@ -36,7 +38,9 @@ from test_faults import Trigger, assert_same_state, faulty_model, snapshot
 
 GENERATORS = {"gpipe": (gpipe_schedule, 1), "1f1b": (one_f_one_b_schedule, 1),
               "interleaved-1f1b": (interleaved_1f1b_schedule, 2),
-              "looped-bfs": (looped_bfs_schedule, 2)}
+              "looped-bfs": (looped_bfs_schedule, 2),
+              "mobius": (lambda plan, w, m, recompute, offload_optimizer, buffer_layers:
+                         mobius_schedule(plan, w, m, buffer_layers=buffer_layers), 2)}
 ALL = dict(dropout=0.1, tied=True, buffers=True)     # test_exactness's "accumulate"
 NO_BUFFERS = dict(dropout=0.1, tied=True)            # recompute would update buffers twice
 SIZES = (8, 12)
@@ -90,6 +94,61 @@ def test_several_chunks_per_device(name, workers, recompute):
     kw = NO_BUFFERS if recompute else ALL
     got = train_baseline(name, workers, 3, recompute=recompute, model_kw=kw)
     assert_close_trained(got, reference(3, tuple(kw.items())))
+
+
+@pytest.mark.parametrize("workers, chunks, microbatches", [(2, 4, 3), (1, 3, 2), (2, 6, 4)])
+def test_mobius_matches_plain_pytorch(workers, chunks, microbatches):
+    model = tiny_transformer(**NO_BUFFERS)
+    plan = bound_plan([1.0] * len(model), chunks, devices=workers)
+    got = train_pipe(model, SIZES, emulated(workers, microbatches), "adamw", plan=plan,
+                     setup=lambda pipe: pipe.use_schedule(
+                         mobius_schedule(plan, workers, microbatches)))
+    assert_close_trained(got, reference(microbatches, tuple(NO_BUFFERS.items())))
+
+
+def test_mobius_swaps_weights_and_fits_where_looped_bfs_does_not():
+    """Wide layers, 1 device x 4 chunks: Mobius uploads each forward chunk twice (its
+    forwards, then its recompute and backward; the tail once) and holds at most two
+    chunks' weights (and one chunk's gradients while it runs backward), so it runs
+    within a budget in which looped BFS, keeping all four resident, runs out of
+    memory."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(8)]
+    weights = sum(p.numel() * 4 for p in layers[0].parameters())      # bytes per layer
+    plan = bound_plan([1.0] * 8, 4, devices=1)                          # 2 layers a chunk
+    mobius = mobius_schedule(plan, 1, 2)
+    uploads = sorted(a.stage for a in mobius.actions if a.kind is K.UPLOAD_WEIGHTS)
+    assert uploads == ["B0", "B1", "B2", "F0", "F1", "F2", "T"]
+    x, y = torch.randn(4, 64), torch.randn(4, 64)
+    peaks = {}
+    for name, schedule in (("mobius", mobius),
+                           ("looped-bfs", looped_bfs_schedule(plan, 1, 2, recompute=True,
+                                                              offload_optimizer=True))):
+        config = emulated(1, 2, device_memory=7 * weights)
+        with rotapipe.RoundPipe(copy.deepcopy(layers), nn.functional.mse_loss,
+                                config=config, plan=plan) as pipe:
+            pipe.use_schedule(schedule)
+            try:
+                pipe.forward_backward(x, y)
+                peaks[name] = pipe.peak_memory()[0]
+            except rotapipe.WorkerError as exc:
+                peaks[name] = exc
+    assert isinstance(peaks["looped-bfs"], rotapipe.WorkerError), peaks
+    assert "out of memory" in str(peaks["looped-bfs"]) or \
+        "budget" in str(peaks["looped-bfs"]), peaks["looped-bfs"]
+    # At most two chunks of two layers, one chunk's gradients and the activations.
+    assert 6 * weights <= peaks["mobius"] <= 7 * weights, (peaks["mobius"], weights)
+
+
+def test_swap_needs_recompute_and_contiguous_phases():
+    plan = bound_plan([1.0] * 8, 4, devices=2)
+    with pytest.raises(rotapipe.ScheduleError, match="recompute=True and offload_optimizer"):
+        looped_bfs_schedule(plan, 2, 2, offload_optimizer=True, swap=True)
+    with pytest.raises(rotapipe.ScheduleError, match="interleaves chunk"):
+        from rotapipe.schedule.bound import _lower, _Options, Pass
+        orders = [[(Pass.FORWARD, 0, 0), (Pass.FORWARD, 2, 0), (Pass.FORWARD, 0, 1)],
+                  []]
+        _lower(plan, 2, 2, orders, True, "bad", _Options(True, swap=True))
 
 
 def test_one_f_one_b_keeps_few_graphs_and_weights_stay_on_their_device():

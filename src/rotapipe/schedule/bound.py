@@ -7,8 +7,9 @@ whole call: its weights stay resident (no ``UW``/``X``), the usual Megatron-styl
 With ``offload_optimizer=True`` the master weights and the optimizer live in host memory
 instead (as in ZeRO-Offload, and as the rotapipe runtime keeps them): each call uploads
 every chunk's weights at its start and hands its weight gradients back after its last
-backward (see :func:`_lower`). Every chunk of a device stays resident for the whole call:
-swapping chunks that do not fit (Mobius) is not generated.
+backward (see :func:`_lower`). Every chunk of a device stays resident for the whole call,
+except in :func:`mobius_schedule` (looped BFS with ``swap=True``), which swaps each
+chunk's weights in for its forwards and again for its backwards, as Mobius does.
 
 Each generator first writes, per device, the order of its compute passes as
 ``(pass, chunk, microbatch)`` triples (the part that differs between GPipe, 1F1B, ...);
@@ -32,6 +33,12 @@ one lowering pass (:func:`_lower`) then turns them into actions and adds the tra
   (``DB`` after a chunk's last forward) give the runtime what RoundPipe's schedule gives it.
   The tail's input always goes through host memory then (its upload brings the labels),
   also from a chunk on the same device.
+- with ``swap=True`` (looped BFS only, with ``offload_optimizer`` and ``recompute``), a
+  device instead uploads a chunk's weights at the start of each *phase* (its run of
+  forwards: ``UW:Fc``; its run of backwards: ``UW:Bc``; the tail's forwards and
+  backwards are one phase, ``UW:T``) and frees them at its end (``X``, after ``DW`` for
+  a backward phase). Phase ``k``'s upload waits on the host for phase ``k - 2``'s free:
+  at most two chunks' weights are resident, the running one and the prefetched next.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from ..plan import Plan
 from .actions import HOST, Action, ActionKind as K, Schedule, action_key
 
 __all__ = ["gpipe_schedule", "one_f_one_b_schedule", "interleaved_1f1b_schedule",
-           "looped_bfs_schedule", "weight_stages", "Routes", "Pass"]
+           "looped_bfs_schedule", "mobius_schedule", "weight_stages", "Routes", "Pass"]
 
 INPUT_DEPTH = 2
 """Compute passes a device's upload lane may run ahead of its compute lane."""
@@ -151,21 +158,51 @@ def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
 def looped_bfs_schedule(plan: Plan, devices: int, microbatches: int, *,
                         recompute: bool = False, offload_optimizer: bool = False,
                         side_inputs: bool = False,
-                        buffer_layers: Collection[int] = ()) -> Schedule:
+                        buffer_layers: Collection[int] = (), swap: bool = False) -> Schedule:
     """Looped BFS (breadth-first pipeline): chunks placed as in interleaved 1F1B, but
     each device runs every microbatch through its first chunk, then its second, ...,
     then the backwards chunk by chunk in reverse (microbatches in reverse too). Options
-    as :func:`gpipe_schedule`."""
+    as :func:`gpipe_schedule`; ``swap``: see :func:`mobius_schedule`."""
     v = _check(plan, devices, microbatches, per_device=None)
     M, p = microbatches, devices
+    tail = v * p - 1
     orders = []
     for d in range(p):
-        ops = [(Pass.FORWARD, i * p + d, m) for i in range(v) for m in range(M)]
-        ops += [(Pass.BACKWARD, i * p + d, m) for i in reversed(range(v))
-                for m in reversed(range(M))]
+        if not swap:
+            ops = [(Pass.FORWARD, i * p + d, m) for i in range(v) for m in range(M)]
+            ops += [(Pass.BACKWARD, i * p + d, m) for i in reversed(range(v))
+                    for m in reversed(range(M))]
+        else:
+            # Mobius: the tail runs each microbatch's forward and backward back to back
+            # (one graph alive, not M), and backwards go in microbatch order, so the
+            # tail's first gradient feeds the next chunk at once (recompute keeps no
+            # graph whose order would matter).
+            ops = [(Pass.FORWARD, i * p + d, m) for i in range(v) for m in range(M)
+                   if i * p + d != tail]
+            ops += [(pas, tail, m) for m in range(M)
+                    for pas in (Pass.FORWARD, Pass.BACKWARD) if d == tail % p]
+            ops += [(Pass.BACKWARD, i * p + d, m) for i in reversed(range(v))
+                    for m in range(M) if i * p + d != tail]
         orders.append(ops)
-    return _lower(plan, p, M, orders, recompute, "looped-bfs",
-                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers)))
+    return _lower(plan, p, M, orders, recompute, "mobius" if swap else "looped-bfs",
+                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers), swap))
+
+
+def mobius_schedule(plan: Plan, devices: int, microbatches: int, *,
+                    side_inputs: bool = False,
+                    buffer_layers: Collection[int] = ()) -> Schedule:
+    """Mobius: the model in host memory, more chunks than devices (``v`` per device,
+    placed as in looped BFS), and each chunk's weights swapped in from host memory for
+    its forwards and again for its backwards, the next chunk's upload prefetched while
+    the current one computes, so a device holds at most two chunks' weights. Forwards
+    keep only their input and the backward recomputes; the tail runs each
+    microbatch's forward and backward back to back (one graph alive), and backwards
+    go in microbatch order. The
+    same as ``looped_bfs_schedule(..., recompute=True, offload_optimizer=True,
+    swap=True)``; build the plan with ``bound_plan(..., devices * v)``."""
+    return looped_bfs_schedule(plan, devices, microbatches, recompute=True,
+                               offload_optimizer=True, side_inputs=side_inputs,
+                               buffer_layers=buffer_layers, swap=True)
 
 
 def _check(plan: Plan, devices: int, microbatches: int, per_device: int | None) -> int:
@@ -192,6 +229,7 @@ class _Options:
     offload_optimizer: bool = False
     side_inputs: bool = False
     buffer_layers: frozenset[int] = frozenset()
+    swap: bool = False
 
 
 def weight_stages(schedule: Schedule) -> dict[str, str]:
@@ -277,6 +315,10 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
         raise ScheduleError(f"recompute=True re-runs the forward of layers {redone}, whose "
                             "forward updates buffers, on the same device buffers: the update "
                             "would count twice; use recompute=False")
+    if opts.swap and not (recompute and opts.offload_optimizer):
+        raise ScheduleError("swap=True swaps chunk weights in from host memory between "
+                            "the forwards and the backwards: it needs recompute=True and "
+                            "offload_optimizer=True (mobius_schedule sets both)")
 
     def dev(c: int) -> int:
         return c % devices
@@ -301,14 +343,15 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
         # Per chunk: its weights' upload, and the index of its last backward op.
         uw: dict[int, tuple[str, ...]] = {}
         final_bwd = {c: i for i, (pas, c, _) in enumerate(ops) if pas is Pass.BACKWARD}
-        if opts.offload_optimizer:
+        if opts.offload_optimizer and not opts.swap:
             for c in sorted(final_bwd):
                 out.append(Action(K.UPLOAD_WEIGHTS, d, bwd_stages[c].name))
                 uw[c] = (out[-1].key,)
+        swap = _Swap(ops, last, name, d) if opts.swap else None
         side: dict[int, str] = {}    # microbatch -> its side-input upload on this device
         for i, (pas, c, m) in enumerate(ops):
             ahead = [computes[i - INPUT_DEPTH]] if i >= INPUT_DEPTH else []
-            extra = uw.get(c, ())
+            extra = swap.upload(i, out, fwd_stages, bwd_stages) if swap else uw.get(c, ())
             if opts.side_inputs:
                 if m not in side:
                     out.append(Action(K.UPLOAD_SIDE, d, fwd_stages[c].name, m))
@@ -365,7 +408,58 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
                     out.append(Action(K.DOWNLOAD_WGRAD, d, s.name, deps=(computes[-1],) + dg))
                     hand_offs.append((c, Action(K.OPTIMIZER, HOST, s.name,
                                                 host_deps=(out[-1].key,))))
+            if swap:
+                swap.free(i, out)
         out += [Action(K.FREE, d, bwd_stages[c].name) for c in uw]
     # Deeper chunks finish their backward first: the host takes their gradients first.
     out += [o for _, o in sorted(hand_offs, key=lambda x: -x[0])]
     return Schedule(plan, devices, microbatches, tuple(out), name)
+
+
+class _Swap:
+    """``swap=True`` on one device: the phases of its compute order (a chunk's run of
+    forwards, its run of backwards; the tail's are one), each with its own weight upload
+    and free (module docstring)."""
+
+    def __init__(self, ops: list[Op], last: int, name: str, device: int):
+        self.last = last
+        self.phases: list[tuple[Pass, int]] = []
+        self.final: dict[tuple[Pass, int], int] = {}     # phase -> index of its last op
+        for i, (pas, c, _) in enumerate(ops):
+            ph = self._phase(pas, c)
+            if not self.phases or self.phases[-1] != ph:
+                if ph in self.final:
+                    raise ScheduleError(
+                        f"swap=True needs each chunk's forwards, and its backwards, to run "
+                        f"back to back on a device, but {name} interleaves chunk {c}'s on "
+                        f"device {device}: use looped_bfs_schedule (mobius_schedule)")
+                self.phases.append(ph)
+            self.final[ph] = i
+        self.ops, self.device = ops, device
+        self.uw: dict[tuple[Pass, int], str] = {}
+        self.names: dict[tuple[Pass, int], str] = {}
+        self.x: list[str] = []       # the frees, in phase order
+
+    def _phase(self, pas: Pass, c: int) -> tuple[Pass, int]:
+        return (Pass.BACKWARD if c == self.last else pas, c)
+
+    def upload(self, i: int, out: list[Action], fwd_stages, bwd_stages) -> tuple[str, ...]:
+        """The upload op ``i`` computes with (emitted at its phase's first op)."""
+        pas, c, _ = self.ops[i]
+        ph = self._phase(pas, c)
+        if ph not in self.uw:
+            k = len(self.uw)
+            # Room for it: the free of the phase two back (the running one stays).
+            room = (self.x[k - 2],) if k >= 2 else ()
+            stage = (fwd_stages if ph[0] is Pass.FORWARD else bwd_stages)[c]
+            out.append(Action(K.UPLOAD_WEIGHTS, self.device, stage.name, host_deps=room))
+            self.uw[ph], self.names[ph] = out[-1].key, stage.name
+        return (self.uw[ph],)
+
+    def free(self, i: int, out: list[Action]) -> None:
+        """After op ``i`` (and its downloads): free its phase's weights if it was the last."""
+        pas, c, _ = self.ops[i]
+        ph = self._phase(pas, c)
+        if self.final[ph] == i:
+            out.append(Action(K.FREE, self.device, self.names[ph]))
+            self.x.append(out[-1].key)

@@ -1,4 +1,4 @@
-"""Build the six schedules for one model and machine, simulate each, compare them."""
+"""Build the seven schedules for one model and machine, simulate each, compare them."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from ..plan import ModelCosts, Plan, bound_plan
 from ..plan.balance import roundpipe_plans
 from ..plan.partitioner import Footprint, candidate_plans
 from ..schedule import (Schedule, gpipe_schedule, interleaved_1f1b_schedule,
-                        looped_bfs_schedule, one_f_one_b_schedule, roundpipe_schedule,
-                        roundpipe_stale_schedule)
+                        looped_bfs_schedule, mobius_schedule, one_f_one_b_schedule,
+                        roundpipe_schedule, roundpipe_stale_schedule)
 from .engine import Timeline, run
 from .report import Report, report
 from .timing import ActionTimes, memory_sizes
@@ -20,7 +20,7 @@ from .timing import ActionTimes, memory_sizes
 __all__ = ["SCHEDULES", "SimConfig", "SimResult", "build_schedule", "simulate", "compare",
            "schedule_names"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "roundpipe",
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "mobius", "roundpipe",
              "roundpipe-stale")
 """Every schedule the simulator compares, in table order."""
 
@@ -36,7 +36,7 @@ class SimConfig:
     devices: int
     microbatches: int
     virtual_stages: int = 2
-    """Chunks per device of interleaved 1F1B and looped BFS."""
+    """Chunks per device of interleaved 1F1B, looped BFS and Mobius."""
     recompute: bool = False
     """Baselines recompute their forward in the backward instead of keeping activations
     on the device (RoundPipe always recomputes every backward stage but the tail)."""
@@ -95,12 +95,16 @@ def build_schedule(name: str, costs: ModelCosts, config: SimConfig,
     (:func:`~rotapipe.plan.balance.roundpipe_plans`); ``refine=1`` takes the
     partitioner's best as is."""
     p, M, L = config.devices, config.microbatches, len(costs.layers)
-    if name in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"):
+    if name in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "mobius"):
         chunks = p if name in ("gpipe", "1f1b") else p * config.virtual_stages
         if chunks > L:
             raise ConfigError(f"{name} needs {chunks} chunks of at least one layer but the "
                               f"model has {L} layers: use fewer devices or virtual stages")
-        plan = plan or bound_plan(costs, chunks, devices=p, recompute=config.recompute)
+        mobius = name == "mobius"       # always recomputes; weights swapped from the host
+        plan = plan or bound_plan(costs, chunks, devices=p,
+                                  recompute=config.recompute or mobius)
+        if mobius:
+            return mobius_schedule(plan, p, M)
         make = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule,
                 "interleaved-1f1b": interleaved_1f1b_schedule,
                 "looped-bfs": looped_bfs_schedule}[name]
