@@ -306,5 +306,8 @@ def test_example_prints_equal_losses(capsys, monkeypatch):
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "baselines_runtime.py"
     monkeypatch.setattr(sys, "argv", [str(script), "--steps", "2"])
     runpy.run_path(str(script), run_name="__main__")
-    rows = re.findall(r"^\s+\d+\s+([\d.]+)\s+([\d.]+)$", capsys.readouterr().out, re.M)
-    assert len(rows) == 2 and all(a == b for a, b in rows), rows
+    rows = re.findall(r"^\s+\d+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+                      capsys.readouterr().out, re.M)
+    # RoundPipe and 1F1B to the printed digit; Mobius (other chunks) within 1e-5.
+    assert len(rows) == 2 and all(a == b for a, b, _ in rows), rows
+    assert all(abs(float(a) - float(c)) <= 1e-5 * abs(float(a)) for a, _, c in rows), rows
