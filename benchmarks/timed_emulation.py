@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=2, help="measured steps per schedule")
     ap.add_argument("--target-s", type=float, default=2.0,
                     help="real seconds one RoundPipe call should take (sets the dilation)")
-    ap.add_argument("--min-action-ms", type=float, default=15.0,
+    ap.add_argument("--min-action-ms", type=float, default=20.0,
                     help="real milliseconds the shortest compute action should take")
     ap.add_argument("--dilation", type=float, default=None, help="fixed dilation instead")
     ap.add_argument("--optimizer-rate", type=float, default=5e9,

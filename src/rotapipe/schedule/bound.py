@@ -197,9 +197,9 @@ def mobius_schedule(plan: Plan, devices: int, microbatches: int, *,
     the current one computes, so a device holds at most two chunks' weights. Forwards
     keep only their input and the backward recomputes; the tail runs each
     microbatch's forward and backward back to back (one graph alive), and backwards
-    go in microbatch order. The
-    same as ``looped_bfs_schedule(..., recompute=True, offload_optimizer=True,
-    swap=True)``; build the plan with ``bound_plan(..., devices * v)``."""
+    go in microbatch order. The same as ``looped_bfs_schedule(..., recompute=True,
+    offload_optimizer=True, swap=True)``; build the plan with
+    ``bound_plan(..., devices * v, devices=devices)``."""
     return looped_bfs_schedule(plan, devices, microbatches, recompute=True,
                                offload_optimizer=True, side_inputs=side_inputs,
                                buffer_layers=buffer_layers, swap=True)
