@@ -5,11 +5,12 @@
 
 Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT like torchrun sets them (none: one
 process). Trains ``tiny_transformer(dropout, tied)`` for ``STEPS`` steps on global
-batches of ``GLOBAL`` samples, each rank on its shard, 2 emulated workers, three times:
-without and with gradient clipping, and with a token-mean loss whose ignored labels
-differ per rank (``loss_weight`` counts the rest) over two accumulated calls per step.
-Saves ``{"plain": ..., "clip": ..., "tokens": ...}`` (state_dict, losses, all-reduce
-stats) to ``OUT``.
+batches of ``GLOBAL`` samples, each rank on its shard, 2 emulated workers, five times:
+without and with gradient clipping, with a token-mean loss whose ignored labels differ
+per rank (``loss_weight`` counts the rest) over two accumulated calls per step, and with
+``optimizer="overlap"`` (``train_step``) without and with clipping. Saves ``{"plain":
+..., "clip": ..., "tokens": ..., "overlap": ..., "overlap_clip": ...}`` (state_dict,
+losses, all-reduce stats) to ``OUT``.
 
 Faults: with ``--mismatch`` rank 1 builds a different model and every rank must fail at
 construction (status 4). With ``--kill-at S`` rank 1 dies (``os._exit``) inside its
