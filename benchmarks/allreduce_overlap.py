@@ -6,7 +6,8 @@ rotapipe records (``pipe.data_parallel.last``):
 
 - ``busy``: time at least one gradient bucket was in flight (all-reduce launched by a
   stage's optimizer hand-off on the host lane, until gloo completed it), and
-- ``exposed``: time the caller waited for buckets after the last backward finished.
+- ``exposed``: time after the last backward finished during which a bucket was still in
+  flight (what the caller waited for the all-reduce).
 
 ``hidden = 1 - sum(exposed) / sum(busy)`` over the measured calls of every rank. Part
 of ``exposed`` is not all-reduce work but waiting for the slower rank to finish its

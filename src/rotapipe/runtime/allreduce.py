@@ -58,7 +58,9 @@ class ReduceStats:
     busy_s: float = 0.0
     """Time at least one gradient bucket was in flight (launch to completion)."""
     exposed_s: float = 0.0
-    """Time the caller waited for buckets after the schedule had finished."""
+    """Time after the schedule had finished during which a bucket was still in flight
+    (what the caller waited for the all-reduce; a wait that ran on after the last
+    bucket completed, e.g. for the GIL, does not count). At most ``busy_s``."""
     backward_done: float = 0.0
     """``time.perf_counter()`` when this rank's schedule finished and the wait began
     (comparable across processes of one machine: benchmarks use it for rank skew)."""
@@ -251,9 +253,17 @@ class CallReduce:
         gradients by the reduced sums: a parameter no rank has a gradient for is
         dropped. The overlapped optimizer calls it before stepping them; each bucket is
         applied once."""
-        staged = self.grads.staged
+        self._wait(buckets)
+        self._write(buckets)
+
+    def _wait(self, buckets: Sequence[_Bucket]) -> None:
         for b in buckets:
             self.r._wait(b.work, b.seq, f"gradient all-reduce of {len(b.pids)} parameters")
+
+    def _write(self, buckets: Sequence[_Bucket]) -> None:
+        """Put completed buckets' sums in place of the staged gradients (once each)."""
+        staged = self.grads.staged
+        for b in buckets:
             # Under the lock until written: a thread that finds the bucket applied must
             # find the reduced gradients in place (the caller's finish() and the
             # optimizer thread may apply the same bucket).
@@ -278,12 +288,14 @@ class CallReduce:
         t0 = time.perf_counter()
         with self._lock:
             buckets = list(self._inflight)
-        for b in buckets:
-            self.r._wait(b.work, b.seq, f"gradient all-reduce of {len(b.pids)} parameters")
-        exposed = time.perf_counter() - t0
-        self.apply(buckets)
+        self._wait(buckets)
+        waited = time.perf_counter() - t0
+        self._write(buckets)
+        ends = [b.end if b.end is not None else t0 + waited for b in buckets]
+        # Every bucket was launched before t0, so this is within the union (busy_s).
+        exposed = min(waited, max(0.0, max(ends, default=t0) - t0))
         stats = ReduceStats(len(buckets), sum(b.flat.numel() * 4 for b in buckets),
-                            _union([(b.start, b.end or t0 + exposed) for b in buckets]),
+                            _union([(b.start, e) for b, e in zip(buckets, ends)]),
                             exposed, t0)
         self.r.last = stats
         return stats
