@@ -2,7 +2,7 @@
 stateless, round-robin workers (CUDA GPUs, or emulated CPU workers)."""
 
 from .config import (BackendKind, DataParallelConfig, OptimizerMode, PartitionMode,
-                     PipeConfig, PrecisionConfig, RecomputeGrain)
+                     PinMode, PipeConfig, PrecisionConfig, RecomputeGrain)
 from .errors import (ConfigError, DeviceOutOfMemoryError, DistributedError, InputError,
                      PlanError, RaceError, RotapipeError, ScheduleError, WorkerError)
 from .pipe import RoundPipe
@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendKind", "ConfigError", "DataParallelConfig", "DeviceOutOfMemoryError",
-    "DistributedError", "InputError", "OptimizerMode", "PartitionMode", "Plan",
-    "PipeConfig", "PlanError", "PrecisionConfig", "RaceError", "RecomputeGrain",
+    "DistributedError", "InputError", "OptimizerMode", "PartitionMode", "PinMode",
+    "Plan", "PipeConfig", "PlanError", "PrecisionConfig", "RaceError", "RecomputeGrain",
     "RotapipeError", "RoundPipe", "Schedule", "ScheduleError", "Stage", "StageKind",
     "WorkerError", "even_plan", "layer_seed", "roundpipe_schedule", "validate",
 ]

@@ -10,7 +10,7 @@ import torch
 from .errors import ConfigError
 
 __all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "OptimizerMode",
-           "PartitionMode", "PipeConfig", "PrecisionConfig"]
+           "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig"]
 
 
 class RecomputeGrain(str, enum.Enum):
@@ -58,6 +58,22 @@ class OptimizerMode(str, enum.Enum):
     STALE = "stale"
     """During the *next* call, in the background: each call runs on weights one step
     old (the RoundPipe paper's asynchronous step; not exact)."""
+
+
+class PinMode(str, enum.Enum):
+    """How the model state the workers upload is kept in host memory (docs/performance.md,
+    "Host memory modes"). A copy engine reads page-locked ("pinned") memory without the
+    CPU; from pageable memory a copy is synchronous (CUDA programming guide)."""
+
+    COPY = "copy"
+    """Copy every compute-dtype weight into newly allocated pinned memory (the original
+    is dropped; for a moment both exist)."""
+    REGISTER = "register"
+    """Page-lock the existing storages in place (``cudaHostRegister``): no second copy.
+    The emulated backend records and accounts the registration."""
+    OFF = "off"
+    """Keep the weights pageable (e.g. a memory-mapped safetensors frozen base) and
+    stream them through a small pool of pinned bounce buffers, chunk by chunk."""
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -195,6 +211,20 @@ class PipeConfig:
     weights load while the current stage computes; deeper prefetch hides uploads of
     PCIe-bound stages at the cost of holding more stages' weights; pick it within the
     device memory with :func:`rotapipe.schedule.prefetch_depth`)."""
+    pin: PinMode | str | None = None
+    """Host memory mode of the weights (:class:`PinMode`): ``"copy"``, ``"register"`` or
+    ``"off"``. ``None``: ``"register"`` on CUDA where the driver allows it (else
+    ``"copy"``), ``"copy"`` on emulated workers; a memory-mapped frozen base
+    (:func:`rotapipe.adapters.load_hf`) whose pinning would not fit in RAM: ``"off"``."""
+    copy_chunk_mb: float = 32.0
+    """Weight uploads and weight-gradient downloads move in chunks of at most this many
+    MiB (a chunk never spans two layers): a critical copy waits behind at most one
+    chunk (docs/performance.md, "Copy engines and gating")."""
+    gate_copies: bool = True
+    """Issue a weight or weight-gradient chunk only when no critical copy (activation,
+    gradient, side input) waits for the same copy engine, and one chunk at a time.
+    ``False`` (an ablation): issue every chunk at once, as a plain copy would; a critical
+    copy issued during a weight prefetch then waits for all of it."""
     emulation: object = None
     """Timed emulation (:class:`rotapipe.sim.TimedEmulation`): emulated workers whose
     kernels and copies take the time a hardware profile says. Needs the emulated
@@ -232,6 +262,15 @@ class PipeConfig:
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ConfigError(f"prefetch={self.prefetch!r}: use an int >= 1 (stage jobs a "
                               "worker's weight upload may run ahead)")
+        if self.pin is not None:
+            object.__setattr__(self, "pin", _enum(PinMode, self.pin, "pin"))
+        chunk = self.copy_chunk_mb
+        if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) \
+                or not 0 < chunk < float("inf"):
+            raise ConfigError(f"copy_chunk_mb={chunk!r}: use a chunk size in MiB > 0 "
+                              "(e.g. 32)")
+        if self.gate_copies not in (True, False):
+            raise ConfigError(f"gate_copies={self.gate_copies!r}: use True or False")
         if self.emulation is not None:
             from .sim.timing import TimedEmulation
             if not isinstance(self.emulation, TimedEmulation):
