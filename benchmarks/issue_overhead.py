@@ -25,11 +25,8 @@ Columns:
   spends issuing (goal: under 5%);
 - chunked copies: weight uploads (``UW``) and weight-gradient downloads (``DW``) move in
   chunks of at most ``--chunk-mb`` MiB that never span two layers, one executor issue
-  per chunk. ``+chunks`` is the number of issues that adds per call. When the executor's
-  ``run`` accepts a per-action chunk count (a ``chunks=`` callable, see
-  :func:`chunk_support`) the body is called once per chunk and the chunked row is
-  **measured**; otherwise it is an **estimate**: the measured per-action issue time
-  times the extra issues (an upper bound if a chunk issue is cheaper than an action's).
+  per chunk. ``+chunks`` is the number of issues that adds per call; ``chunked ms``
+  is measured with them (``Executor.run(..., chunks=)``, gated as by default).
 
     python benchmarks/issue_overhead.py
     python benchmarks/issue_overhead.py --models qwen3-32b --repeats 9 --side-inputs
@@ -41,7 +38,6 @@ matters, since every dispatcher thread competes for the GIL.
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import statistics
@@ -53,7 +49,7 @@ import torch
 
 import rotapipe
 from rotapipe.runtime.backend import Device, Event, Stream
-from rotapipe.runtime.executor import Executor
+from rotapipe.runtime.executor import Chunk, Executor
 from rotapipe.schedule import HOST, ActionKind as K, Lane
 from rotapipe.sim import ActionTimes, TimedEmulation, run as simulate
 from rotapipe.sim.autoplan import PlannerConfig, choose_plan
@@ -84,7 +80,7 @@ class NullStream(Stream):
     def __init__(self, name: str):
         self.name = name
 
-    def submit(self, fn, on_error, abort):
+    def submit(self, fn, on_error, abort, what=""):
         if abort.is_set():
             return
         try:
@@ -95,7 +91,7 @@ class NullStream(Stream):
     def wait(self, event):
         return None
 
-    def record(self):
+    def record(self, notify=None):
         return DoneEvent()
 
 
@@ -119,6 +115,12 @@ class NullDevice(Device):
 
     def download(self, dev):
         return dev
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def empty_host(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
 
     def seeded(self, seed):
         return nullcontext()
@@ -151,23 +153,19 @@ def chunk_counts(schedule, costs, chunk_bytes: int) -> dict[str, int]:
     return out
 
 
-def chunk_support() -> str | None:
-    """The name of the executor's per-action chunk-count argument, if it has one.
-
-    Expected form: ``Executor.run(schedule, body, chunks=fn)`` with ``fn(action) -> int``
-    and the body called once per chunk (``body(action, ...)``). Adjust here if the
-    runtime spells it differently."""
-    params = inspect.signature(Executor.run).parameters
-    for name in ("chunks", "chunk_count", "chunk_counts"):
-        if name in params:
-            return name
-    return None
+def chunk_lists(counts: dict[str, int], body):
+    """``Executor.run``'s ``chunks=``: ``counts[key]`` no-op chunks per chunked copy,
+    each calling ``body(action, index)`` (one executor issue per chunk)."""
+    def chunks(a):
+        n = counts.get(a.key)
+        return None if n is None else [Chunk(lambda a=a, i=i: body(a, i)) for i in range(n)]
+    return chunks
 
 
 # -- measuring -------------------------------------------------------------------------
 
 def one_call(executor, schedule, body, chunks=None) -> float:
-    kw = {} if chunks is None else {chunk_support(): lambda a: chunks.get(a.key, 1)}
+    kw = {} if chunks is None else {"chunks": chunk_lists(chunks, body)}
     t0 = time.perf_counter()
     executor.run(schedule, body, **kw)
     return time.perf_counter() - t0
@@ -225,13 +223,8 @@ def bench(model: str, args) -> dict:
     issuers, alive = census(executor, schedule)
     chunks = chunk_counts(schedule, choice.costs, int(args.chunk_mb * MIB))
     extra = sum(chunks.values()) - len(chunks)
-    per_action = issue_s / len(schedule.actions)
-    if chunk_support():
-        chunked_s, body_calls = timed(executor, schedule, args.repeats, chunks)
-        how = "measured"
-        assert body_calls == len(schedule.actions) + extra, (body_calls, extra)
-    else:
-        chunked_s, how = issue_s + extra * per_action, "estimate"
+    chunked_s, body_calls = timed(executor, schedule, args.repeats, chunks)
+    assert body_calls == len(schedule.actions) + extra, (body_calls, extra)
     workers = [w for w in issuers if w != HOST]
     return dict(model=model, actions=len(schedule.actions),
                 threads=len(set().union(*issuers.values())),
@@ -239,7 +232,7 @@ def bench(model: str, args) -> dict:
                 issue_ms=issue_s * 1e3, rate=len(schedule.actions) / issue_s,
                 sim_ms=sim_ms, ratio=issue_s * 1e3 / sim_ms, copies=len(chunks),
                 extra=extra, chunked_ms=chunked_s * 1e3,
-                chunked_ratio=chunked_s * 1e3 / sim_ms, how=how,
+                chunked_ratio=chunked_s * 1e3 / sim_ms,
                 plan=plan_summary(choice.plan), grain=choice.grain.value)
 
 
@@ -256,12 +249,9 @@ def main(argv=None) -> None:
                          "Hugging Face model has")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    support = chunk_support()
     print(f"null backend, {DEVICES} workers, {args.microbatches} microbatches, seq "
           f"{args.seq}, plan for {DEVICES}x RTX 4090; {os.cpu_count()} CPUs, torch threads "
-          f"1; chunks of {args.chunk_mb:g} MiB: "
-          + (f"executor takes {support}=, chunked rows measured" if support else
-             "executor has no per-action chunk count yet, chunked rows ESTIMATED"))
+          f"1; chunks of {args.chunk_mb:g} MiB")
     rows = [bench(m.strip(), args) for m in args.models.split(",")]
     print(f"\n{'model':13s} {'actions':>7s} {'threads':>7s} {'/dev':>4s} {'alive':>5s} "
           f"{'issue ms':>8s} {'k act/s':>7s} {'sim ms':>8s} {'issue/sim':>9s} | "
@@ -270,7 +260,7 @@ def main(argv=None) -> None:
         print(f"{r['model']:13s} {r['actions']:7d} {r['threads']:7d} {r['per_dev']:4d} "
               f"{r['alive']:5d} {r['issue_ms']:8.1f} {r['rate'] / 1e3:7.1f} "
               f"{r['sim_ms']:8.1f} {r['ratio']:9.2%} | {r['copies']:5d} {r['extra']:7d} "
-              f"{r['chunked_ms']:10.1f} {r['chunked_ratio']:6.2%} ({r['how']})")
+              f"{r['chunked_ms']:10.1f} {r['chunked_ratio']:6.2%}")
     print("\nthreads: dispatcher threads that issued actions (host lane included); /dev: "
           "the most on one device; alive: all Python threads, sampled during a call")
     for r in rows:

@@ -5,7 +5,7 @@ emulated workers take the time an RTX 4090 and its PCIe link would take for the 
 real shapes (Qwen3-1.7B, Llama-3.1-8B, Qwen3-32B at sequence 2048, one sequence per
 microbatch), dilated so that Python overhead stays small against it; the layers that
 actually run are tiny stand-ins with the same layer count. The scheduling, events,
-priority transfer engine and optimizer code are the real ones. Every schedule runs in
+gated copy chunks and optimizer code are the real ones. Every schedule runs in
 the same runtime on the same hardware model:
 
 - RoundPipe with the optimizer ``sync`` (step after the call), ``overlap`` (exact,
@@ -23,9 +23,14 @@ the same runtime on the same hardware model:
 Columns: tokens/s and the speedup over 1F1B for a whole training step (call and
 optimizer); the bubble and exposed transfer time of the call (from the runtime's own
 timeline); the predicted device-memory peak of the schedule (the simulator's memory
-model with the real sizes: the stand-in's tensors are tiny); and ``rt/sim``, the
+model with the real sizes: the stand-in's tensors are tiny); ``rt/sim``, the
 runtime's measured call time over the simulator's prediction for the same schedule
-and hardware (the runtime's scheduling overhead).
+and hardware (the runtime's scheduling overhead); ``ungated``, tokens/s of the same
+run with ``gate_copies=False`` (every weight chunk issued at once, so the copy engines
+serve critical copies only after the weight copies issued before them), and
+``gating``, what the gating is worth (gated over ungated tokens/s). The emulated copy
+engines serve copies in arrival order without priority, as a GPU's do; weights move
+in chunks of ``PipeConfig.copy_chunk_mb`` (32 MiB).
 
     python benchmarks/timed_emulation.py                       # all three models
     python benchmarks/timed_emulation.py --models qwen3-1.7b --steps 3
@@ -87,13 +92,15 @@ def mobius(costs, microbatches: int):
             return plan, s, tl, v
 
 
-def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl):
+def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
+            gate=True, chunk_mb=32.0):
     """Run ``steps`` training steps (after one warm-up) and return the row."""
     torch.manual_seed(0)
     model = em.stand_in()
     cfg = rotapipe.PipeConfig(workers=DEVICES, microbatches=microbatches,
                               backend="emulated", emulation=em, optimizer=mode,
-                              grain=grain, check_races=False)
+                              grain=grain, check_races=False, gate_copies=gate,
+                              copy_chunk_mb=chunk_mb)
     pipe = rotapipe.RoundPipe(model, lm_loss, config=cfg, plan=plan)
     pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-4))
     if schedule is not None:
@@ -138,31 +145,39 @@ def bench(model: str, args) -> list[dict]:
     dilation = args.dilation or max(args.target_s * 1e3 / sim_rp.makespan,
                                     args.min_action_ms / shortest)
     em = replace(em0, costs=costs, dilation=dilation)
-    rows = []
-    for mode in ("sync", "overlap", "stale"):
-        rows.append(measure(f"roundpipe {mode}", em, choice.plan, None, mode,
-                            choice.grain.value, M, args.steps, sim_rp))
     em_b = replace(em0, dilation=dilation)
+    runs = [(f"roundpipe {mode}", em, choice.plan, None, mode, choice.grain.value, sim_rp)
+            for mode in ("sync", "overlap", "stale")]
     for name, mode in (("1f1b", "sync"), ("1f1b", "overlap"), ("gpipe", "sync")):
         plan, schedule, sim_tl, _, recompute = baseline(em0.costs, name, M)
         label = name + (" +R" if recompute else "") + (f" {mode}" if mode != "sync" else "")
-        rows.append(measure(label, em_b, plan, schedule, mode, "stage", M, args.steps,
-                            sim_tl))
+        runs.append((label, em_b, plan, schedule, mode, "stage", sim_tl))
     plan, schedule, sim_tl, v = mobius(em0.costs, M)
-    rows.append(measure(f"mobius v={v}", em_b, plan, schedule, "sync", "stage", M,
-                        args.steps, sim_tl))
+    runs.append((f"mobius v={v}", em_b, plan, schedule, "sync", "stage", sim_tl))
+    rows = []
+    for label, e, plan, schedule, mode, grain, sim_tl in runs:
+        row = measure(label, e, plan, schedule, mode, grain, M, args.steps, sim_tl)
+        if args.ungated:
+            # The same schedule with every weight copy issued at once (gate_copies=False).
+            off = measure(label, e, plan, schedule, mode, grain, M, args.steps, sim_tl,
+                          gate=False)
+            row["ungated"] = off["tokens"]
+        rows.append(row)
     base = rows[3]["tokens"]      # 1F1B with the optimizer stepped after the call
     for r in rows:
         r["speedup"] = r["tokens"] / base
     print(f"\n{model}: seq {args.seq}, {M} microbatches, plan {choice.plan.to_text()} "
           f"(grain {choice.grain.value}), dilation {dilation:.2f}x")
+    gated = f" {'ungated':>9s} {'gating':>7s}" if args.ungated else ""
     print(f"{'schedule':18s} {'tokens/s':>9s} {'step s':>7s} {'vs 1f1b':>8s} {'bubble':>7s} "
-          f"{'exp.comm':>8s} {'mem GiB':>8s} {'rt/sim':>7s}")
+          f"{'exp.comm':>8s} {'mem GiB':>8s} {'rt/sim':>7s}{gated}")
     for r in rows:
         fits = "" if r["memory"] <= USABLE else " (does not fit)"
+        off = f" {r['ungated']:9,.0f} {r['tokens'] / r['ungated']:6.2f}x" \
+            if args.ungated else ""
         print(f"{r['label']:18s} {r['tokens']:9,.0f} {r['step_s']:7.2f} {r['speedup']:7.2f}x "
               f"{r['bubble']:7.1%} {r['exposed']:8.1%} {r['memory'] / GIB:8.1f} "
-              f"{r['ratio']:7.3f}{fits}")
+              f"{r['ratio']:7.3f}{off}{fits}")
     return rows
 
 
@@ -179,6 +194,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dilation", type=float, default=None, help="fixed dilation instead")
     ap.add_argument("--optimizer-rate", type=float, default=5e9,
                     help="host optimizer throughput, parameters/s")
+    ap.add_argument("--no-ungated", dest="ungated", action="store_false",
+                    help="skip the gate_copies=False ablation column")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"emulated {DEVICES}x RTX 4090 (usable {USABLE / GIB:.1f} GiB each), host optimizer "

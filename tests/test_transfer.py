@@ -1,8 +1,10 @@
-"""The priority transfer engine, deeper weight prefetch, and timed emulation.
+"""Copy engines and gated chunks, deeper weight prefetch, and timed emulation.
 
+The emulated copy engines serve copies as a GPU's do (in arrival order, no priority,
+no preemption); the runtime's gated chunks earn critical copies their priority.
 Timed emulation makes emulated workers take the time a cost model says; these tests
-check what it promises functionally (actions last at least their emulated time, the
-link order follows priorities, results do not change). How close the runtime's step
+check what it promises functionally (actions last at least their emulated time,
+results do not change). How close the runtime's step
 time comes to the simulator's is measured in ``benchmarks/timed_emulation.py``.
 """
 
@@ -19,41 +21,58 @@ from rotapipe.errors import ConfigError, ScheduleError
 from rotapipe.model.tiny import lm_loss, stride_batch
 from rotapipe.plan import LayerCost, ModelCosts, even_plan
 from rotapipe.runtime.emulated import EmulatedDevice
-from rotapipe.runtime.transfer import CRITICAL, PREFETCH, Link
+from rotapipe.runtime.transfer import UP, CopyEngine
+from rotapipe.schedule import Lane
 from rotapipe.schedule import prefetch_depth, roundpipe_schedule, validate
 from rotapipe.sim import ActionTimes, TimedEmulation, run
 
 
-def test_link_grants_the_critical_copy_before_an_earlier_prefetch():
-    link = Link("test", record=True)
-    release = threading.Event()
-    holding = threading.Event()
+def test_copy_engine_serves_in_arrival_order_without_priority():
+    # Three copies reach the engine while a first one runs: they are served in the
+    # order they arrived, whatever lane they come from.
+    engine = CopyEngine("test", record=True)
+    first = engine.ticket()
+    started = engine.acquire(first)
+    order = [engine.ticket() for _ in range(3)]
+    done = []
 
-    def holder():
-        with link.hold(PREFETCH, what="running chunk"):
-            holding.set()
-            release.wait(5)
+    def copy(t, what):
+        s = engine.acquire(t)
+        done.append(what)
+        engine.release(t, what, s)
 
-    def waiter(priority, what):
-        with link.hold(priority, what=what):
-            pass
-
-    threads = [threading.Thread(target=holder)]
-    threads[0].start()
-    assert holding.wait(5)
-    threads.append(threading.Thread(target=waiter, args=(PREFETCH, "prefetch chunk")))
-    threads[-1].start()
-    while len(link._waiting) < 1:
-        time.sleep(0.001)
-    threads.append(threading.Thread(target=waiter, args=(CRITICAL, "activation")))
-    threads[-1].start()
-    while len(link._waiting) < 2:
-        time.sleep(0.001)
-    release.set()
+    threads = [threading.Thread(target=copy, args=(t, w))
+               for t, w in reversed(list(zip(order, ["weights", "activation", "grads"])))]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    assert done == []                      # nothing preempts the running copy
+    engine.release(first, "running", started)
     for t in threads:
         t.join(5)
-    assert [what for what, *_ in link.chunks] == ["running chunk", "activation",
-                                                    "prefetch chunk"]
+    assert done == ["weights", "activation", "grads"]
+
+
+def test_copies_reach_the_engine_when_runnable_and_together_per_stream():
+    # A stream's copies issued back to back reach the engine at once; a copy behind a
+    # stream wait reaches it only when the wait passes, after copies of other streams.
+    dev = EmulatedDevice(0, record_copies=True)
+    abort = threading.Event()
+    gate = threading.Event()
+    blocker = dev.stream(Lane.COMPUTE)
+    blocker.submit(lambda: gate.wait(5), print, abort)
+    produced = blocker.record()
+    up, weights = dev.stream(Lane.UPLOAD), dev.stream(Lane.WEIGHTS)
+    up.wait(produced)
+    up.submit(lambda: None, print, abort, "activation")
+    for i in range(3):
+        weights.submit(lambda: time.sleep(0.01), print, abort, f"chunk{i}")
+    time.sleep(0.005)
+    gate.set()
+    assert dev.drain(5)
+    dev.close()
+    names = [c[0] for c in dev.engines[UP].copies]
+    assert names == ["chunk0", "chunk1", "chunk2", "activation"], names
 
 
 def _costs(layers: int, fwd: float, upload: float, hop: float) -> ModelCosts:
@@ -70,32 +89,45 @@ def _pipe(costs, plan, workers, microbatches, devices=None, **config):
     return rotapipe.RoundPipe(model, lm_loss, config=cfg, plan=plan, devices=devices)
 
 
-def test_activation_upload_overtakes_a_weight_prefetch_in_the_runtime():
-    # One worker, two forward stages of 3 layers whose weights take 3 x 20 ms to load.
-    # The upload of microbatch 2's input waits for microbatch 0's forward, by which
-    # time the next stage's weight prefetch holds the link: it must get the link
-    # after at most one 20 ms chunk, and finish long before the prefetch does.
+def _prefetch_race(gate: bool):
+    """One worker, two forward stages of 3 layers; each layer's weights (1000 B) move
+    in two 10 ms chunks (chunk size 500 B). The upload of microbatch 2's input becomes
+    runnable when microbatch 0's forward ends, while the next stage's weight prefetch
+    is on the engine. Returns (that upload's record, the prefetch chunks' records)."""
     costs = _costs(8, fwd=4.0, upload=20.0, hop=2.0)
     plan = even_plan(8, 2, 1, tail_layers=2)
-    devices = [EmulatedDevice(0, record_links=True)]
-    pipe = _pipe(costs, plan, 1, 4, devices=devices)
+    devices = [EmulatedDevice(0, record_copies=True)]
+    pipe = _pipe(costs, plan, 1, 4, devices=devices, gate_copies=gate,
+                 copy_chunk_mb=500 / 2**20)
     try:
         x, y = stride_batch(4, 8, 32)
         pipe.forward_backward(x, y)
-        chunks = devices[0].link(rotapipe.schedule.Lane.UPLOAD).chunks
+        copies = devices[0].engines[UP].copies
     finally:
         pipe.close()
         devices[0].close()
-    ua = [c for c in chunks if c[0] == "UA:F0:m2@0"]
-    prefetch = [c for c in chunks if c[0] == "UW:F1"]
-    assert len(ua) == 1 and len(prefetch) == 3
-    _, ua_asked, ua_start, ua_end = ua[0]
-    # It asked while the prefetch held the link, and finished before the prefetch did.
-    assert prefetch[0][2] < ua_asked < prefetch[-1][2], (ua, prefetch)
-    assert ua_end < prefetch[-1][3]
-    # It waited for at most the chunk that was running when it asked: no prefetch chunk
-    # started between its request and its grant.
-    assert not [c for c in prefetch if ua_asked < c[2] < ua_start], (ua, prefetch)
+    ua = [c for c in copies if c[0] == "UA:F0:m2@0"]
+    prefetch = sorted((c for c in copies if c[0].startswith("UW:F1#")), key=lambda c: c[2])
+    assert len(ua) == 1 and len(prefetch) == 6, copies
+    return ua[0], prefetch
+
+
+def test_without_gating_an_activation_upload_waits_for_the_whole_prefetch():
+    (_, reached, start, end), prefetch = _prefetch_race(gate=False)
+    # It became runnable while the prefetch was on the engine ...
+    assert prefetch[0][2] < reached < prefetch[-1][3], (reached, prefetch)
+    # ... and, copies being served in arrival order, ran only after all of it.
+    assert start >= prefetch[-1][3] - 1e-4, (start, prefetch[-1])
+
+
+def test_gated_chunks_let_an_activation_upload_wait_for_at_most_one_chunk():
+    (_, reached, start, end), prefetch = _prefetch_race(gate=True)
+    assert prefetch[0][2] < reached < prefetch[-1][3], (reached, prefetch)
+    assert end < prefetch[-1][3]
+    # No prefetch chunk started between its arrival and its start: it waited at most
+    # for the chunk already on the engine (10 ms).
+    assert not [c for c in prefetch if reached < c[2] < start], (reached, start, prefetch)
+    assert start - reached < 0.010 + 0.008
 
 
 def test_timed_emulation_takes_the_emulated_time_and_changes_no_result():
@@ -199,3 +231,22 @@ def test_deeper_prefetch_is_exact(prefetch):
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_simulator_models_the_same_engines():
+    # The simulator's copy engines: gated, an activation upload waits for at most one
+    # weight chunk; ungated, for the whole prefetch that reached the engine before it.
+    costs = _costs(8, fwd=4.0, upload=20.0, hop=2.0)
+    plan = even_plan(8, 2, 1, tail_layers=2)
+    s = roundpipe_schedule(plan, 1, 4)
+    times = ActionTimes(plan, costs, chunk_bytes=500)     # two 10 ms chunks per layer
+    assert times(s.by_key()["UW:F1"]) == (10.0,) * 6
+    gated, ungated = run(s, times), run(s, times, gate=False)
+    # F1's first input is downloaded while F1's weights are on the upload engine.
+    for tl in (gated, ungated):
+        assert tl.start["UW:F1"] < tl.end["DA:F0:m0@3"] < tl.end["UW:F1"]
+    ua = "UA:F1:m0@3"       # runnable once its input is on the host and F0's uploads are done
+    runnable = max(gated.end["DA:F0:m0@3"], gated.end["UA:F0:m3@0"])
+    assert gated.start["UW:F1"] < runnable < gated.end["UW:F1"]
+    assert gated.start[ua] - runnable <= 10.0 + 1e-9
+    assert ungated.start[ua] >= ungated.end["UW:F1"] - 1e-9

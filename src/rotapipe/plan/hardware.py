@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from ..errors import ConfigError
 
-__all__ = ["DeviceProfile", "Hardware", "DEVICES", "hardware"]
+__all__ = ["DeviceProfile", "Hardware", "DEVICES", "hardware", "layer_chunks"]
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,10 @@ def hardware(name: str, **overrides) -> Hardware:
         raise ConfigError(f"unknown hardware {name!r}: use DEVICExN with DEVICE one of "
                           f"{known} (e.g. rtx4090x8), or build a Hardware yourself")
     return Hardware(DEVICES[dev], count, **overrides)
+
+
+def layer_chunks(nbytes: int, chunk_bytes: int) -> int:
+    """Chunks a layer's ``nbytes`` of weights (or weight gradients) move in over a copy
+    engine: the fewest such that none exceeds ``chunk_bytes``, at least one (the
+    runtime's gated chunks, ``rotapipe.runtime.transfer``, and the simulator's)."""
+    return max(1, -(-int(nbytes) // int(chunk_bytes)))

@@ -29,7 +29,6 @@ from contextlib import AbstractContextManager
 import torch
 
 from ..schedule import Lane
-from .transfer import Link
 
 
 class Aborted(Exception):
@@ -54,19 +53,22 @@ class Stream(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, fn: Callable[[], None], on_error: Callable[[BaseException], None],
-               abort: threading.Event) -> None:
+               abort: threading.Event, what: str = "") -> None:
         """Run ``fn`` in stream order. On CUDA it runs now on the calling thread with
         the stream current (kernels launch asynchronously); emulated streams run it on
         their own thread later. An exception goes to ``on_error``; once ``abort`` is set,
-        queued work is skipped."""
+        queued work is skipped. On a copy lane ``fn`` is one copy (``what`` names it in
+        the emulated engines' records)."""
 
     @abc.abstractmethod
     def wait(self, event: Event) -> None:
         """Make later work on this stream wait until ``event`` completed."""
 
     @abc.abstractmethod
-    def record(self) -> Event:
-        """An event that completes when the work submitted so far has completed."""
+    def record(self, notify: Callable[[], None] | None = None) -> Event:
+        """An event that completes when the work submitted so far has completed.
+        Backends whose ``Device.notifies`` is true call ``notify`` then (the emulated
+        one); on CUDA the dispatcher polls instead."""
 
     def host_wait(self, event: Event, abort: threading.Event | None = None) -> None:
         """Host thread feeding this stream waits for ``event`` (memory reuse, host work).
@@ -82,6 +84,9 @@ class Device(abc.ABC):
     index: int
     torch_device: torch.device
     budget: int | None
+    notifies: bool = False
+    """Whether events call the ``notify`` given to :meth:`Stream.record` on completion
+    (else dispatchers waiting for a completion poll)."""
 
     @abc.abstractmethod
     def stream(self, lane: Lane) -> Stream: ...
@@ -94,15 +99,16 @@ class Device(abc.ABC):
     def download(self, dev: torch.Tensor) -> torch.Tensor:
         """Copy a device tensor to (pinned, where it matters) host memory."""
 
+    @abc.abstractmethod
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Uninitialised device memory (the target of a chunked upload)."""
+
+    @abc.abstractmethod
+    def empty_host(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """Reused page-locked host memory (the target of a chunked download)."""
+
     def use_on(self, tensor: torch.Tensor) -> None:
         """Tell the allocator ``tensor`` is used on the current stream (rule 4)."""
-
-    def link(self, lane: Lane) -> Link | None:
-        """The host-link arbiter a copy on ``lane`` takes chunk by chunk
-        (:mod:`rotapipe.runtime.transfer`), or ``None`` where the hardware arbitrates
-        (CUDA: the critical lanes' streams have high priority, the weights and grads
-        lanes' low)."""
-        return None
 
     @abc.abstractmethod
     def seeded(self, seed: int) -> AbstractContextManager:
@@ -142,7 +148,7 @@ class HostStream(Stream):
     def __init__(self, clock_owner=None):
         self.clock_owner = clock_owner
 
-    def submit(self, fn, on_error, abort):
+    def submit(self, fn, on_error, abort, what=""):
         if abort.is_set():
             return
         try:
@@ -153,7 +159,7 @@ class HostStream(Stream):
     def wait(self, event):
         raise NotImplementedError("the host lane waits with host_wait")
 
-    def record(self) -> Event:
+    def record(self, notify=None) -> Event:
         return _DoneEvent()
 
     def host_wait(self, event, abort=None):

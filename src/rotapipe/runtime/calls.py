@@ -82,8 +82,17 @@ class CallRunner:
         self.check = config.check_races and devices[0].torch_device.type == "cpu"
         self.stores = [Store(f"worker {d.index}", d, self.check) for d in devices]
         self.shells = [layerset.make_shells() for _ in devices]
-        self.runner = ActionRunner(layerset, host, loss_fn, devices, self.stores,
-                                   self.shells, _stages(plan))
+        self.chunk_bytes = max(1, int(config.copy_chunk_mb * 2**20))
+        pinning = getattr(host, "pinning", None)
+        self.runner = ActionRunner(
+            layerset, host, loss_fn, devices, self.stores, self.shells, _stages(plan),
+            chunk_bytes=self.chunk_bytes,
+            pinned=getattr(host, "is_pinned", lambda pid: True),
+            pinned_empty=None if pinning is None else
+            (lambda n: pinning.empty((n,), torch.uint8)))
+        if config.emulation is not None:
+            self.runner.copies.layer_bytes = [l.weight_bytes
+                                              for l in config.emulation.costs.layers]
         self.executor = Executor(devices, config.timeout_s)
         self.schedules: dict[tuple[bool, int], Schedule] = {}
         self.last_schedule: Schedule | None = None
@@ -146,7 +155,8 @@ class CallRunner:
         rng_state = torch.get_rng_state()
         try:
             self.last_schedule = schedule
-            self.executor.run(schedule, runner.run, self.where)
+            self.executor.run(schedule, runner.run, self.where, runner.chunks,
+                              gate=self.config.gate_copies)
         finally:
             torch.set_rng_state(rng_state)
             for store in self.stores:
@@ -173,8 +183,13 @@ class CallRunner:
         t0 = min(s for _, s, _ in spans)
         out = tuple(Span(a, _RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
                     for a, s, e in sorted(spans, key=lambda x: x[1]))
-        return Timeline(schedule, out, {sp.action.key: sp.start for sp in out},
-                        {sp.action.key: sp.end for sp in out})
+        start: dict[str, float] = {}
+        end: dict[str, float] = {}
+        for sp in out:          # a chunked copy has a span per chunk
+            k = sp.action.key
+            start[k] = min(start.get(k, sp.start), sp.start)
+            end[k] = max(end.get(k, sp.end), sp.end)
+        return Timeline(schedule, out, start, end)
 
     # -- timed emulation ----------------------------------------------------------------
     def optimizer_cost(self) -> Callable[[list[int]], None] | None:
@@ -206,7 +221,7 @@ class CallRunner:
         if em is None:
             return None
         if self._timed is None or self._timed[0] != plan:
-            self._timed = (plan, em.action_seconds(plan))
+            self._timed = (plan, em.action_seconds(plan, self.chunk_bytes))
         return self._timed[1]
 
 

@@ -41,7 +41,7 @@ class CudaStream(Stream):
         self.device = device
         self.stream = torch.cuda.Stream(device=device, priority=priority)
 
-    def submit(self, fn, on_error, abort):
+    def submit(self, fn, on_error, abort, what=""):
         if abort.is_set():
             return
         try:
@@ -53,7 +53,7 @@ class CudaStream(Stream):
     def wait(self, event):
         self.stream.wait_event(event.event)
 
-    def record(self):
+    def record(self, notify=None):
         return CudaEvent(self.stream)
 
 
@@ -64,12 +64,12 @@ class CudaDevice(Device):
         self.index = index
         self.torch_device = torch.device("cuda", index)
         self.budget = budget
-        # Critical copies (activations, input gradients) on high-priority streams; weight
-        # prefetch and weight-gradient downloads on low-priority ones (-1 is high).
-        prio = {Lane.UPLOAD: -1, Lane.DOWNLOAD: -1, Lane.COMPUTE: 0, Lane.WEIGHTS: 0,
-                Lane.GRADS: 0}
-        self._streams = {lane: CudaStream(self.torch_device, f"cuda{index}.{lane.value}", p)
-                         for lane, p in prio.items()}
+        # Stream priority orders kernels only, never copies (CUDA driver API,
+        # cuStreamCreateWithPriority): copies get theirs from the gated chunks
+        # (transfer.py), so every stream has the default priority.
+        self._streams = {lane: CudaStream(self.torch_device, f"cuda{index}.{lane.value}")
+                         for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.UPLOAD, Lane.DOWNLOAD,
+                                      Lane.GRADS)}
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0
@@ -86,6 +86,12 @@ class CudaDevice(Device):
         out = self._pinned.empty(dev.shape, dev.dtype)
         out.copy_(dev.detach(), non_blocking=True)
         return out
+
+    def empty(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=self.torch_device)
+
+    def empty_host(self, shape, dtype):
+        return self._pinned.empty(shape, dtype)
 
     def use_on(self, tensor):
         # Rule 4 of the event protocol: the caching allocator must not hand this

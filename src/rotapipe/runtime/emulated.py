@@ -20,7 +20,7 @@ from ..schedule import Lane
 from .backend import Aborted, Device, Event, Stream
 from .pool import BlockPool
 from .store import Actor
-from .transfer import Link
+from .transfer import DOWN, UP, CopyEngine, direction
 
 # torch's CPU generator is one per process and shared by every thread (TRAPS.md), so
 # seeding it and drawing from it must not interleave between emulated workers. This
@@ -29,9 +29,15 @@ _CPU_RNG_LOCK = threading.Lock()
 
 
 class EmulatedEvent(Event):
-    def __init__(self):
+    def __init__(self, notify=None):
         self.done = threading.Event()
         self.clock: dict[str, int] = {}
+        self._notify = notify
+
+    def complete(self) -> None:
+        self.done.set()
+        if self._notify is not None:
+            self._notify()
 
     def synchronize(self, abort=None):
         while not self.done.wait(0.02):
@@ -43,22 +49,46 @@ class EmulatedEvent(Event):
 
 
 class EmulatedStream(Stream):
-    def __init__(self, name: str):
+    """A stream thread. On a copy lane every submitted function is one copy on the
+    device's :class:`~rotapipe.runtime.transfer.CopyEngine` for its direction: it
+    reaches the engine (takes its ticket) once it is runnable, i.e. when every wait
+    submitted before it has passed (at submission if none is outstanding, so copies
+    issued back to back on one stream reach the engine together), and runs when the
+    engine serves it."""
+
+    def __init__(self, name: str, engine: CopyEngine | None = None):
         self.name = name
         self.actor = Actor(name)
+        self.engine = engine
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waits = 0             # blocking waits submitted
+        self._passed = 0            # ... and passed by the stream thread
+        self._deferred: list = []   # copy items behind a blocking wait, in order
         self._thread = threading.Thread(target=self._loop, name=f"rotapipe-{name}",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, fn, on_error, abort):
-        self._q.put(("fn", (fn, on_error, abort)))
+    def submit(self, fn, on_error, abort, what: str = ""):
+        item = [fn, on_error, abort, what, None, 0]   # ..., ticket, waits ahead of it
+        with self._lock:
+            if self.engine is not None:
+                item[5] = self._waits
+                if self._waits == self._passed:
+                    item[4] = self.engine.ticket()
+                else:
+                    self._deferred.append(item)
+            self._q.put(("fn", item))
 
     def wait(self, event):
-        self._q.put(("wait", event))
+        with self._lock:
+            blocking = not event.done.is_set()
+            if blocking:
+                self._waits += 1
+            self._q.put(("wait", (event, blocking)))
 
-    def record(self):
-        ev = EmulatedEvent()
+    def record(self, notify=None):
+        ev = EmulatedEvent(notify)
         self._q.put(("record", ev))
         return ev
 
@@ -69,6 +99,19 @@ class EmulatedStream(Stream):
         if self._thread is not threading.current_thread():
             self._thread.join()
 
+    def _passed_wait(self) -> None:
+        """A blocking wait passed: copies queued behind it (and no later wait) are
+        runnable now and reach the engine in stream order."""
+        with self._lock:
+            self._passed += 1
+            keep = []
+            for item in self._deferred:
+                if item[5] <= self._passed:
+                    item[4] = self.engine.ticket()
+                else:
+                    keep.append(item)
+            self._deferred = keep
+
     def _loop(self):
         while True:
             item = self._q.get()
@@ -76,39 +119,54 @@ class EmulatedStream(Stream):
                 return
             kind, payload = item
             if kind == "fn":
-                fn, on_error, abort = payload
-                if abort.is_set():
-                    continue
-                self.actor.tick()
-                try:
-                    with self.actor:
-                        fn()
-                except BaseException as exc:  # noqa: BLE001 - reported to the caller
-                    on_error(exc)
+                self._run(*payload)
             elif kind == "wait":
-                payload.done.wait()
-                self.actor.merge(payload)
+                event, blocking = payload
+                event.done.wait()
+                self.actor.merge(event)
+                if blocking and self.engine is not None:
+                    self._passed_wait()
             else:
                 payload.clock = self.actor.snapshot()
-                payload.done.set()
+                payload.complete()
+
+    def _run(self, fn, on_error, abort, what, ticket, _waits):
+        if abort.is_set():
+            if ticket is not None:
+                self.engine.release(ticket)
+            return
+        start = self.engine.acquire(ticket) if ticket is not None else None
+        self.actor.tick()
+        try:
+            with self.actor:
+                fn()
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            on_error(exc)
+        finally:
+            if ticket is not None:
+                self.engine.release(ticket, what, start)
 
 
 class EmulatedDevice(Device):
-    """A virtual worker device backed by host memory, with a byte budget and a host
-    link per direction (:class:`~rotapipe.runtime.transfer.Link`) that its copying
-    lanes share by priority."""
+    """A virtual worker device backed by host memory, with a byte budget and one copy
+    engine per direction (:class:`~rotapipe.runtime.transfer.CopyEngine`) that its
+    copying lanes share as a GPU's streams share its copy engines: in the order copies
+    become runnable, without priority or preemption. ``record_copies=True`` keeps
+    every copy's times in ``engines[UP].copies`` / ``engines[DOWN].copies``."""
 
-    def __init__(self, index: int, budget: int | None = None, record_links: bool = False):
+    notifies = True
+    """Events call the ``notify`` given to :meth:`Stream.record` when they complete."""
+
+    def __init__(self, index: int, budget: int | None = None, record_copies: bool = False):
         self.index = index
         self.torch_device = torch.device("cpu")
         self.budget = budget
-        self._streams = {lane: EmulatedStream(f"w{index}.{lane.value}")
-                         for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.UPLOAD, Lane.DOWNLOAD,
-                                      Lane.GRADS)}
-        up = Link(f"w{index} host->device", record_links)
-        down = Link(f"w{index} device->host", record_links)
-        self._links = {Lane.WEIGHTS: up, Lane.UPLOAD: up, Lane.DOWNLOAD: down,
-                       Lane.GRADS: down}
+        self.engines = {d: CopyEngine(f"w{index} {d}", record_copies) for d in (UP, DOWN)}
+        self._streams = {}
+        for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.UPLOAD, Lane.DOWNLOAD, Lane.GRADS):
+            d = direction(lane)
+            self._streams[lane] = EmulatedStream(f"w{index}.{lane.value}",
+                                                 self.engines[d] if d else None)
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0
@@ -124,9 +182,6 @@ class EmulatedDevice(Device):
     def stream(self, lane):
         return self._streams[lane]
 
-    def link(self, lane):
-        return self._links.get(lane)
-
     def upload(self, host, dtype=None):
         out = self._device_blocks.empty(host.shape, dtype or host.dtype)
         out.copy_(host)
@@ -136,6 +191,12 @@ class EmulatedDevice(Device):
         out = self._host_blocks.empty(dev.shape, dev.dtype)
         out.copy_(dev.detach())
         return out
+
+    def empty(self, shape, dtype):
+        return self._device_blocks.empty(shape, dtype)
+
+    def empty_host(self, shape, dtype):
+        return self._host_blocks.empty(shape, dtype)
 
     @contextmanager
     def seeded(self, seed):

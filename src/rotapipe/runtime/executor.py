@@ -1,10 +1,12 @@
 """The executor: walks a schedule's per-worker lists and runs them on the devices.
 
-One dispatcher thread per (worker, lane) walks that lane's actions in list order. For
-each action it waits (host side) until every dependency has been *recorded*, makes its
-stream wait on those events, then submits the action body and records an event
-(``backend.py``'s event protocol). ``host_deps`` are waited on to completion before
-submitting. Nothing else orders the work: no global barrier.
+One dispatcher thread per worker (and one for the host lane) issues that worker's
+lanes, each in list order: an action goes as soon as every dependency has been
+*recorded*; its stream waits on those events, then the dispatcher submits the action
+body and records an event (``backend.py``'s event protocol). ``host_deps`` must have
+completed before an action is issued. A lane whose head cannot go yet never holds up
+the worker's other lanes. Weight uploads and weight-gradient downloads go in gated
+chunks (``transfer.py``). Nothing else orders the work: no global barrier.
 
 On the first failure the call is aborted: dispatchers stop, streams skip queued work,
 devices drain, and the caller gets a :class:`WorkerError` naming the action with the
@@ -15,13 +17,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 
 from ..errors import RotapipeError, WorkerError, worker_error_type
-from ..schedule import HOST, Action, ActionKind as K, Schedule
+from ..schedule import HOST, Action, ActionKind as K, Lane, Schedule
 from .backend import Aborted, Device, HostStream
 from .store import Actor
+from .transfer import CHUNKED, CRITICAL, DOWN, UP, CopyGate, direction
 
 _VERBS = {K.UPLOAD_WEIGHTS: "weight upload", K.UPLOAD_SIDE: "side-input upload",
           K.UPLOAD_ACT: "activation upload", K.UPLOAD_GRAD: "gradient upload",
@@ -50,11 +53,17 @@ class Executor:
         self.broken: str | None = None
 
     def run(self, schedule: Schedule, body: Callable[[Action], None],
-            describe: Callable[[Action], str] = lambda a: "") -> None:
-        """Run every action of ``schedule`` with ``body``; raise on the first failure."""
+            describe: Callable[[Action], str] = lambda a: "",
+            chunks: Callable[[Action], list[Chunk] | None] = lambda a: None,
+            gate: bool = True) -> None:
+        """Run every action of ``schedule`` with ``body``; raise on the first failure.
+
+        ``chunks(action)`` splits a weight upload or weight-gradient download into
+        :class:`Chunk` s (``None``: one piece, run by ``body``); ``gate`` issues them
+        gated (``transfer.py``), else all at once."""
         if self.broken:
             raise WorkerError(self.broken)
-        run = _Run(self, schedule, body)
+        run = _Run(self, schedule, body, chunks, gate)
         self.last_spans = run.spans
         run.start()
         try:
@@ -97,71 +106,201 @@ class Executor:
         return cls(msg, action=action.key, worker=action.worker, cause=exc)
 
 
-class _Run:
-    """State of one call: events, recorded flags, the first failure."""
+class Chunk:
+    """One piece of a chunked copy (a weight upload or weight-gradient download).
 
-    def __init__(self, ex: Executor, schedule: Schedule, body):
-        self.ex, self.schedule, self.body = ex, schedule, body
+    ``copy`` is submitted to the lane's stream; ``stage`` runs first on the dispatcher
+    thread (host work such as filling a pinned bounce buffer); ``ready()`` says whether
+    it may be issued now (e.g. a bounce buffer is free); ``issued(event)`` receives the
+    event recorded after it."""
+
+    __slots__ = ("copy", "stage", "ready", "issued")
+
+    def __init__(self, copy: Callable[[], None], stage=None, ready=None, issued=None):
+        self.copy, self.stage, self.ready, self.issued = copy, stage, ready, issued
+
+
+class _Copy:
+    """A chunked copy being issued: its chunks, the next one, the last event."""
+
+    __slots__ = ("action", "chunks", "next", "last", "gate")
+
+    def __init__(self, action: Action, chunks: list[Chunk], gate: CopyGate):
+        self.action, self.chunks, self.next, self.last, self.gate = action, chunks, 0, None, gate
+
+
+# Lanes in the order a dispatcher looks at them: critical copies first.
+_LANE_ORDER = {Lane.UPLOAD: 0, Lane.DOWNLOAD: 1, Lane.COMPUTE: 2, Lane.WEIGHTS: 3,
+               Lane.GRADS: 4, Lane.HOST: 5}
+
+
+class _Run:
+    """State of one call: events, the first failure, one dispatcher per device."""
+
+    def __init__(self, ex: Executor, schedule: Schedule, body, chunks, gate: bool):
+        self.ex, self.schedule, self.body, self.chunks = ex, schedule, body, chunks
+        self.gate = gate
         self.abort = threading.Event()
         self.failure: tuple[Action, BaseException] | None = None
         self._fail_lock = threading.Lock()
         self.events: dict[str, object] = {}
-        self.recorded = {a.key: threading.Event() for a in schedule.actions}
         self.last_progress = time.monotonic()
-        self.lanes: dict[tuple[int, str], list[Action]] = defaultdict(list)
+        self.workers: dict[int, dict[Lane, list[Action]]] = defaultdict(dict)
         for a in schedule.actions:
-            self.lanes[(a.worker, a.lane.value)].append(a)
+            self.workers[a.worker].setdefault(a.lane, []).append(a)
         self.threads: list[threading.Thread] = []
         self.spans: list[tuple[Action, float, float]] = []   # appended by stream threads
         self.last_events: list = []
+        self._cv = threading.Condition()
+        self._generation = 0
 
     def fail(self, action: Action, exc: BaseException) -> None:
         with self._fail_lock:
             if self.failure is None:
                 self.failure = (action, exc)
         self.abort.set()
+        self.notify()
+
+    def notify(self) -> None:
+        """Wake the dispatchers: an action was recorded or an event completed."""
+        with self._cv:
+            self._generation += 1
+            self._cv.notify_all()
 
     def start(self) -> None:
-        for (worker, lane), actions in self.lanes.items():
-            if worker == HOST:
-                stream = self.ex.host_stream
-            else:
-                stream = self.ex.devices[worker].stream(actions[0].lane)
-            t = threading.Thread(target=self._dispatch, args=(stream, actions),
-                                 name=f"rotapipe-dispatch-{worker}-{lane}", daemon=True)
+        for worker, lanes in self.workers.items():
+            t = threading.Thread(target=self._dispatch, args=(worker, lanes),
+                                 name=f"rotapipe-dispatch-{worker}", daemon=True)
             self.threads.append(t)
             t.start()
 
-    def _wait_recorded(self, key: str) -> None:
-        flag = self.recorded[key]
-        while not flag.wait(0.02):
-            if self.abort.is_set():
-                raise Aborted()
-
-    def _dispatch(self, stream, actions: list[Action]) -> None:
+    def _dispatch(self, worker: int, lanes: dict[Lane, list[Action]]) -> None:
+        """Issue one device's lanes (or the host lane): each lane in list order, each
+        action as soon as its dependencies were recorded, chunked copies chunk by
+        chunk; never blocking on one lane while another could go."""
+        if worker == HOST:
+            streams = {lane: self.ex.host_stream for lane in lanes}
+            notify_ok = True
+        else:
+            dev = self.ex.devices[worker]
+            streams = {lane: dev.stream(lane) for lane in lanes}
+            notify_ok = dev.notifies
+        gates = {UP: CopyGate(), DOWN: CopyGate()}
+        queues = {lane: deque(acts) for lane, acts in
+                  sorted(lanes.items(), key=lambda kv: _LANE_ORDER[kv[0]])}
+        copies: dict[Lane, _Copy] = {}
+        idle = _IDLE_MIN
         a = None
         try:
-            for a in actions:
-                for d in a.host_deps:
-                    self._wait_recorded(d)
-                    stream.host_wait(self.events[d], self.abort)
-                for d in a.deps:
-                    self._wait_recorded(d)
-                    stream.wait(self.events[d])
-                stream.submit(self._runner(a), lambda exc, a=a: self.fail(a, exc), self.abort)
-                self.events[a.key] = stream.record()
-                self.recorded[a.key].set()
-            if actions:
-                self.last_events.append(self.events[actions[-1].key])
+            while queues or copies:
+                generation = self._generation
+                progressed = False
+                for lane in list(queues) + [l for l in copies if l not in queues]:
+                    if self.abort.is_set():
+                        return
+                    stream = streams[lane]
+                    if lane in copies:
+                        a = copies[lane].action
+                        progressed |= self._next_chunk(stream, lane, copies)
+                        continue
+                    q = queues[lane]
+                    a = q[0]
+                    if not self._ready(a):
+                        continue
+                    q.popleft()
+                    if not q:
+                        del queues[lane]
+                    progressed = True
+                    self._issue(a, stream, lane, gates, copies)
+                if progressed:
+                    idle = _IDLE_MIN
+                    continue
+                with self._cv:
+                    if self._generation == generation and not self.abort.is_set():
+                        # Emulated events wake us when they complete; on CUDA we poll,
+                        # backing off while nothing moves.
+                        self._cv.wait(_IDLE_NOTIFIED if notify_ok else idle)
+                # A chunk in flight: its completion lets the next one go; keep polling
+                # fast so that the copy engine does not sit idle between chunks.
+                idle = _IDLE_MIN if copies else min(idle * 2, _IDLE_MAX)
+            for lane, acts in lanes.items():
+                self.last_events.append(self.events[acts[-1].key])
         except Aborted:
             return
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             self.fail(a, exc)
 
+    def _ready(self, a: Action) -> bool:
+        """Every dependency recorded, every host dependency complete."""
+        events = self.events
+        for d in a.deps:
+            if d not in events:
+                return False
+        for d in a.host_deps:
+            if d not in events or not events[d].query():
+                return False
+        return True
+
+    def _issue(self, a: Action, stream, lane: Lane, gates, copies) -> None:
+        for d in a.host_deps:
+            stream.host_wait(self.events[d], self.abort)
+        waits_on = [self.events[d] for d in a.deps]
+        for ev in waits_on:
+            stream.wait(ev)
+        chunks = self.chunks(a) if a.kind in CHUNKED else None
+        if chunks:
+            copies[lane] = _Copy(a, chunks, gates[direction(lane)])
+            self._next_chunk(stream, lane, copies)
+            return
+        stream.submit(self._runner(a), lambda exc, a=a: self.fail(a, exc), self.abort, a.key)
+        ev = stream.record(self.notify)
+        if a.kind in CRITICAL:
+            gates[direction(lane)].add(ev, waits_on)
+        self._recorded(a, ev)
+
+    def _next_chunk(self, stream, lane: Lane, copies: dict) -> bool:
+        """Issue the next chunk of the copy on ``lane`` if it may go now; True if it did.
+        Gated: only after the previous chunk completed, and behind every pending
+        critical copy on the same engine (``transfer.py``)."""
+        c = copies[lane]
+        chunk = c.chunks[c.next]
+        if self.gate and c.last is not None and not c.last.query():
+            return False
+        if chunk.ready is not None and not chunk.ready():
+            return False
+        if self.gate:
+            for ev in c.gate.pending():
+                stream.wait(ev)
+        if chunk.stage is not None:
+            chunk.stage()
+        a = c.action
+        stream.submit(self._chunk_runner(a, chunk.copy), lambda exc, a=a: self.fail(a, exc),
+                      self.abort, f"{a.key}#{c.next}")
+        c.last = ev = stream.record(self.notify)
+        if chunk.issued is not None:
+            chunk.issued(ev)
+        c.next += 1
+        if c.next == len(c.chunks):
+            del copies[lane]
+            self._recorded(a, ev)
+        return True
+
+    def _recorded(self, a: Action, ev) -> None:
+        self.events[a.key] = ev
+        self.notify()
+
     def _runner(self, a: Action):
         def run():
             t0 = time.perf_counter()
             self.body(a)
+            self.spans.append((a, t0, time.perf_counter()))
+            self.last_progress = time.monotonic()
+        return run
+
+    def _chunk_runner(self, a: Action, copy):
+        def run():
+            t0 = time.perf_counter()
+            copy()
             self.spans.append((a, t0, time.perf_counter()))
             self.last_progress = time.monotonic()
         return run
@@ -194,3 +333,9 @@ class _Run:
             self.fail(first, TimeoutError(
                 f"no action completed for {idle:.0f} s (timeout_s={self.ex.timeout_s}); "
                 "the first action not yet issued is marked"))
+
+
+_IDLE_MIN, _IDLE_MAX = 1e-4, 2e-3
+"""Polling interval of a dispatcher waiting for a completion on CUDA (seconds)."""
+_IDLE_NOTIFIED = 0.05
+"""Safety-net interval where completions notify (emulated)."""

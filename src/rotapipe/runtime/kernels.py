@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +39,10 @@ from .backend import Device
 from .host import CallGrads, HostState
 from .rng import layer_seed
 from .store import Store
-from .transfer import PRIORITY, sleep_until
+from .chunks import ChunkedCopies
+from .transfer import sleep_until
 from .trees import map_tensors
 
-
-_COMPUTE = frozenset({K.FORWARD, K.FORWARD_KEEP, K.FUSED, K.RECOMPUTE, K.BACKWARD,
-                      K.BACKWARD_KEPT})
 
 
 @dataclass
@@ -72,20 +70,27 @@ class ActionRunner:
     """Runs single actions on a worker's device; one per pipeline, reused per call."""
 
     def __init__(self, layerset: LayerSet, host: HostState, loss_fn, devices: list[Device],
-                 stores: list[Store], shells: list, stages: dict[str, Stage]):
+                 stores: list[Store], shells: list, stages: dict[str, Stage], *,
+                 chunk_bytes: int = 32 << 20,
+                 pinned: Callable[[int], bool] = lambda pid: True,
+                 pinned_empty: Callable[[int], torch.Tensor] | None = None):
         self.ls, self.host, self.loss_fn = layerset, host, loss_fn
         self.devices, self.stores, self.shells, self.stages = devices, stores, shells, stages
         self.host_store: Store | None = None
         self.ctx: CallContext | None = None
+        self.copies = ChunkedCopies(
+            self, chunk_bytes, pinned,
+            pinned_empty or (lambda n: torch.empty(n, dtype=torch.uint8)))
+        """Chunked weight uploads and weight-gradient downloads (``chunks.py``)."""
 
     timing: Callable[[Action], tuple[float, ...]] | None = None
     """Timed emulation (:class:`rotapipe.sim.TimedEmulation`): an action's duration in
-    seconds, as chunks (per layer for weight uploads and weight-gradient downloads).
-    Compute actions then last at least their duration, copies hold their link that
-    long."""
+    seconds, as chunks (weight uploads and weight-gradient downloads: the chunks of
+    ``chunks.py``). Actions then last at least their duration: a copy holds its copy
+    engine that long, compute sleeps outside the random-generator lock."""
 
     def run(self, a: Action) -> None:
-        if self.timing is None or a.kind not in _COMPUTE:
+        if self.timing is None:
             getattr(self, "_" + a.kind.name.lower())(a)
             return
         t0 = time.perf_counter()
@@ -93,42 +98,16 @@ class ActionRunner:
         # Sleep outside the random-generator lock: emulated workers overlap here.
         sleep_until(t0 + sum(self.timing(a)))
 
-    def _copy(self, a: Action, chunk: int = 0):
-        """Hold the link ``a`` copies over for one chunk (priority transfer engine)."""
-        link = self.devices[a.worker].link(a.lane)
-        if link is None:
-            return nullcontext()
-        seconds = 0.0
-        if self.timing is not None:
-            chunks = self.timing(a)
-            seconds = chunks[chunk] if chunk < len(chunks) else 0.0
-        return link.hold(PRIORITY[a.kind], seconds, a.key)
+    def chunks(self, a: Action) -> list | None:
+        """The chunks of a weight upload or weight-gradient download (``None`` for
+        every other action: one piece, run by :meth:`run`)."""
+        if a.kind is K.UPLOAD_WEIGHTS:
+            return self.copies.upload(a)
+        if a.kind is K.DOWNLOAD_WGRAD:
+            return self.copies.download(a)
+        return None
 
     # -- uploads --------------------------------------------------------------------
-    def _upload_weights(self, a: Action) -> None:
-        s, dev = self.stages[a.stage], self.devices[a.worker]
-        grad = self.ctx.training and s.kind is not StageKind.FORWARD
-        params, buffers = {}, {}
-        # One chunk per layer: a critical copy on the same link waits at most one layer.
-        for i, l in enumerate(s.layers):
-            with self._copy(a, i):
-                for pid in self.ls.layer_params[l]:
-                    if pid in params:      # tied weight, already uploaded with a layer
-                        continue
-                    t = dev.upload(self.host.compute[pid])
-                    params[pid] = nn.Parameter(
-                        t, requires_grad=grad and self.ls.params[pid].requires_grad)
-                for bid in self.ls.layer_buffers[l]:
-                    if bid in buffers:
-                        continue
-                    src = self.host_store.get(("buf", bid)) \
-                        if self.host_store.contains(("buf", bid)) else self.ls.buffer_value(bid)
-                    # Floating buffers (BatchNorm statistics) compute in the compute dtype,
-                    # as in a model cast with .to(dtype); the host keeps their dtype.
-                    dtype = self.host.dtype if src.is_floating_point() else None
-                    buffers[bid] = dev.upload(src, dtype)
-        self.stores[a.worker].put(("w", s.name), (params, buffers), f"weights of stage {s}")
-
     def _upload_side(self, a: Action) -> None:
         side = self.host_store.get(("side", a.mb))
         self.stores[a.worker].put(("side", a.mb), self._up(a, side), f"side inputs of mb {a.mb}")
@@ -138,7 +117,7 @@ class ActionRunner:
         store = self.stores[a.worker]
         store.put(("in", a.stage, a.mb), self._up(a, x), f"input of {a.stage} mb {a.mb}")
         if self.stages[a.stage].kind is StageKind.TAIL and self.ctx.training:
-            # Labels ride with the activation (a few bytes: no link time of their own).
+            # Labels ride with the activation (a few bytes: no engine time of their own).
             labels = self.host_store.get(("labels", a.mb))
             store.put(("labels", a.mb), map_tensors(self.devices[a.worker].upload, labels))
 
@@ -148,8 +127,7 @@ class ActionRunner:
                                   f"output gradient of {a.stage} mb {a.mb}")
 
     def _up(self, a: Action, tree):
-        with self._copy(a):
-            return map_tensors(self.devices[a.worker].upload, tree)
+        return map_tensors(self.devices[a.worker].upload, tree)
 
     # -- compute --------------------------------------------------------------------
     @contextmanager
@@ -373,8 +351,7 @@ class ActionRunner:
 
     # -- downloads and host work -----------------------------------------------------
     def _down(self, a: Action, tree):
-        with self._copy(a):
-            return map_tensors(self.devices[a.worker].download, tree)
+        return map_tensors(self.devices[a.worker].download, tree)
 
     def _download_act(self, a: Action) -> None:
         y = self.stores[a.worker].pop(("out", a.stage, a.mb, a.at))
@@ -383,26 +360,14 @@ class ActionRunner:
     def _download_grad(self, a: Action) -> None:
         store, down = self.stores[a.worker], self.devices[a.worker].download
         g = store.pop(("gin", a.stage, a.mb))
-        with self._copy(a):
-            if self.stages[a.stage].start > 0:
-                self.host_store.put(("grad", a.at, a.mb), map_tensors(down, g))
-            if self.stages[a.stage].kind is StageKind.TAIL:
-                self.host_store.put(("loss", a.mb), down(store.pop(("loss", a.mb))))
+        if self.stages[a.stage].start > 0:
+            self.host_store.put(("grad", a.at, a.mb), map_tensors(down, g))
+        if self.stages[a.stage].kind is StageKind.TAIL:
+            self.host_store.put(("loss", a.mb), down(store.pop(("loss", a.mb))))
 
     def _download_buffers(self, a: Action) -> None:
         for bid, t in self.stores[a.worker].pop(("bufout", a.stage)).items():
             self.host_store.put(("buf", bid), self._down(a, t))
-
-    def _download_wgrad(self, a: Action) -> None:
-        grads = self.stores[a.worker].pop(("wgrad", a.stage))
-        dev, out = self.devices[a.worker], {}
-        # One chunk per layer, as the weight upload.
-        for i, l in enumerate(self.stages[a.stage].layers):
-            with self._copy(a, i):
-                for pid in self.ls.layer_params[l]:
-                    if pid in grads and pid not in out:
-                        out[pid] = dev.download(grads[pid])
-        self.host_store.put(("wgrad", a.stage), out)
 
     def _optimizer(self, a: Action) -> None:
         for pid, g in self.host_store.pop(("wgrad", a.stage)).items():

@@ -1,85 +1,138 @@
-"""The priority transfer engine: one arbiter per device and link direction.
+"""How transfers get priority on hardware that has none: copy engines, the critical
+copies in flight, and gated weight chunks.
 
-A device's host link carries several lanes' copies in each direction: on the way up,
-activation and gradient uploads (the ``upload`` lane, on the critical path) and
-weight prefetches (``weights``); on the way down, activation and input-gradient
-downloads (``download``, critical) and weight-gradient downloads (``grads``). Each
-lane has its own stream, so a copy never waits for another lane's *queue*; what they
-share is the wire. :class:`Link` decides who uses it: a copy takes the link one chunk
-at a time, and when the link frees, the waiting chunk of the highest priority goes
-next (first come, first served within a priority). Weight uploads and weight-gradient
-downloads move one layer per chunk, so a critical copy waits behind at most one chunk
-of them. Upload and download are separate links and run in parallel.
+The hardware model (docs/concepts.md, "Copy engines"): a device has one host-to-device
+and one device-to-host copy engine. A copy reaches its engine once it is runnable on
+its stream (every event its stream waits on has completed); the engine serves copies
+in the order they reached it, across all streams, one at a time, and never preempts
+one. Stream priority orders kernels only, not copies (CUDA driver API,
+``cuStreamCreateWithPriority``). So an activation upload that becomes runnable after
+a 300 MB weight prefetch was issued waits for all of it.
 
-The simulator (``rotapipe.sim.engine``) arbitrates its links by the same rule, which
-is what lets timed emulation (``rotapipe.sim.TimedEmulation``) compare the runtime
-with it.
+The runtime earns priority by issuing weight uploads and weight-gradient downloads in
+chunks (:func:`layer_chunks`, at most ``PipeConfig.copy_chunk_mb`` each, never across a
+layer) and gating them (:class:`CopyGate`): a chunk is issued only after the previous
+chunk of its copy completed, and its stream first waits on the events of every
+critical copy (activation, gradient, side-input, buffer) that is runnable on the same
+engine and not yet complete. A critical copy therefore waits behind at most one chunk.
+The gate uses only event queries and stream waits, so it runs unchanged on CUDA and on
+the emulated backend, whose engines (:class:`CopyEngine`) are as strict as the
+hardware's.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
 import time
-from contextlib import contextmanager
-from types import MappingProxyType
+from collections.abc import Sequence
 
-from ..schedule import ActionKind as K
+from ..plan.hardware import layer_chunks
+from ..schedule import ActionKind as K, Lane
 
-__all__ = ["Link", "PRIORITY", "CRITICAL", "PREFETCH", "GRADIENTS", "sleep_until"]
+__all__ = ["CRITICAL", "CHUNKED", "UP", "DOWN", "CopyEngine", "CopyGate", "direction",
+           "layer_chunks", "split_bytes", "sleep_until"]
 
-CRITICAL, PREFETCH, GRADIENTS = 0, 1, 1
-"""Priorities (lower goes first): activation and input-gradient copies, then weight
-prefetch on the upload link and weight-gradient downloads on the download link."""
+UP, DOWN = "host->device", "device->host"
+"""The two copy-engine directions of a device."""
 
-PRIORITY = MappingProxyType({
-    K.UPLOAD_ACT: CRITICAL, K.UPLOAD_GRAD: CRITICAL, K.UPLOAD_SIDE: CRITICAL,
-    K.DOWNLOAD_ACT: CRITICAL, K.DOWNLOAD_GRAD: CRITICAL, K.DOWNLOAD_BUFFERS: CRITICAL,
-    K.UPLOAD_WEIGHTS: PREFETCH, K.DOWNLOAD_WGRAD: GRADIENTS,
-})
-"""Link priority of every copying action kind."""
+CRITICAL = frozenset({K.UPLOAD_ACT, K.UPLOAD_GRAD, K.UPLOAD_SIDE, K.DOWNLOAD_ACT,
+                      K.DOWNLOAD_GRAD, K.DOWNLOAD_BUFFERS})
+"""Copies on the critical path: weight chunks yield the engine to them."""
+
+CHUNKED = frozenset({K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD})
+"""Copies issued in gated chunks."""
+
+_DIRECTION = {Lane.WEIGHTS: UP, Lane.UPLOAD: UP, Lane.DOWNLOAD: DOWN, Lane.GRADS: DOWN}
 
 
-class Link:
-    """One direction of one device's host link, granted chunk by chunk by priority.
+def direction(lane: Lane) -> str | None:
+    """The copy engine a lane's copies use (``None`` for compute and host lanes)."""
+    return _DIRECTION.get(lane)
 
-    ``record=True`` keeps ``(what, requested, start, end)`` of every chunk (seconds,
-    ``time.perf_counter``) in :attr:`chunks`, for tests and traces."""
+
+def split_bytes(sizes: Sequence[int], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Cut the concatenation of buffers of ``sizes`` bytes into ``parts`` near-equal
+    byte ranges: per part, ``(buffer index, start byte, stop byte)`` pieces. A part may
+    be empty when there are fewer bytes than parts."""
+    total = sum(sizes)
+    cuts = [total * i // parts for i in range(parts + 1)]
+    out: list[list[tuple[int, int, int]]] = []
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    for lo, hi in zip(cuts, cuts[1:]):
+        pieces = []
+        for i, s in enumerate(sizes):
+            a, b = max(lo, offsets[i]), min(hi, offsets[i + 1])
+            if a < b:
+                pieces.append((i, a - offsets[i], b - offsets[i]))
+        out.append(pieces)
+    return out
+
+
+class CopyGate:
+    """The critical copies issued on one device's engine in one direction that are not
+    yet complete (host-side bookkeeping of the dispatcher, no hardware arbiter).
+
+    :meth:`pending` gives the events a chunk's stream must wait on: those of critical
+    copies that are runnable (every event they wait on has completed) and not
+    complete. A critical copy still waiting for its producer is not pending: the chunk
+    may go, and the copy waits for at most that chunk once it becomes runnable."""
+
+    def __init__(self):
+        self._inflight: list[tuple[object, list]] = []   # (its event, events it waits on)
+
+    def add(self, event, waits_on: list) -> None:
+        self._inflight.append((event, waits_on))
+
+    def pending(self) -> list:
+        self._inflight = [(ev, deps) for ev, deps in self._inflight if not ev.query()]
+        return [ev for ev, deps in self._inflight if all(d.query() for d in deps)]
+
+
+class CopyEngine:
+    """One emulated copy engine: serves copies one at a time, in the order they reached
+    it (:meth:`ticket`, taken when a copy becomes runnable on its stream), without
+    preemption. ``record=True`` keeps ``(what, reached, start, end)`` per copy
+    (seconds, ``time.perf_counter``) in :attr:`copies`."""
 
     def __init__(self, name: str, record: bool = False):
         self.name = name
-        self._cond = threading.Condition()
-        self._busy = False
-        self._waiting: list[tuple[int, int]] = []   # heap of (priority, ticket)
-        self._tickets = itertools.count()
         self.record = record
-        self.chunks: list[tuple[str, float, float, float]] = []
+        self.copies: list[tuple[str, float, float, float]] = []
+        self._cond = threading.Condition()
+        self._issued = 0          # tickets handed out
+        self._next = 0            # the ticket served next
+        self._done: set[int] = set()
+        self._reached: dict[int, float] = {}
 
-    @contextmanager
-    def hold(self, priority: int, seconds: float = 0.0, what: str = ""):
-        """Hold the link for one chunk: wait for it (higher priorities first), then
-        run the body (the real copy) and, in timed emulation, keep the link busy until
-        ``seconds`` have passed since the grant."""
-        ticket = (priority, next(self._tickets))
-        requested = time.perf_counter()
+    def ticket(self) -> int:
+        """A place in the engine's queue for a copy that is runnable now."""
         with self._cond:
-            heapq.heappush(self._waiting, ticket)
-            while self._busy or self._waiting[0] != ticket:
+            t = self._issued
+            self._issued += 1
+            self._reached[t] = time.perf_counter()
+            return t
+
+    def acquire(self, ticket: int) -> float:
+        """Block until every earlier copy was served; return the start time."""
+        with self._cond:
+            while self._next != ticket:
                 self._cond.wait()
-            heapq.heappop(self._waiting)
-            self._busy = True
-        start = time.perf_counter()
-        try:
-            yield
-            if seconds > 0:
-                sleep_until(start + seconds)
-        finally:
-            if self.record:
-                self.chunks.append((what, requested, start, time.perf_counter()))
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+        return time.perf_counter()
+
+    def release(self, ticket: int, what: str = "", start: float | None = None) -> None:
+        """The copy of ``ticket`` finished (or was skipped: ``start`` is ``None``)."""
+        end = time.perf_counter()
+        with self._cond:
+            reached = self._reached.pop(ticket, end)
+            if self.record and start is not None:
+                self.copies.append((what, reached, start, end))
+            self._done.add(ticket)
+            while self._next in self._done:
+                self._done.discard(self._next)
+                self._next += 1
+            self._cond.notify_all()
 
 
 def sleep_until(deadline: float) -> None:

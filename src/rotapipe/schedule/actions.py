@@ -36,8 +36,9 @@ class Lane(str, enum.Enum):
     PCIe link runs in both directions at once; weights get their own upload stream so
     a prefetch never sits in front of a critical activation upload; weight-gradient
     downloads get their own download stream so that they never sit in front of a
-    critical activation or input-gradient download. On a shared link the critical
-    lane's copies go first (``rotapipe.runtime.transfer``)."""
+    critical activation or input-gradient download. Lanes of one direction share a copy
+    engine, which serves copies in arrival order; the runtime's gated weight chunks let
+    the critical lanes' copies go first (``rotapipe.runtime.transfer``)."""
 
     COMPUTE = "compute"
     WEIGHTS = "weights"

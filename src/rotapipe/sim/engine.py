@@ -5,10 +5,13 @@ and its download link (device to host); the host lane is a fourth, on the host. 
 map onto them: ``compute`` -> compute, ``weights`` and ``upload`` -> the upload link,
 ``download`` and ``grads`` -> the download link. An action starts when it heads its
 lane (lanes run in list order, one action at a time), every dependency has finished,
-and its resource is free. Where two lanes share a link, activation and gradient copies go first; weight
-uploads and weight-gradient downloads move in per-layer chunks, so a critical copy
-waits at most one chunk (the runtime's priority transfer engine does the same).
-Zero-time actions (frees, hand-offs) finish the moment they can start.
+and its resource is free. The links are the devices' copy engines
+(``rotapipe.runtime.transfer``): with gating on (the runtime's default), weight uploads
+and weight-gradient downloads move in chunks and a runnable activation or gradient
+copy goes before the next chunk, so it waits at most one chunk; with ``gate=False``
+each copy is one piece and the engine serves copies in the order they became
+runnable, without priority or preemption. Zero-time actions (frees, hand-offs) finish
+the moment they can start.
 """
 
 from __future__ import annotations
@@ -72,16 +75,25 @@ class Timeline:
         return max(self.end.values(), default=0.0)
 
 
-def run(schedule: Schedule, durations: Callable[[Action], Sequence[float]]) -> Timeline:
+def run(schedule: Schedule, durations: Callable[[Action], Sequence[float]], *,
+        gate: bool = True) -> Timeline:
     """Simulate ``schedule``; ``durations(action)`` gives its time in ms as a list of
-    chunks (one entry for all but weight uploads). Raise :class:`ScheduleError` if the
-    schedule cannot finish (a deadlock)."""
-    return _Engine(schedule, durations).run()
+    chunks (one entry for all but weight uploads and weight-gradient downloads).
+    ``gate``: chunked copies yield to critical ones between chunks (the runtime's
+    ``PipeConfig.gate_copies``). Raise :class:`ScheduleError` if the schedule cannot
+    finish (a deadlock)."""
+    return _Engine(schedule, durations, gate).run()
+
+
+_CHUNKED = frozenset({K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD})
 
 
 class _Engine:
-    def __init__(self, schedule: Schedule, durations):
-        self.s, self.durations = schedule, durations
+    def __init__(self, schedule: Schedule, durations, gate: bool = True):
+        self.s, self.durations, self.gate = schedule, durations, gate
+        self.ready_at: dict[str, float] = {}
+        self.deps_done: dict[str, float] = {}       # when an action's last dependency ended
+        self.lane_ready: dict[tuple[int, Lane], float] = {}
         self.lanes: dict[tuple[int, Lane], deque[Action]] = {}
         for a in schedule.actions:
             self.lanes.setdefault((a.worker, a.lane), deque()).append(a)
@@ -135,6 +147,7 @@ class _Engine:
         for u in self.users.get(a.key, ()):
             self.missing[u] -= 1
             if self.missing[u] == 0:
+                self.deps_done[u] = t
                 b = self.by_key[u]
                 self.dirty.add((b.worker, _RESOURCE[b.lane]))
 
@@ -142,24 +155,39 @@ class _Engine:
         """Start every action that can start at ``t``."""
         while self.dirty:
             res = self.dirty.pop()
+            candidates = []
             for lane in self.by_resource.get(res, ()):
                 q = self.lanes[lane]
                 if not q or lane in self.inflight or self.missing[q[0].key]:
                     continue
                 a = q[0]
+                if a.key not in self.ready_at:
+                    # A copy reaches its engine once its dependencies ended and the copy
+                    # before it on its stream reached it (issued back to back).
+                    r = max(self.deps_done.get(a.key, 0.0), self.lane_ready.get(lane, 0.0))
+                    self.ready_at[a.key] = self.lane_ready[lane] = r
                 chunks = self.chunks.get(a.key)
                 if chunks is None:
-                    chunks = self.chunks[a.key] = deque(d for d in self.durations(a) if d > 0)
+                    pieces = [d for d in self.durations(a) if d > 0]
+                    if not self.gate and a.kind in _CHUNKED and pieces:
+                        pieces = [sum(pieces)]      # issued at once: one unit
+                    chunks = self.chunks[a.key] = deque(pieces)
                 if not chunks:              # zero time: done at once; look again
                     self.start.setdefault(a.key, t)
                     self.finish(lane, t)
+                    candidates = None
                     break
-                if res in self.busy:
-                    continue
-                d = chunks.popleft()
-                self.start.setdefault(a.key, t)
-                self.busy.add(res)
-                self.inflight.add(lane)
-                self.spans.append(Span(a, res[1], t, t + d))
-                self.seq += 1
-                heapq.heappush(self.events, (t + d, self.seq, res, lane))
+                candidates.append(lane)
+            if not candidates or res in self.busy:
+                continue
+            if not self.gate:               # first runnable, first served
+                candidates.sort(key=lambda l: self.ready_at[self.lanes[l][0].key])
+            lane = candidates[0]
+            a = self.lanes[lane][0]
+            d = self.chunks[a.key].popleft()
+            self.start.setdefault(a.key, t)
+            self.busy.add(res)
+            self.inflight.add(lane)
+            self.spans.append(Span(a, res[1], t, t + d))
+            self.seq += 1
+            heapq.heappush(self.events, (t + d, self.seq, res, lane))

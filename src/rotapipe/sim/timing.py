@@ -9,8 +9,12 @@ from ..errors import ConfigError
 from ..plan import ModelCosts, Plan, Stage
 from ..schedule import Action, ActionKind as K
 from ..schedule.memory import MemorySizes
+from ..plan.hardware import layer_chunks
 
-__all__ = ["ActionTimes", "TimedEmulation", "memory_sizes"]
+__all__ = ["ActionTimes", "TimedEmulation", "memory_sizes", "DEFAULT_CHUNK"]
+
+DEFAULT_CHUNK = 32 << 20
+"""Bytes per weight chunk, as ``PipeConfig.copy_chunk_mb``'s default."""
 
 
 class ActionTimes:
@@ -19,16 +23,19 @@ class ActionTimes:
     Compute sums its stage's layers: ``F``/``FK`` forward, ``R`` recompute,
     ``B``/``BK`` backward, ``FT`` forward + backward (no recompute). An activation or
     gradient transfer at boundary ``b`` costs one hop of layer ``b - 1``'s output (a
-    model-input upload costs ``input_hop_ms``). A weight upload is one chunk per layer;
-    a weight-gradient download takes as long as the upload, in the same chunks. Frees, side inputs, buffer
-    downloads and optimizer hand-offs take no time.
+    model-input upload costs ``input_hop_ms``). A weight upload moves each layer in
+    ``layer_chunks(weight_bytes, chunk_bytes)`` equal chunks (the runtime's gated
+    chunks, ``rotapipe.runtime.transfer``); a weight-gradient download takes as long as
+    the upload, in the same chunks. Frees, side inputs, buffer downloads and optimizer
+    hand-offs take no time. ``chunk_bytes=None``: one chunk per layer.
     """
 
-    def __init__(self, plan: Plan, costs: ModelCosts):
+    def __init__(self, plan: Plan, costs: ModelCosts, chunk_bytes: int | None = DEFAULT_CHUNK):
         if len(costs.layers) != plan.num_layers:
             raise ConfigError(f"the costs describe {len(costs.layers)} layers, the plan "
                              f"{plan.num_layers}")
         self.costs = costs
+        self.chunk_bytes = chunk_bytes
         self.stages: dict[str, Stage] = {s.name: s for s in plan.jobs() + plan.eval_jobs()}
         self._cache: dict[tuple, tuple[float, ...]] = {}
 
@@ -51,10 +58,13 @@ class ActionTimes:
             return (sum(l.forward_ms + l.backward_ms for l in layers),)
         if a.kind in (K.UPLOAD_ACT, K.UPLOAD_GRAD, K.DOWNLOAD_ACT, K.DOWNLOAD_GRAD):
             return (c.boundary_hop_ms(a.at),)
-        if a.kind is K.UPLOAD_WEIGHTS:
-            return tuple(l.upload_ms for l in layers)
-        if a.kind is K.DOWNLOAD_WGRAD:
-            return tuple(l.upload_ms for l in layers)
+        if a.kind in (K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD):
+            out: list[float] = []
+            for l in layers:
+                k = 1 if self.chunk_bytes is None else \
+                    layer_chunks(l.weight_bytes, self.chunk_bytes)
+                out += [l.upload_ms / k] * k
+            return tuple(out)
         return (0.0,)
 
 
@@ -110,9 +120,9 @@ class TimedEmulation:
         return cls(model_costs(model, hw, seq=seq, microbatch_size=microbatch_size),
                    dilation, **kw)
 
-    def action_seconds(self, plan: Plan):
+    def action_seconds(self, plan: Plan, chunk_bytes: int | None = DEFAULT_CHUNK):
         """``fn(action) -> chunk durations in real seconds`` for ``plan``."""
-        times, scale = ActionTimes(plan, self.costs), self.dilation / 1e3
+        times, scale = ActionTimes(plan, self.costs, chunk_bytes), self.dilation / 1e3
         cache: dict[tuple, tuple[float, ...]] = {}
 
         def seconds(a: Action) -> tuple[float, ...]:

@@ -1,0 +1,237 @@
+"""Weight uploads and weight-gradient downloads as chunks the executor issues gated.
+
+A stage's weights move layer by layer; layer ``l`` in ``layer_chunks(bytes_l,
+chunk_bytes)`` near-equal byte ranges over the concatenation of its tensors
+(``transfer.split_bytes``). The first chunk of a layer allocates its device tensors
+(and uploads its buffers, a few bytes); the last chunk of the stage hands the stage's
+weights to the worker's store. Under timed emulation the chunk count and each chunk's
+duration follow the emulated layer's bytes, exactly as the simulator's
+(``rotapipe.sim.ActionTimes``).
+
+Pageable weights (``PipeConfig(pin="off")``) go through a device's pinned bounce
+buffers: on the dispatcher thread a chunk's bytes are copied into a free buffer (one
+whose last copy's event completed), then the stream copies from it. A copy engine
+never reads pageable memory (on CUDA such a copy would be synchronous).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..plan import StageKind
+from ..schedule import Action
+from .backend import Device
+from .executor import Chunk
+from .transfer import layer_chunks, sleep_until, split_bytes
+
+__all__ = ["ChunkedCopies", "BouncePool"]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class BouncePool:
+    """A device's pinned bounce buffers: ``count`` of them, grown to the largest chunk
+    asked for. ``empty(nbytes) -> uint8 tensor`` allocates page-locked memory."""
+
+    def __init__(self, empty: Callable[[int], torch.Tensor], count: int = 2):
+        self._empty = empty
+        self._buffers: list[torch.Tensor | None] = [None] * count
+        self._events: list[object] = [None] * count
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._buffers if b is not None)
+
+    def free(self) -> int | None:
+        """Index of a buffer no copy still reads, or ``None``."""
+        for i, ev in enumerate(self._events):
+            if ev is None or ev.query():
+                return i
+        return None
+
+    def take(self, i: int, nbytes: int) -> torch.Tensor:
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[i] = self._empty(nbytes)
+        self._events[i] = _Taken()
+        return buf[:nbytes]
+
+    def used_until(self, i: int, event) -> None:
+        """Buffer ``i`` is read by the copy before ``event``."""
+        self._events[i] = event
+
+
+class _Taken:
+    """Placeholder event of a buffer being filled (never free)."""
+
+    def query(self) -> bool:
+        return False
+
+
+class ChunkedCopies:
+    """Builds the :class:`~rotapipe.runtime.executor.Chunk` lists of one pipeline's
+    weight uploads and weight-gradient downloads (the :class:`ActionRunner` owns it).
+
+    ``layer_bytes``: under timed emulation, the emulated layers' weight bytes (the
+    chunk counts follow them); ``seconds(action)``: the chunk durations to emulate;
+    ``pinned(pid)``: whether parameter ``pid``'s compute copy is page-locked."""
+
+    def __init__(self, runner, chunk_bytes: int, pinned: Callable[[int], bool],
+                 pinned_empty: Callable[[int], torch.Tensor]):
+        self.r = runner
+        self.chunk_bytes = chunk_bytes
+        self.pinned = pinned
+        self.layer_bytes: Sequence[int] | None = None
+        self.bounce = [BouncePool(pinned_empty) for _ in runner.devices]
+
+    # -- planning -------------------------------------------------------------------
+    def _layers(self, a: Action, pick) -> list[tuple[int, list[int], list[int]]]:
+        """Per layer of ``a``'s stage: ``(layer, pids, byte sizes)`` of its tensors
+        (``pick(pid)`` filters; tied weights count once, with their first layer)."""
+        seen: set[int] = set()
+        out = []
+        for l in self.r.stages[a.stage].layers:
+            pids = [p for p in self.r.ls.layer_params[l] if p not in seen and pick(p)]
+            seen.update(pids)
+            sizes = [self.r.host.compute[p].numel() * self.r.host.compute[p].element_size()
+                     for p in pids]
+            out.append((l, pids, sizes))
+        return out
+
+    def _parts(self, l: int, sizes: list[int]) -> list[list[tuple[int, int, int]]]:
+        nbytes = self.layer_bytes[l] if self.layer_bytes is not None else sum(sizes)
+        return split_bytes(sizes, layer_chunks(nbytes, self.chunk_bytes))
+
+    def _timed(self, a: Action, index: int, body: Callable[[], None]) -> Callable[[], None]:
+        """``body``, lasting at least chunk ``index``'s emulated duration."""
+        timing = self.r.timing
+        if timing is None:
+            return body
+        durations = timing(a)
+        seconds = durations[index] if index < len(durations) else 0.0
+
+        def run():
+            t0 = time.perf_counter()
+            body()
+            sleep_until(t0 + seconds)
+        return run
+
+    # -- weight uploads ---------------------------------------------------------------
+    def upload(self, a: Action) -> list[Chunk]:
+        r = self.r
+        s, dev = r.stages[a.stage], r.devices[a.worker]
+        grad = r.ctx.training and s.kind is not StageKind.FORWARD
+        params: dict[int, nn.Parameter] = {}
+        buffers: dict[int, torch.Tensor] = {}
+        dst: dict[int, torch.Tensor] = {}
+        chunks: list[Chunk] = []
+        layers = self._layers(a, lambda p: True)
+        for l, pids, sizes in layers:
+            for j, pieces in enumerate(self._parts(l, sizes)):
+                def body(l=l, pids=pids, pieces=pieces, first=j == 0, src=None):
+                    if first:
+                        for p in pids:
+                            c = r.host.compute[p]
+                            dst[p] = dev.empty(c.shape, c.dtype)
+                        self._upload_buffers(dev, l, buffers)
+                    for i, lo, hi in pieces:
+                        target = _bytes(dst[pids[i]])[lo:hi]
+                        if src is not None:        # staged in a pinned bounce buffer
+                            target.copy_(src[i], non_blocking=True)
+                        else:
+                            host = r.host.compute[pids[i]].contiguous()
+                            target.copy_(_bytes(host)[lo:hi], non_blocking=True)
+                chunks.append(self._upload_chunk(a, dev, pids, pieces, body, len(chunks)))
+
+        def finish():
+            for p, t in dst.items():
+                params[p] = nn.Parameter(t, requires_grad=grad and r.ls.params[p].requires_grad)
+            r.stores[a.worker].put(("w", s.name), (params, buffers), f"weights of stage {s}")
+        last = chunks[-1].copy
+        chunks[-1].copy = lambda: (last(), finish())
+        return chunks
+
+    def _upload_chunk(self, a: Action, dev: Device, pids, pieces, body, index) -> Chunk:
+        """A chunk of pieces; through a bounce buffer when any piece is pageable."""
+        r = self.r
+        if all(self.pinned(pids[i]) for i, _, _ in pieces):
+            return Chunk(self._timed(a, index, body))
+        pool = self.bounce[a.worker]
+        staged: dict[int, torch.Tensor] = {}
+        slot = []
+
+        def ready():
+            return pool.free() is not None
+
+        def stage():
+            # On the dispatcher thread: pageable bytes -> a free pinned buffer.
+            i = pool.free()
+            buf = pool.take(i, sum(hi - lo for _, lo, hi in pieces))
+            off = 0
+            for k, lo, hi in pieces:
+                n = hi - lo
+                buf[off:off + n].copy_(_bytes(r.host.compute[pids[k]].contiguous())[lo:hi])
+                staged[k] = buf[off:off + n]
+                off += n
+            slot[:] = [i]
+
+        def issued(event):
+            pool.used_until(slot[0], event)
+
+        run = self._timed(a, index, lambda: body(src=staged))
+        return Chunk(run, stage=stage, ready=ready, issued=issued)
+
+    def _upload_buffers(self, dev: Device, l: int, buffers: dict) -> None:
+        r = self.r
+        for bid in r.ls.layer_buffers[l]:
+            if bid in buffers:
+                continue
+            key = ("buf", bid)
+            src = r.host_store.get(key) if r.host_store.contains(key) \
+                else r.ls.buffer_value(bid)
+            # Floating buffers (BatchNorm statistics) compute in the compute dtype, as
+            # in a model cast with .to(dtype); the host keeps their dtype.
+            dtype = r.host.dtype if src.is_floating_point() else None
+            buffers[bid] = dev.upload(src, dtype)
+
+    # -- weight-gradient downloads ------------------------------------------------------
+    def download(self, a: Action) -> list[Chunk]:
+        r = self.r
+        dev = r.devices[a.worker]
+        trainable = r.ls.params
+        got: dict = {}
+        out: dict[int, torch.Tensor] = {}
+        chunks: list[Chunk] = []
+        for l, pids, sizes in self._layers(a, lambda p: trainable[p].requires_grad):
+            for j, pieces in enumerate(self._parts(l, sizes)):
+                def body(pids=pids, pieces=pieces, first=j == 0):
+                    if "grads" not in got:     # the stage's gradients, in stream order
+                        got["grads"] = r.stores[a.worker].pop(("wgrad", a.stage))
+                    grads = got["grads"]
+                    if first:
+                        for p in pids:
+                            if p in grads:
+                                out[p] = dev.empty_host(grads[p].shape, grads[p].dtype)
+                    for i, lo, hi in pieces:
+                        p = pids[i]
+                        if p in grads:
+                            _bytes(out[p])[lo:hi].copy_(_bytes(grads[p])[lo:hi],
+                                                         non_blocking=True)
+                chunks.append(Chunk(self._timed(a, len(chunks), body)))
+
+        def finish():
+            if "grads" not in got:
+                got["grads"] = r.stores[a.worker].pop(("wgrad", a.stage))
+            r.host_store.put(("wgrad", a.stage), out)
+        if not chunks:
+            return [Chunk(finish)]
+        last = chunks[-1].copy
+        chunks[-1].copy = lambda: (last(), finish())
+        return chunks
