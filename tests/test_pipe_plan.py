@@ -3,14 +3,18 @@ or rejected with the fix, explicit stage counts honoured, and measured refinemen
 converges, freezes, and never changes the numbers."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 import rotapipe
 from models import emulated, lm_loss, reference_forward_backward, tiny_transformer, token_batch
 from rotapipe import pipe_plan
-from rotapipe.config import RecomputeGrain
+from rotapipe.config import PartitionMode, RecomputeGrain
+from rotapipe.model import LayerSet, estimate_work, set_work
+from rotapipe.model.work import MIN_FLOPS
 from rotapipe.plan import Plan, even_plan
 from rotapipe.plan.measured import Pass
 from rotapipe.schedule import Action, ActionKind as K
@@ -26,7 +30,7 @@ def test_default_plan_comes_from_the_planner_and_is_exact():
     ref = copy.deepcopy(model)
     n = len(model)
     params = _layer_params(model)
-    costs = pipe_plan.parameter_costs(params, [4 * p for p in params])
+    costs = pipe_plan.work_costs(estimate_work(model, 4), [4 * p for p in params])
     expected = choose_plan(lambda m: costs, PlannerConfig(
         2, 2**62, (2,), grains=(RecomputeGrain.STAGE,), exhaustive=pipe_plan.RUNTIME_EXHAUSTIVE,
         tail_layers=1)).plan
@@ -131,3 +135,72 @@ def test_refinement_from_real_timings_runs_and_stops_after_its_calls():
             pipe.forward_backward(x, y)
         assert not pipe._planner.refining
         assert pipe._planner.measured.averages()    # the executor's spans were recorded
+
+
+# -- costs without a hardware profile -------------------------------------------------
+
+
+def test_estimate_prices_lookups_by_bytes_and_weights_by_flops():
+    dim, vocab = 16, 61
+    untied, tied = tiny_transformer(dim=dim), tiny_transformer(dim=dim, tied=True)
+    for model in (untied, tied):
+        works = estimate_work(list(model) + [nn.ReLU()], dtype_bytes=2)
+        embed, blocks, head, relu = works[0], works[1:-2], works[-2], works[-1]
+        # The embedding is a lookup: one row read and written per token, no FLOPs.
+        assert embed.forward_flops == 0 and embed.memory_bytes == 2 * dim * 2
+        assert embed.params == vocab * dim
+        for block, layer in zip(blocks, list(model)[1:-1]):
+            n = sum(p.numel() for p in layer.parameters())
+            assert block.forward_flops == 2 * n and block.backward_flops == 4 * n
+        # The head multiplies by its (own or tied) vocab x dim weight: 2 FLOPs a weight.
+        assert head.forward_flops == 2 * (vocab * dim + 2 * dim) and head.memory_bytes == 0
+        assert relu.forward_flops == MIN_FLOPS > 0   # parameter-free: cheap, not free
+    costs = pipe_plan.work_costs(estimate_work(untied, 2), [0] * len(untied))
+    assert costs.layers[0].forward_ms == pytest.approx(
+        pipe_plan.NOMINAL_FLOPS_PER_BYTE * 2 * dim * 2 * 1e-9)
+    assert costs.layers[0].backward_ms == pytest.approx(2 * costs.layers[0].forward_ms)
+    # At a real vocabulary, parameter counts price the embedding like the head; the
+    # estimate prices it at a row per token (a 32k vocabulary: 1/160 of the head).
+    pair = [nn.Embedding(32000, 64), nn.Linear(64, 32000, bias=False)]
+    by_params = pipe_plan.parameter_costs(_layer_params(pair), [0, 0])
+    assert by_params.layers[0].forward_ms == by_params.layers[1].forward_ms
+    by_work = pipe_plan.work_costs(estimate_work(pair, 2), [0, 0])
+    assert by_work.layers[1].forward_ms == pytest.approx(160 * by_work.layers[0].forward_ms)
+
+
+def test_work_set_on_a_layer_overrides_the_estimate():
+    model = tiny_transformer()
+    work = rotapipe.plan.LayerWork("mine", 1e6, 3e6, 0, 0.0, 0.0)
+    set_work(model[2], work)
+    works = estimate_work(copy.deepcopy(model))     # kept through the workers' copies
+    assert works[2] is not work and works[2] == work
+    assert works[1].forward_flops < 1e6
+    with pytest.raises(TypeError, match="LayerWork"):
+        set_work(model[1], {"forward_flops": 1.0})
+
+
+def _fake_cuda(workers: int):
+    return [SimpleNamespace(torch_device=torch.device("cuda", i), budget=2**30)
+            for i in range(workers)]
+
+
+def test_auto_refines_on_cuda_unless_data_parallel(monkeypatch):
+    layers = LayerSet(tiny_transformer())
+
+    def planner(devices, **kw):
+        config = rotapipe.PipeConfig(workers=2, microbatches=2, **kw)
+        p = pipe_plan.PipePlanner.for_pipeline(config, layers, devices, False)
+        p.initial(None)
+        return p
+
+    cuda = planner(_fake_cuda(2))
+    assert cuda.mode is PartitionMode.REFINE and cuda.refining
+    cpu = planner([SimpleNamespace(torch_device=torch.device("cpu"), budget=None)] * 2)
+    assert cpu.mode is PartitionMode.AUTO and cpu.refiner is None
+    assert planner(_fake_cuda(2), partition="even").mode is PartitionMode.EVEN
+    # Data parallel ranks must keep one plan: asked for, or auto with several ranks.
+    assert planner(_fake_cuda(2), data_parallel=True).refiner is None
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert planner(_fake_cuda(2)).mode is PartitionMode.AUTO
+    assert planner(_fake_cuda(2), data_parallel=False).mode is PartitionMode.REFINE

@@ -8,6 +8,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import rotapipe
 from rotapipe.config import RecomputeGrain
 from rotapipe.errors import PlanError
 from rotapipe.plan import (LayerCost, ModelCosts, Plan, Stage, StageKind, hardware,
@@ -258,6 +259,35 @@ def test_host_memory_arithmetic_full_and_lora():
     lora = host_memory(costs, plan, 4, 2, trainable_params=[0, 7, 0])
     assert lora.masters == 28 and lora.optimizer == 56 and lora.gradients == 56
     assert lora.weights == 1200 + 14                  # frozen weights + adapter copies
+
+
+def test_host_memory_counts_what_each_pin_mode_page_locks():
+    costs = _model([1.0] * 3, weights=[200, 400, 600], out=50)
+    plan = next(p for p in all_plans(3) if len(p.forward) == 2 and len(p.backward) == 1
+                and p.tail.start == 2)
+    reg = host_memory(costs, plan, 4, workers=2)            # the default: register
+    copy = host_memory(costs, plan, 4, 2, pin="copy")
+    off = host_memory(costs, plan, 4, 2, pin=rotapipe.PinMode.OFF, chunk_mb=1)
+    base = reg.total
+    assert reg.pin is rotapipe.PinMode.REGISTER
+    # register: the weights are page-locked in place, no extra bytes
+    assert reg.bounce_buffers == reg.transient == 0
+    assert reg.pinned == 1200 + reg.pinned_buffers + reg.checkpoints
+    assert reg.pageable == reg.masters + reg.optimizer + reg.gradients
+    # copy: the same steady state, plus the largest weight held twice while copied
+    assert copy.transient == 600 and copy.total == base + 600
+    assert copy.pinned == reg.pinned and copy.pageable == reg.pageable + 600
+    assert host_memory(costs, plan, 4, 2, pin="copy", largest_tensor=256).transient == 256
+    # off: weights pageable; two chunks of 1 MiB per worker page-locked for uploads
+    assert off.bounce_buffers == 2 * 2 * 2**20 and off.total == base + 2 * 2 * 2**20
+    assert off.pinned == off.pinned_buffers + off.checkpoints + off.bounce_buffers
+    assert off.pageable == reg.pageable + 1200
+    assert sum(v for k, v in off.as_dict().items() if k != "total") == off.total
+    assert "bounce buffers 0.0" in off.describe() and "transient" not in off.describe()
+    assert 'pin="off"' in off.describe_pinned()
+    with pytest.raises(rotapipe.ConfigError, match=r"pin='pinned': use one of 'copy', "
+                                                    r"'register', 'off'"):
+        host_memory(costs, plan, 4, 2, pin="pinned")
 
 
 def test_lora_params_follow_the_config():

@@ -63,3 +63,27 @@ def test_plan_reports_a_layer_that_cannot_fit(capsys):
     assert rc == 2 and not out["fits_device"] and out["binding"] == "device"
     assert "alone needs" in out["device_error"] and "usable device memory" in out["device_error"]
     assert any("longest sequence" in s for s in out["suggestions"])
+
+
+def test_plan_says_which_pin_mode_it_assumed_and_what_is_page_locked(capsys):
+    argv = ["qwen3-1.7b", "--hardware", "rtx4090x2", "--microbatches", "16"]
+    rc = main(["plan", *argv])
+    text = capsys.readouterr().out
+    assert rc == 0 and 'page-locked (pin="register")' in text
+    out = {m: _json(capsys, *argv, "--pin", m)[1] for m in ("copy", "register", "off")}
+    reg = out["register"]
+    assert reg["pin"] == "register"
+    host = reg["host_bytes"]
+    assert reg["host_pinned_bytes"] == (host["weights"] + host["pinned_buffers"]
+                                        + host["checkpoints"])
+    # copy: the same page-locked bytes, plus one weight held twice while copied: bounded
+    # by the largest layer, the head (151936 x 2048 projection and its 2048 norm)
+    assert out["copy"]["host_pinned_bytes"] == reg["host_pinned_bytes"]
+    assert out["copy"]["host_bytes"]["transient"] == (151936 + 1) * 2048 * 2
+    # off: the weights leave the page-locked set; 2 workers x 2 chunks of 32 MiB join it
+    off = out["off"]
+    assert off["host_bytes"]["bounce_buffers"] == 2 * 2 * 32 * 2**20
+    assert off["host_pinned_bytes"] == (reg["host_pinned_bytes"] - host["weights"]
+                                        + 2 * 2 * 32 * 2**20)
+    _, small = _json(capsys, *argv, "--pin", "off", "--copy-chunk-mb", "8")
+    assert small["host_bytes"]["bounce_buffers"] == 2 * 2 * 8 * 2**20

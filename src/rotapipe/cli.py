@@ -195,6 +195,13 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="fp16 math with fp16 accumulation (2x on GeForce cards)")
     a("--memory-fraction", type=float, default=0.9,
       help="share of device memory the plan may use (default: 0.9)")
+    a("--pin", choices=("copy", "register", "off"), default="register",
+      help="host memory mode of the weights, as PipeConfig.pin: page-locked by a copy, "
+           "page-locked in place, or pageable behind bounce buffers (default: register, "
+           "the CUDA default)")
+    a("--copy-chunk-mb", type=float, default=32.0,
+      help="bounce-buffer chunk in MiB with --pin off, as PipeConfig.copy_chunk_mb "
+           "(default: 32)")
     a("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -213,7 +220,8 @@ def plan(args: argparse.Namespace) -> int:
                      lora_rank=args.lora_rank if args.lora else None,
                      host_ram=int(args.host_ram * GB) if args.host_ram else None,
                      microbatches=args.microbatches, stale=args.stale,
-                     memory_fraction=args.memory_fraction)
+                     memory_fraction=args.memory_fraction, pin=args.pin,
+                     chunk_mb=args.copy_chunk_mb)
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.to_text())
     return 0 if result.fits else 2
 

@@ -1,6 +1,7 @@
 """How a :class:`rotapipe.RoundPipe` gets its plan: the planner's choice from costs the
 runtime knows, an explicit plan validated and kept, or the even partition the user
-asked for; and (``partition="refine"``) re-planning from measured stage times.
+asked for; and (``partition="refine"``, the default on CUDA) re-planning from measured
+stage times.
 
 The rule (docs/planning.md, "The runtime's plan"):
 
@@ -9,13 +10,19 @@ The rule (docs/planning.md, "The runtime's plan"):
 2. ``partition="even"``, or ``forward_stages`` / ``backward_stages`` set: the even
    partition with those counts (the defaults of :class:`~rotapipe.PipeConfig`).
 3. Otherwise the planner (:func:`rotapipe.sim.autoplan.choose_plan`) on
-   :func:`parameter_costs` (or the timed emulation's costs), at the pipeline's worker
-   count, microbatch count, recompute grain, ``tail_layers`` and worker budget (a CUDA
-   device's memory when ``device_memory`` is unset). It splits the fused tail into
-   several jobs (``Plan.tail_jobs``) only with a timed emulation's costs, which time
-   the transfers a split adds, and never with ``tail_context`` or buffers. If its memory bound
-   (a sufficient condition) fits no plan, the even partition is used and the
-   pipeline's own budget check and out-of-memory errors take over.
+   :func:`work_costs` of each layer's per-token arithmetic (the FLOP model of the
+   Hugging Face config when the adapter attached it, else the estimate of
+   :mod:`rotapipe.model.work`; the timed emulation's costs when set), at the
+   pipeline's worker count, microbatch count, recompute grain, ``tail_layers`` and
+   worker budget (a CUDA device's memory when ``device_memory`` is unset). It splits
+   the fused tail into several jobs (``Plan.tail_jobs``) only with a timed emulation's
+   costs, which time the transfers a split adds, and never with ``tail_context`` or
+   buffers. If its memory bound (a sufficient condition) fits no plan, the even
+   partition is used and the pipeline's own budget check and out-of-memory errors
+   take over.
+4. ``partition="auto"`` on CUDA workers runs as ``"refine"`` (:attr:`PipePlanner.mode`)
+   unless the run may be data parallel (``data_parallel.enabled=True``, or unset with
+   a ``torch.distributed`` group of more than one rank): ranks must keep one plan.
 """
 
 from __future__ import annotations
@@ -26,13 +33,16 @@ from dataclasses import replace
 
 from .config import PartitionMode, PipeConfig
 from .errors import ConfigError, PlanError
+from .model.work import estimate_work
 from .plan import LayerCost, ModelCosts, Plan, Stage, even_plan
+from .plan.costs import LayerWork
 from .plan.measured import MeasuredCosts, Pass, PlanRefiner
 from .schedule import ActionKind as K
 from .sim.autoplan import PlannerConfig, choose_plan
 
-__all__ = ["parameter_costs", "emulation_costs", "stage_samples", "PipePlanner",
-           "RUNTIME_EXHAUSTIVE"]
+__all__ = ["work_costs", "parameter_costs", "emulation_costs", "stage_samples",
+           "may_be_data_parallel", "PipePlanner", "RUNTIME_EXHAUSTIVE",
+           "NOMINAL_FLOPS_PER_BYTE"]
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +50,45 @@ RUNTIME_EXHAUSTIVE = 400
 """Plan-space size up to which the runtime's planner is exact (6 layers, milliseconds);
 larger models take the ranked candidates (see :class:`PlannerConfig`)."""
 
-_MS_PER_PARAM = 2e-9
-"""Forward time per parameter and token at a nominal 1 TFLOP/s (2 FLOPs per parameter):
-only the ratios between layers matter to the planner when no transfer is timed."""
+_MS_PER_FLOP = 1e-9
+"""A nominal 1 TFLOP/s: without a hardware profile only the ratios between layers
+matter to the planner (no transfer is timed)."""
+
+NOMINAL_FLOPS_PER_BYTE = 100.0
+"""FLOPs a nominal device computes in the time it moves one byte of its memory (an RTX
+4090: 165 TFLOP/s over 1 TB/s; an H100 PCIe: 756 over 2 TB/s): prices memory-bound
+work (embedding lookups, :attr:`LayerWork.memory_bytes`) against matmuls."""
+
+
+def work_costs(works: Sequence[LayerWork], weight_bytes: Sequence[int]) -> ModelCosts:
+    """Costs the runtime knows without a hardware profile, from each layer's per-token
+    arithmetic: forward time from ``forward_flops`` plus ``memory_bytes`` at
+    :data:`NOMINAL_FLOPS_PER_BYTE`, backward from ``backward_flops`` plus twice the
+    bytes, recompute once the forward, weights of ``weight_bytes`` (the real
+    parameters'); per token of a nominal 1 TFLOP/s device. No transfer times and no
+    activation bytes: tokens per microbatch are unknown before the first call."""
+    if len(works) != len(weight_bytes):
+        raise ConfigError(f"{len(works)} layer estimates for {len(weight_bytes)} layers")
+    layers = []
+    for i, (w, b) in enumerate(zip(works, weight_bytes)):
+        moved = NOMINAL_FLOPS_PER_BYTE * w.memory_bytes
+        f = (w.forward_flops + moved) * _MS_PER_FLOP
+        layers.append(LayerCost(f"layer{i}", f, (w.backward_flops + 2 * moved) * _MS_PER_FLOP,
+                                f, weight_bytes=int(b)))
+    return ModelCosts(tuple(layers), 1)
 
 
 def parameter_costs(params: Sequence[int], weight_bytes: Sequence[int]) -> ModelCosts:
-    """Costs the runtime knows without a hardware profile: each layer's forward time
-    proportional to its parameters (plus one, so that a parameter-free layer is not
-    free), backward twice and recompute once the forward, weights of ``weight_bytes``;
-    no transfer times and no activation bytes (both unknown before the first call)."""
+    """Costs from parameter counts alone (the runtime's rule before :func:`work_costs`;
+    kept for comparisons): each layer's forward time proportional to its parameters
+    (plus one, so that a parameter-free layer is not free), backward twice and
+    recompute once the forward, weights of ``weight_bytes``; no transfer times and no
+    activation bytes."""
     if len(params) != len(weight_bytes):
         raise ConfigError(f"{len(params)} parameter counts for {len(weight_bytes)} layers")
     layers = []
     for i, (n, w) in enumerate(zip(params, weight_bytes)):
-        f = (n + 1) * _MS_PER_PARAM
+        f = 2 * (n + 1) * _MS_PER_FLOP
         layers.append(LayerCost(f"layer{i}", f, 2 * f, f, weight_bytes=int(w)))
     return ModelCosts(tuple(layers), 1)
 
@@ -71,8 +105,13 @@ class PipePlanner:
 
     def __init__(self, config: PipeConfig, workers: int, costs: ModelCosts,
                  grad_bytes: Sequence[int], budget: int | None, *,
-                 refine_calls: int = 8, split_tail: bool = False):
+                 refine_calls: int = 8, split_tail: bool = False,
+                 auto_refine: bool = False):
         self.config, self.workers = config, workers
+        self.mode = PartitionMode.REFINE if auto_refine and \
+            config.partition is PartitionMode.AUTO else config.partition
+        """The partition mode in effect: ``config.partition``, except that ``"auto"``
+        runs as ``"refine"`` when ``auto_refine`` (CUDA workers, not data parallel)."""
         self.tail_jobs = (1, 2, 3, 4) if split_tail else (1,)
         """Tail job counts the planner may use (``Plan.tail_jobs``)."""
         self.base = costs
@@ -95,9 +134,11 @@ class PipePlanner:
     @classmethod
     def for_pipeline(cls, config: PipeConfig, layerset, devices: Sequence,
                      tail_context: bool) -> PipePlanner:
-        """The planner of a pipeline: per-layer costs from parameter counts (times from
-        a timed emulation when set), weight-gradient bytes of trainable layers, and the
-        worker budget (90% of a CUDA device's memory when ``device_memory`` is unset)."""
+        """The planner of a pipeline: per-layer costs from each layer's arithmetic
+        (:func:`work_costs` of :func:`rotapipe.model.estimate_work`; times from a timed
+        emulation when set), weight-gradient bytes of trainable layers, the worker
+        budget (90% of a CUDA device's memory when ``device_memory`` is unset), and
+        measured refinement by default on CUDA unless the run may be data parallel."""
         nbytes = config.precision.compute_dtype.itemsize
         params, weights, grads = [], [], []
         for pids in layerset.layer_params:
@@ -107,7 +148,7 @@ class PipePlanner:
                     for p in ps]
             weights.append(sum(size))
             grads.append(sum(b for b, p in zip(size, ps) if p.requires_grad))
-        costs = parameter_costs(params, weights)
+        costs = work_costs(estimate_work(layerset.layers, nbytes), weights)
         em = config.emulation
         if em is not None and len(em.costs.layers) == len(params):
             costs = emulation_costs(em.costs, weights)
@@ -120,8 +161,9 @@ class PipePlanner:
         # several workers): only with a timed emulation's costs, and never with a
         # whole-batch loss context or buffers (each tail job would keep its own).
         split = em is not None and not tail_context and not layerset.buffer_layers()
+        cuda = bool(devices) and devices[0].torch_device.type == "cuda"
         return cls(config, len(devices), costs, grads, min(budgets) if budgets else None,
-                   split_tail=split)
+                   split_tail=split, auto_refine=cuda and not may_be_data_parallel(config))
 
     # -- the first plan -------------------------------------------------------------
     def initial(self, plan: Plan | None) -> Plan:
@@ -137,7 +179,7 @@ class PipePlanner:
                                   f"has {n}: build the plan for {n} layers")
             self.source = "explicit"
             return plan
-        mode = self.config.partition
+        mode = self.mode
         if mode is PartitionMode.EVEN or self.explicit_counts:
             self.source = "even"
             return self._even()
@@ -188,6 +230,18 @@ class PipePlanner:
         if calls >= self.refine_calls:
             self.refiner.frozen = True
         return new if new != old else None
+
+
+def may_be_data_parallel(config: PipeConfig) -> bool:
+    """Whether the pipeline may turn data parallelism on (see
+    :class:`~rotapipe.DataParallelConfig`): asked for, or left to auto with an
+    initialized ``torch.distributed`` default group of more than one rank (a smaller
+    group passed to the pipeline is not known here: the answer errs towards yes)."""
+    enabled = config.data_parallel.enabled
+    if enabled is not None:
+        return enabled
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def stage_samples(spans: Iterable[tuple], stages: dict[str, Stage], estimate: ModelCosts,

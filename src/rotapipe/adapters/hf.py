@@ -28,13 +28,22 @@ import torch
 from torch import nn
 
 from ..config import PipeConfig
+from ..errors import ConfigError
+from ..model.work import set_work
+from ..plan.costs import model_work
 from .errors import AdapterError
 from .layers import DecoderLayer, EmbedLayer, HeadLayer
 from .loss import TokenCount, lm_loss
 from .moe import MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class
 from .side import SideInputs
 
-__all__ = ["AdapterError", "HFModel", "CausalLMLoss", "wrap_hf", "hf_pipe", "load_hf"]
+__all__ = ["AdapterError", "HFModel", "CausalLMLoss", "wrap_hf", "hf_pipe", "load_hf",
+           "PLANNER_SEQ"]
+
+PLANNER_SEQ = 2048
+"""Sequence length the runtime's planner prices attention at (capped by the config's
+``max_position_embeddings``): the real length is unknown before the first call, and
+only the ratios between layers matter to the plan."""
 
 
 class CausalLMLoss:
@@ -193,6 +202,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
     layers: list[nn.Module] = [EmbedLayer(embed, multiplier, moe)]
     layers += [DecoderLayer(b, i, routers[i], moe) for i, b in enumerate(blocks)]
     layers.append(HeadLayer(norm, head, softcap, divide, moe))
+    _attach_work(layers, config)
     if not _on_meta(base):
         _check_probe(side, multiplier, type(inner).__name__)
 
@@ -343,6 +353,22 @@ def _check_aux_formula(base, spec: MoESpec) -> None:
         raise AdapterError(f"{type(base).__name__}'s load_balancing_loss_func is not the "
                            "Switch-Transformer formula rotapipe carries through the "
                            "pipeline: pass moe_aux_loss=False")
+
+
+def _attach_work(layers: list[nn.Module], config) -> None:
+    """Give each layer its per-token arithmetic from the config (embedding, blocks with
+    attention at :data:`PLANNER_SEQ` tokens, LM head; :func:`rotapipe.plan.model_work`)
+    for the runtime's planner. A config the FLOP model cannot read leaves the layers to
+    the planner's estimate from their modules (:mod:`rotapipe.model.work`)."""
+    seq = min(int(getattr(config, "max_position_embeddings", None) or PLANNER_SEQ),
+              PLANNER_SEQ)
+    try:
+        works = model_work(config, seq)
+    except (ConfigError, TypeError, ValueError):
+        return
+    if len(works) == len(layers):
+        for layer, work in zip(layers, works):
+            set_work(layer, work)
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -3,7 +3,7 @@ model they are balanced with (analytic or measured), hardware profiles, the
 memory-aware partitioner and host-memory accounting."""
 
 from .balance import bound_plan, greedy_compute_plan, roundpipe_plan, split_balanced
-from .costs import LayerCost, ModelCosts, load_config, model_costs, model_work
+from .costs import LayerCost, LayerWork, ModelCosts, load_config, model_costs, model_work
 from .hardware import DEVICES, DeviceProfile, Hardware, hardware
 from .hostmem import HostMemory, host_memory, lora_params
 from .measured import MeasuredCosts, Pass, PlanRefiner
@@ -11,7 +11,7 @@ from .partition import Plan, Stage, StageKind, even_plan
 from .partitioner import Footprint, candidate_plans, min_max_cut
 
 __all__ = ["DEVICES", "DeviceProfile", "Footprint", "Hardware", "HostMemory", "LayerCost",
-           "MeasuredCosts", "ModelCosts", "Pass", "Plan", "PlanRefiner", "Stage",
-           "StageKind", "bound_plan", "candidate_plans", "even_plan", "greedy_compute_plan",
-           "hardware", "host_memory", "load_config", "lora_params", "min_max_cut",
-           "model_costs", "model_work", "roundpipe_plan", "split_balanced"]
+           "LayerWork", "MeasuredCosts", "ModelCosts", "Pass", "Plan", "PlanRefiner",
+           "Stage", "StageKind", "bound_plan", "candidate_plans", "even_plan",
+           "greedy_compute_plan", "hardware", "host_memory", "load_config", "lora_params",
+           "min_max_cut", "model_costs", "model_work", "roundpipe_plan", "split_balanced"]

@@ -121,6 +121,12 @@ class LayerWork:
     """Bytes autograd keeps per token for the backward."""
     output_bytes: float
     """Bytes of the layer's output per token."""
+    memory_bytes: float = 0.0
+    """Bytes a memory-bound layer moves per token in its forward, priced by bandwidth
+    rather than FLOPs (an embedding lookup reads one row and writes it; the backward
+    moves twice as many). The runtime's planner reads it (:mod:`rotapipe.pipe_plan`);
+    :func:`model_costs` leaves it out (a hardware profile's memory bandwidth is
+    informational)."""
 
 
 def load_config(model: str | pathlib.Path | Mapping | object) -> dict:
@@ -182,7 +188,9 @@ def model_work(config, seq: int, dtype_bytes: int = 2) -> tuple[LayerWork, ...]:
     moe_every = cfg.get("decoder_sparse_step") or 1
     dense_only = set(cfg.get("mlp_only_layers") or ())
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    works = [LayerWork("embed", 0.0, 0.0, vocab * h, 0.0, h * dtype_bytes)]
+    # Embedding: a row lookup, no FLOPs; it reads one row per token and writes it.
+    works = [LayerWork("embed", 0.0, 0.0, vocab * h, 0.0, h * dtype_bytes,
+                       memory_bytes=2 * h * dtype_bytes)]
     for i in range(layers):
         moe = experts and i not in dense_only and (i + 1) % moe_every == 0
         if moe:

@@ -4,7 +4,8 @@ the kernel's out-of-memory killer does.
 
 What lives in host memory (see :mod:`rotapipe.runtime.host`):
 
-- **weights**: a compute-dtype copy of every parameter (pinned, what workers upload);
+- **weights**: a compute-dtype copy of every parameter (what workers upload);
+  page-locked or not by the pin mode (below);
 - **masters**: an fp32 copy of every *trainable* parameter (the optimizer steps it);
 - **optimizer**: the optimizer's state per trainable parameter (Adam/AdamW: two fp32
   moments);
@@ -18,7 +19,26 @@ What lives in host memory (see :mod:`rotapipe.runtime.host`):
   reads (backward-stage starts, the tail start, forward-stage outputs), plus one input
   gradient per microbatch in flight.
 
+- **bounce buffers** (pin mode ``"off"``): per worker, two page-locked chunks of
+  ``copy_chunk_mb`` that pageable weights stream through on their way to the device;
+- **transient** (pin mode ``"copy"``): while a weight is copied into its new
+  page-locked storage the original still exists: one tensor held twice, at most.
+
 Frozen parameters (LoRA's base weights) have only their compute-dtype copy.
+
+What is page-locked (:attr:`HostMemory.pinned`; the kernel can neither swap nor evict
+it) depends on the pin mode (:class:`rotapipe.PinMode`, ``PipeConfig.pin``):
+
+- ``"copy"``: every weight is copied into newly allocated page-locked memory and the
+  original dropped: the same steady-state bytes, all page-locked, plus the transient;
+- ``"register"`` (the CUDA default): the existing storages are page-locked in place
+  (``cudaHostRegister``), no second copy;
+- ``"off"``: the weights stay pageable (a memory-mapped frozen base may stay in the
+  page cache or on disk) and uploads go through the bounce buffers.
+
+In every mode the gradient staging buffers and the checkpoints are page-locked (device
+downloads land in page-locked memory); masters, optimizer state and gradients are
+pageable.
 """
 
 from __future__ import annotations
@@ -26,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..config import PinMode
 from ..errors import ConfigError
 from .costs import ModelCosts, load_config
 from .partition import Plan
@@ -46,23 +67,52 @@ class HostMemory:
     gradients: int
     pinned_buffers: int
     checkpoints: int
+    bounce_buffers: int = 0
+    """Page-locked chunks pageable weights stream through (pin mode ``"off"``)."""
+    transient: int = 0
+    """The largest weight held twice while it is copied (pin mode ``"copy"``)."""
+    pin: PinMode = PinMode.REGISTER
+    """The pin mode the bytes assume."""
 
     @property
     def total(self) -> int:
+        """Peak host bytes: every kind, the transient included."""
         return (self.weights + self.masters + self.optimizer + self.gradients
-                + self.pinned_buffers + self.checkpoints)
+                + self.pinned_buffers + self.checkpoints + self.bounce_buffers
+                + self.transient)
+
+    @property
+    def pinned(self) -> int:
+        """Page-locked bytes in steady state (see the module docstring)."""
+        weights = 0 if self.pin is PinMode.OFF else self.weights
+        return weights + self.pinned_buffers + self.checkpoints + self.bounce_buffers
+
+    @property
+    def pageable(self) -> int:
+        """Bytes the kernel may swap or evict (the transient counts here)."""
+        return self.total - self.pinned
 
     def as_dict(self) -> dict[str, int]:
+        """Bytes by kind and their ``total`` (the kinds sum to it)."""
         return {"weights": self.weights, "masters": self.masters,
                 "optimizer": self.optimizer, "gradients": self.gradients,
                 "pinned_buffers": self.pinned_buffers, "checkpoints": self.checkpoints,
+                "bounce_buffers": self.bounce_buffers, "transient": self.transient,
                 "total": self.total}
 
     def describe(self) -> str:
-        """``612.3 GB = weights 65.5 + masters 131.0 + ...`` in decimal GB."""
+        """``612.3 GB = weights 65.5 + masters 131.0 + ...`` in decimal GB (the bounce
+        buffers and transient only where the pin mode has them)."""
+        optional = ("bounce_buffers", "transient")
         parts = " + ".join(f"{k.replace('_', ' ')} {v / GB:.1f}"
-                           for k, v in self.as_dict().items() if k != "total")
+                           for k, v in self.as_dict().items()
+                           if k != "total" and (v or k not in optional))
         return f"{self.total / GB:.1f} GB = {parts}"
+
+    def describe_pinned(self) -> str:
+        """``page-locked (pin="register"): 74.5 GB, pageable 662.3 GB``."""
+        return (f'page-locked (pin="{self.pin.value}"): {self.pinned / GB:.1f} GB, '
+                f"pageable {self.pageable / GB:.1f} GB")
 
 
 def lora_params(config, rank: int = 16,
@@ -97,14 +147,23 @@ def lora_params(config, rank: int = 16,
 def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, *,
                 trainable_params: Sequence[int] | None = None, dtype_bytes: int = 2,
                 optimizer_states: int = 2, grad_bytes: int = 4,
-                staged_grads: bool = True) -> HostMemory:
+                staged_grads: bool = True, pin: PinMode | str = PinMode.REGISTER,
+                chunk_mb: float = 32.0, largest_tensor: int | None = None) -> HostMemory:
     """Host bytes of a run of ``plan`` over ``costs`` with ``microbatches`` microbatches.
 
     ``trainable_params`` per layer (default: every parameter, full fine-tuning; LoRA:
     :func:`lora_params`, whose adapters also get a compute-dtype copy).
     ``optimizer_states``: fp32 tensors of optimizer state per trainable parameter
     (Adam: 2, SGD with momentum: 1). ``staged_grads``: count the call's staged
-    gradients beside the accumulated ones (what the runtime does)."""
+    gradients beside the accumulated ones (what the runtime does).
+
+    ``pin``: the weights' pin mode (module docstring); ``chunk_mb``: the bounce buffers'
+    chunk in MiB (``PipeConfig.copy_chunk_mb``); ``largest_tensor``: compute-dtype bytes
+    of the largest weight, the ``"copy"`` transient (default: the largest layer's
+    weights, an upper bound: the runtime copies tensor by tensor)."""
+    mode = _pin_mode(pin)
+    if not chunk_mb > 0:
+        raise ConfigError(f"chunk_mb={chunk_mb!r}: use the copy chunk in MiB, > 0 (e.g. 32)")
     layers = costs.layers
     params = [l.weight_bytes // dtype_bytes for l in layers]
     trainable = list(trainable_params) if trainable_params is not None else params
@@ -124,8 +183,22 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
                  for b in boundaries)
     per_mb += costs.input_bytes + layers[plan.tail.start - 1].output_bytes \
         if plan.tail.start > 0 else costs.input_bytes
+    if largest_tensor is None:
+        largest_tensor = max(l.weight_bytes for l in layers)
     return HostMemory(weights=weights, masters=4 * n_train,
                       optimizer=4 * optimizer_states * n_train,
                       gradients=grad_bytes * n_train * (2 if staged_grads else 1),
                       pinned_buffers=2 * workers * stage_bytes,
-                      checkpoints=microbatches * per_mb)
+                      checkpoints=microbatches * per_mb,
+                      bounce_buffers=(2 * workers * int(chunk_mb * 2**20)
+                                      if mode is PinMode.OFF else 0),
+                      transient=int(largest_tensor) if mode is PinMode.COPY else 0,
+                      pin=mode)
+
+
+def _pin_mode(pin: PinMode | str) -> PinMode:
+    try:
+        return PinMode(pin)
+    except ValueError:
+        raise ConfigError(f"pin={pin!r}: use one of "
+                          f"{', '.join(repr(m.value) for m in PinMode)}") from None

@@ -71,6 +71,7 @@ class PlanAnalysis:
                "fits_device": self.fits_device, "fits_host": self.fits_host,
                "binding": self.binding, "device_limit_bytes": self.device_limit,
                "host_limit_bytes": self.host_limit, "host_bytes": self.host.as_dict(),
+               "pin": self.host.pin.value, "host_pinned_bytes": self.host.pinned,
                "longest_seq": self.longest_seq,
                "longest_seq_with_host": self.longest_seq_host, "suggestions": list(self.suggestions),
                "device_error": self.device_error}
@@ -102,6 +103,7 @@ class PlanAnalysis:
                      f"have {self.host_limit / GB:.0f}" + ("" if self.fits_host else
                                                            " (does not fit)"))
         lines.append(f"  {self.host.describe()}")
+        lines.append(f"  {self.host.describe_pinned()}")
         if c is not None:
             r, p = c.report, c.plan
             lines.append(f"plan: {len(p.forward)} forward stages, fused tail "
@@ -160,7 +162,8 @@ def _fits_device(costs: ModelCosts, memory: int, grad_bytes) -> bool:
 
 def longest_sequence(model, hw: Hardware, *, global_batch: int, device_limit: int,
                      host_limit: int | None = None, lora_rank: int | None = None,
-                     limit: int = 1 << 20) -> int:
+                     limit: int = 1 << 20, pin: str = "register",
+                     chunk_mb: float = 32.0) -> int:
     """Longest sequence (multiple of 128) for which some plan fits device memory with
     one sequence per microbatch and, if ``host_limit`` is given, host memory holds the
     model state and every checkpoint (0: none)."""
@@ -173,7 +176,7 @@ def longest_sequence(model, hw: Hardware, *, global_batch: int, device_limit: in
         if host_limit is None:
             return True
         host = host_memory(costs, _singles_plan(len(costs.layers)), global_batch,
-                           hw.count, trainable_params=trainable)
+                           hw.count, trainable_params=trainable, pin=pin, chunk_mb=chunk_mb)
         return host.total <= host_limit
 
     lo, hi = 0, limit // 128   # in units of 128 tokens: ok(lo * 128), not ok(hi * 128)
@@ -196,9 +199,12 @@ def _trainable(model, hw: Hardware, lora_rank: int | None):
 def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
             lora_rank: int | None = None, host_ram: int | None = None,
             microbatches: int | None = None, stale: bool = False,
-            memory_fraction: float = 0.9) -> PlanAnalysis:
+            memory_fraction: float = 0.9, pin: str = "register",
+            chunk_mb: float = 32.0) -> PlanAnalysis:
     """Plan ``model`` on ``hw`` for steps of ``global_batch`` sequences of ``seq``
-    tokens (LoRA of ``lora_rank`` if given) and judge the fit; see :class:`PlanAnalysis`."""
+    tokens (LoRA of ``lora_rank`` if given) and judge the fit; see :class:`PlanAnalysis`.
+    Host memory assumes the weights' pin mode ``pin`` (:class:`rotapipe.PinMode`) and
+    copy chunks of ``chunk_mb`` MiB (:func:`rotapipe.plan.host_memory`)."""
     if seq < 1 or global_batch < 1:
         raise ConfigError(f"seq ({seq}) and global batch ({global_batch}) must be >= 1")
     if microbatches is not None and (microbatches < 1 or global_batch % microbatches):
@@ -220,17 +226,17 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     try:
         choice = choose_plan(costs_for, config)
         host = host_memory(choice.costs, choice.plan, choice.microbatches, hw.count,
-                           trainable_params=trainable)
+                           trainable_params=trainable, pin=pin, chunk_mb=chunk_mb)
     except PlanError as exc:
         error = str(exc)
         costs = costs_for(max(counts))
         host = host_memory(costs, _singles_plan(len(costs.layers)), max(counts), hw.count,
-                           trainable_params=trainable)
+                           trainable_params=trainable, pin=pin, chunk_mb=chunk_mb)
     longest = longest_sequence(model, hw, global_batch=global_batch,
                                device_limit=device_limit, lora_rank=lora_rank)
     longest_host = longest_sequence(model, hw, global_batch=global_batch,
                                     device_limit=device_limit, host_limit=host_limit,
-                                    lora_rank=lora_rank)
+                                    lora_rank=lora_rank, pin=pin, chunk_mb=chunk_mb)
     mfu = 0.0
     if choice is not None:
         flops = sum(w.forward_flops + w.backward_flops for w in model_work(model, seq))
@@ -262,7 +268,7 @@ def _with_suggestions(a: PlanAnalysis, model, hw, lora_rank, counts) -> PlanAnal
             costs = a.choice.costs if a.choice else _costs(model, hw, a.seq)
             plan = a.choice.plan if a.choice else _singles_plan(len(costs.layers))
             lo = host_memory(costs, plan, a.choice.microbatches if a.choice else max(counts),
-                             hw.count, trainable_params=t)
+                             hw.count, trainable_params=t, pin=a.host.pin)
             out.append(f"LoRA (--lora, rank 16) needs {lo.total / GB:.0f} GB of host RAM: "
                        "frozen weights have no master, gradient or optimizer state")
         if a.host.checkpoints > 0.2 * a.host.total:
