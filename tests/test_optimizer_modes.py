@@ -144,10 +144,14 @@ def test_overlap_failure_after_deeper_steps_changes_nothing(clip):
         ref_opt = OPTIMIZERS["adamw"](ref.parameters())
         pipe.attach_optimizer(opt)
         stepped = []
+        # The tail and every backward stage deeper than layer 1's are stepped before
+        # layer 1's backward fails (whatever plan the planner picked).
+        deeper = 1 + sum(1 for st in pipe.plan.backward if st.start > 1)
+        assert deeper >= 2, pipe.plan.to_text()
 
         def cost(pids):
             stepped.append(pids)
-            if len(stepped) >= 3:          # the tail and two deeper backward stages
+            if len(stepped) >= deeper:
                 trigger.ready.set()
         pipe._optimizer_cost = cost
 
@@ -171,7 +175,7 @@ def test_overlap_failure_after_deeper_steps_changes_nothing(clip):
         with pytest.raises(rotapipe.WorkerError):
             pipe.train_step(*batches[2])
         trigger.disarm()
-        assert trigger.fired_at is not None and len(stepped) >= 3, stepped
+        assert trigger.fired_at is not None and len(stepped) >= deeper, stepped
         assert_same_state(before, snapshot(pipe, opt))
 
         pipe.train_step(*batches[2])

@@ -38,8 +38,10 @@ class PartitionMode(str, enum.Enum):
 
     AUTO = "auto"
     """The planner's fastest plan that fits ``device_memory``, from costs the runtime
-    knows (parameter counts, or the timed emulation's costs); ``forward_stages`` /
-    ``backward_stages`` set explicitly switch to the even partition."""
+    knows (each layer's FLOPs and bytes, or the timed emulation's costs); on CUDA GPUs
+    without data parallelism it then refines the plan from measured timings, as
+    ``"refine"``. ``forward_stages`` / ``backward_stages`` set explicitly switch to the
+    even partition."""
     EVEN = "even"
     """Even split into ``forward_stages`` / ``backward_stages`` stages."""
     REFINE = "refine"

@@ -151,21 +151,23 @@ class _Run:
         self.threads: list[threading.Thread] = []
         self.spans: list[tuple[Action, float, float]] = []   # appended by stream threads
         self.last_events: list = []
-        self._cv = threading.Condition()
-        self._generation = 0
+        # One wake-up per dispatcher; an action's record or completion wakes only the
+        # dispatchers whose actions depend on it (and its own).
+        self._wake = {w: _Wake() for w in self.workers}
+        watchers: dict[str, set[int]] = defaultdict(set)
+        for a in schedule.actions:
+            for d in a.deps + a.host_deps:
+                watchers[d].add(a.worker)
+        self._watchers = {a.key: tuple(self._wake[w] for w in watchers[a.key] | {a.worker})
+                          for a in schedule.actions}
 
     def fail(self, action: Action, exc: BaseException) -> None:
         with self._fail_lock:
             if self.failure is None:
                 self.failure = (action, exc)
         self.abort.set()
-        self.notify()
-
-    def notify(self) -> None:
-        """Wake the dispatchers: an action was recorded or an event completed."""
-        with self._cv:
-            self._generation += 1
-            self._cv.notify_all()
+        for wake in self._wake.values():
+            wake.set()
 
     def start(self) -> None:
         for worker, lanes in self.workers.items():
@@ -193,7 +195,8 @@ class _Run:
         a = None
         try:
             while queues or copies:
-                generation = self._generation
+                wake = self._wake[worker]
+                generation = wake.generation
                 progressed = False
                 for lane in list(queues) + [l for l in copies if l not in queues]:
                     if self.abort.is_set():
@@ -215,11 +218,9 @@ class _Run:
                 if progressed:
                     idle = _IDLE_MIN
                     continue
-                with self._cv:
-                    if self._generation == generation and not self.abort.is_set():
-                        # Emulated events wake us when they complete; on CUDA we poll,
-                        # backing off while nothing moves.
-                        self._cv.wait(_IDLE_NOTIFIED if notify_ok else idle)
+                # Emulated events wake us when they complete; on CUDA we poll, backing
+                # off while nothing moves.
+                wake.wait(generation, _IDLE_NOTIFIED if notify_ok else idle)
                 # A chunk in flight: its completion lets the next one go; keep polling
                 # fast so that the copy engine does not sit idle between chunks.
                 idle = _IDLE_MIN if copies else min(idle * 2, _IDLE_MAX)
@@ -253,9 +254,9 @@ class _Run:
             self._next_chunk(stream, lane, copies)
             return
         stream.submit(self._runner(a), lambda exc, a=a: self.fail(a, exc), self.abort, a.key)
-        ev = stream.record(self.notify)
+        ev = stream.record(self._notifier(a))
         if a.kind in CRITICAL:
-            gates[direction(lane)].add(ev, waits_on)
+            gates[direction(lane)].add(lane, ev, waits_on)
         self._recorded(a, ev)
 
     def _next_chunk(self, stream, lane: Lane, copies: dict) -> bool:
@@ -276,7 +277,7 @@ class _Run:
         a = c.action
         stream.submit(self._chunk_runner(a, chunk.copy), lambda exc, a=a: self.fail(a, exc),
                       self.abort, f"{a.key}#{c.next}")
-        c.last = ev = stream.record(self.notify)
+        c.last = ev = stream.record(self._notifier(a))
         if chunk.issued is not None:
             chunk.issued(ev)
         c.next += 1
@@ -287,7 +288,18 @@ class _Run:
 
     def _recorded(self, a: Action, ev) -> None:
         self.events[a.key] = ev
-        self.notify()
+        for wake in self._watchers[a.key]:
+            wake.set()
+
+    def _notifier(self, a: Action):
+        """What an event of ``a`` calls on completion: wake the dispatchers that wait
+        for ``a`` (host dependencies, gated chunks and the copy gate: its own)."""
+        watchers = self._watchers[a.key]
+
+        def notify():
+            for wake in watchers:
+                wake.set()
+        return notify
 
     def _runner(self, a: Action):
         def run():
@@ -333,6 +345,27 @@ class _Run:
             self.fail(first, TimeoutError(
                 f"no action completed for {idle:.0f} s (timeout_s={self.ex.timeout_s}); "
                 "the first action not yet issued is marked"))
+
+
+class _Wake:
+    """A dispatcher's wake-up: a generation counter under a condition."""
+
+    __slots__ = ("cond", "generation")
+
+    def __init__(self):
+        self.cond = threading.Condition(threading.Lock())
+        self.generation = 0
+
+    def set(self) -> None:
+        with self.cond:
+            self.generation += 1
+            self.cond.notify()
+
+    def wait(self, seen: int, timeout: float) -> None:
+        """Sleep until woken after generation ``seen`` (or ``timeout``)."""
+        with self.cond:
+            if self.generation == seen:
+                self.cond.wait(timeout)
 
 
 _IDLE_MIN, _IDLE_MAX = 1e-4, 2e-3

@@ -75,19 +75,30 @@ class CopyGate:
     yet complete (host-side bookkeeping of the dispatcher, no hardware arbiter).
 
     :meth:`pending` gives the events a chunk's stream must wait on: those of critical
-    copies that are runnable (every event they wait on has completed) and not
-    complete. A critical copy still waiting for its producer is not pending: the chunk
-    may go, and the copy waits for at most that chunk once it becomes runnable."""
+    copies that are runnable and not complete. A copy is runnable when every event it
+    waits on has completed and the copy before it on its stream is runnable or done
+    (a stream runs in order). A critical copy still waiting for its producer is not
+    pending: the chunk may go, and the copy waits for at most that chunk once it
+    becomes runnable."""
 
     def __init__(self):
-        self._inflight: list[tuple[object, list]] = []   # (its event, events it waits on)
+        self._lanes: dict[object, list[tuple[object, list]]] = {}   # lane -> (event, waits)
 
-    def add(self, event, waits_on: list) -> None:
-        self._inflight.append((event, waits_on))
+    def add(self, lane, event, waits_on: list) -> None:
+        self._lanes.setdefault(lane, []).append((event, waits_on))
 
     def pending(self) -> list:
-        self._inflight = [(ev, deps) for ev, deps in self._inflight if not ev.query()]
-        return [ev for ev, deps in self._inflight if all(d.query() for d in deps)]
+        out = []
+        for lane, copies in self._lanes.items():
+            done = 0
+            while done < len(copies) and copies[done][0].query():
+                done += 1                 # a stream completes in order: a done prefix
+            del copies[:done]
+            for ev, waits_on in copies:
+                if not all(d.query() for d in waits_on):
+                    break                 # it and everything behind it wait
+                out.append(ev)
+        return out
 
 
 class CopyEngine:
