@@ -53,6 +53,12 @@ class BlockPool:
             # Claimed under the lock: the tensor's reference makes the block busy.
             return torch.empty(0, dtype=dtype).set_(block, 0, shape)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pooled blocks (in use or idle); small tensors are not pooled."""
+        with self._lock:
+            return sum(b.nbytes() for blocks in self._blocks.values() for b in blocks)
+
     def _alloc(self, shape, dtype: torch.dtype) -> torch.Tensor:
         if self.pinning is not None:
             return self.pinning.empty(shape, dtype)
