@@ -43,12 +43,13 @@ def test_adapter_grads_equal_peft(workers, microbatches):
     assert all(p.grad is None for p in m.parameters() if not p.requires_grad)
 
 
-def test_frozen_base_is_one_copy_in_compute_dtype():
+@pytest.mark.parametrize("pin", ["copy", "register", "off"])
+def test_frozen_base_is_one_copy_in_compute_dtype(pin):
     model = lora(tiny("qwen3").to(torch.bfloat16))
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
     ptrs = {id(p): p.data_ptr() for p in frozen.values()}
     wrapped = rotapipe.adapters.wrap_hf(model)
-    cfg = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated",
+    cfg = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated", pin=pin,
                               precision=rotapipe.PrecisionConfig("bf16"))
     with wrapped.pipe(cfg) as pipe:
         pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-3))
@@ -60,8 +61,9 @@ def test_frozen_base_is_one_copy_in_compute_dtype():
         for pid, p in enumerate(pipe.layerset.params):
             for t in (p.data, host.compute[pid]):
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            if id(p) in frozen:   # the very tensor the model holds, bf16, no master
-                assert p.dtype == torch.bfloat16 and p.data_ptr() == ptrs[id(p)]
+            if id(p) in frozen:   # bf16, no master; the very tensor unless pinned by copy
+                assert p.dtype == torch.bfloat16
+                assert (p.data_ptr() == ptrs[id(p)]) == (pin != "copy")
                 assert host.compute[pid].data_ptr() == p.data_ptr() and p.grad is None
             else:                 # an adapter weight: fp32 master + bf16 copy
                 assert p.dtype == torch.float32 and p.grad is None   # stepped

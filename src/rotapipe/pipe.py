@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .config import OptimizerMode, PipeConfig
+from .config import OptimizerMode, PinMode, PipeConfig
 from .errors import ConfigError, DistributedError, InputError, ScheduleError, WorkerError
 from .model import LayerSet
 from .pipe_plan import PipePlanner
@@ -29,6 +29,7 @@ from .runtime.backend import Device
 from .runtime.calls import CallRunner, check_stage_budget, split_batch
 from .runtime.devices import make_devices
 from .runtime.host import CallGrads, HostState, LossScaler
+from .runtime.pinning import HostPinning, resolve_pin
 from .runtime.optimizer import HostOptimizer, OverlapStep
 from .runtime import trees
 
@@ -111,11 +112,11 @@ class RoundPipe:
         self._planner = PipePlanner.for_pipeline(config, self.layerset, self.devices,
                                                  self.tail_context is not None)
         self.plan = plan = self._planner.initial(plan)
-        pin = None
-        if self.devices and self.devices[0].torch_device.type == "cuda":
-            from .runtime.cuda import pin
+        cuda = bool(self.devices) and self.devices[0].torch_device.type == "cuda"
+        self.pinning = HostPinning(resolve_pin(config.pin, cuda, self.layerset,
+                                               dtype=config.precision.compute_dtype), cuda)
         # The stale optimizer steps the masters while workers upload the compute copies.
-        self.host = HostState(self.layerset, config.precision, pin,
+        self.host = HostState(self.layerset, config.precision, self.pinning,
                               separate=config.optimizer is OptimizerMode.STALE)
         check_stage_budget(plan, self.layerset, self.host, self.devices)
         self.scaler = LossScaler(config.precision)
@@ -123,7 +124,7 @@ class RoundPipe:
                                        config.clip_grad_norm)
         self._calls = CallRunner(self.layerset, self.host, loss_fn, self.devices, config,
                                  plan, side_inputs=side_inputs,
-                                 tail_context=self.tail_context)
+                                 tail_context=self.tail_context, pinning=self.pinning)
         stages = self._calls.stages
         self.data_parallel = None
         """The data-parallel gradient reducer (``None`` when off); ``.last`` holds the
@@ -252,9 +253,7 @@ class RoundPipe:
             reduce = dp.begin(schedule, grads)
             ctx.handoff, ctx.mb_offset = reduce.handoff, dp.rank * M
             ctx.extra_weight = local / total
-        host_store = self._calls.host_store(mbs)
-        for m, y in enumerate(lbs):
-            host_store.put(("labels", m), y)
+        host_store = self._calls.host_store(mbs, lbs)
         # The optimizer work of this call (after ctx: it captured the loss scale).
         stages = self._calls.stages
         hook = self._host_opt.start_call(
@@ -398,6 +397,14 @@ class RoundPipe:
         if self._planner.refiner is not None:   # a schedule of the user's: keep its plan
             self._planner.refiner.frozen = True
 
+    @property
+    def pin_mode(self) -> PinMode:
+        """The host memory mode of the weights (:class:`rotapipe.PinMode`): the
+        configured ``pin``, or what the auto rule chose for ``pin=None``
+        (:func:`rotapipe.runtime.pinning.resolve_pin`; docs/host_memory.md).
+        ``self.pinning.stats`` counts the bytes of each kind."""
+        return self.pinning.mode
+
     def last_timeline(self):
         """When each action of the last call ran, as a :class:`rotapipe.sim.Timeline`
         (milliseconds from the call's first action), so the simulator's tools apply to
@@ -429,6 +436,8 @@ class RoundPipe:
             self.data_parallel.close()
         if self._finalizer is not None:
             self._finalizer()
+        if getattr(self, "pinning", None) is not None:
+            self.pinning.close()       # after the workers stopped reading the weights
 
     def __enter__(self):
         return self

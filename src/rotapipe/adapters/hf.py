@@ -223,7 +223,13 @@ def load_hf(path, *, dtype: torch.dtype | str | None = None, adapter: str | None
             trainable: bool = True, **kwargs) -> nn.Module:
     """Load a causal LM from a local directory (safetensors, memory-mapped by
     ``transformers``, so host RAM holds the weights once), optionally with a PEFT
-    adapter from ``adapter`` (trainable unless ``trainable=False``)."""
+    adapter from ``adapter`` (trainable unless ``trainable=False``).
+
+    ``transformers`` 5.x leaves the weights in a private mapping of the
+    ``.safetensors`` file (pages fault in on first use, as page cache). Loaded in the
+    compute dtype, a frozen base stays mapped in the pipeline, and ``PipeConfig(pin=None)``
+    keeps it pageable when pinning it would not fit in RAM (found by address, see
+    :func:`rotapipe.runtime.pinning.resolve_pin`; docs/host_memory.md)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     if adapter is not None:

@@ -25,6 +25,8 @@ from .backend import Device
 from .executor import Executor
 from .host import CallGrads, HostState
 from .kernels import ActionRunner, CallContext
+from .pinning import HostPinning
+from .pool import BlockPool
 from .store import Store
 from . import trees
 
@@ -76,8 +78,12 @@ class CallRunner:
     """Runs one pipeline's calls on its workers (see the module docstring)."""
 
     def __init__(self, layerset: LayerSet, host: HostState, loss_fn, devices: list[Device],
-                 config: PipeConfig, plan: Plan, *, side_inputs, tail_context):
+                 config: PipeConfig, plan: Plan, *, side_inputs, tail_context,
+                 pinning: HostPinning | None = None):
         self.ls, self.host, self.devices, self.config = layerset, host, devices, config
+        # User inputs, labels and side inputs are staged into page-locked blocks, reused
+        # across calls, so that no upload reads pageable memory (None: no staging).
+        self._staging = BlockPool(pinning=pinning) if pinning is not None else None
         self.side_inputs, self.tail_context = side_inputs, tail_context
         self.check = config.check_races and devices[0].torch_device.type == "cpu"
         self.stores = [Store(f"worker {d.index}", d, self.check) for d in devices]
@@ -134,14 +140,31 @@ class CallRunner:
                            has_side=self.side_inputs is not None, autocast=autocast,
                            tail_context=self.tail_context, grads=grads)
 
-    def host_store(self, mbs: list) -> Store:
-        """The call's host store, holding each microbatch's inputs (and side inputs)."""
+    def host_store(self, mbs: list, lbs: list | None = None) -> Store:
+        """The call's host store, holding each microbatch's inputs, labels (``lbs``) and
+        side inputs, staged in page-locked memory (side inputs are computed from the
+        caller's inputs, before staging)."""
         store = Store("host memory", None, self.check)
         for m, x in enumerate(mbs):
-            store.put(("act", 0, m), x)
+            store.put(("act", 0, m), self._stage(x))
+            if lbs is not None:
+                store.put(("labels", m), self._stage(lbs[m]))
             if self.side_inputs is not None:
-                store.put(("side", m), self.side_inputs(x))
+                store.put(("side", m), self._stage(self.side_inputs(x)))
         return store
+
+    def _stage(self, tree):
+        """``tree`` with every CPU tensor leaf copied into a page-locked block."""
+        pool = self._staging
+        if pool is None:
+            return tree
+
+        def stage(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type != "cpu" or pool.pinning.is_pinned(t):
+                return t
+            return pool.empty(t.shape, t.dtype).copy_(t)
+        with torch.no_grad():
+            return trees.map_tensors(stage, tree)
 
     def run(self, schedule: Schedule, ctx: CallContext, host_store: Store) -> None:
         """Run ``schedule`` on the workers; raise the first failure (as the executor

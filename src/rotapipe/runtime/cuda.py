@@ -134,7 +134,3 @@ class CudaDevice(Device):
             time.sleep(0.001)
         return True
 
-
-def pin(tensor: torch.Tensor) -> torch.Tensor:
-    """Pinned copy of a host tensor (used for compute-dtype weights on CUDA)."""
-    return tensor.pin_memory()

@@ -13,48 +13,59 @@ only when the whole call succeeded, so a failed call changes nothing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import torch
 
 from ..config import PrecisionConfig
 from ..model import LayerSet
+from .pinning import HostPinning
 
 
 class HostState:
-    """``separate=True`` gives every master a compute copy of its own even in fp32 (the
+    """``pinning`` keeps every tensor the workers upload in its host memory mode
+    (:class:`~rotapipe.runtime.pinning.HostPinning`; ``None``: pageable, as allocated).
+    ``separate=True`` gives every master a compute copy of its own even in fp32 (the
     stale optimizer steps the masters while workers still upload the old weights)."""
 
     def __init__(self, layerset: LayerSet, precision: PrecisionConfig,
-                 pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 separate: bool = False):
+                 pinning: HostPinning | None = None, separate: bool = False):
         self.layerset = layerset
         self.dtype = precision.compute_dtype
+        self.pinning = pinning
         self.compute: list[torch.Tensor] = []
         self._separate: list[int] = []     # params whose compute copy is not the master
+        keep = pinning.keep if pinning is not None else (lambda t: t)
         for pid, p in enumerate(layerset.params):
             if p.requires_grad:
                 if p.dtype != torch.float32:
                     p.data = p.data.float()
                 if self.dtype == torch.float32 and not separate:
-                    if pin is not None:
-                        p.data = pin(p.data)
+                    p.data = keep(p.data)          # the master is its own compute copy
                     self.compute.append(p.data)
                 else:
-                    c = p.data.to(self.dtype, copy=True)
-                    self.compute.append(pin(c) if pin is not None else c)
+                    # Allocated in its mode (page-locked from the start), then filled:
+                    # pinning a finished copy would copy it a second time.
+                    c = pinning.new(p.shape, self.dtype) if pinning is not None else \
+                        torch.empty(p.shape, dtype=self.dtype)
+                    with torch.no_grad():
+                        c.copy_(p.data)
+                    self.compute.append(c)
                     self._separate.append(pid)
             else:
                 if p.is_floating_point() and p.dtype != self.dtype:
                     p.data = p.data.to(self.dtype)
-                if pin is not None:
-                    p.data = pin(p.data)
+                p.data = keep(p.data)
                 self.compute.append(p.data)
         self._is_separate = frozenset(self._separate)
         self.trainable = [pid for pid, p in enumerate(layerset.params) if p.requires_grad]
         self.samples = 0.0
         """Loss items (samples, or ``loss_weight`` units) whose gradients ``param.grad``
         holds since the last step/zero_grad."""
+
+    def is_pinned(self, pid: int) -> bool:
+        """Whether the compute copy of parameter ``pid`` (what workers upload) is page-
+        locked (recorded so on emulated workers); ``False`` without a pinning."""
+        return self.pinning is not None and self.pinning.is_pinned(self.compute[pid])
 
     def write_back(self, pids: list[int] | None = None) -> None:
         """Refresh compute-dtype copies from the masters after an optimizer step (of the

@@ -18,7 +18,9 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class BlockPool:
-    """Reusable host storages for copies, keyed by byte size (pinned with ``pin``).
+    """Reusable host storages for copies, keyed by byte size (pinned with ``pin``, or
+    allocated by ``pinning``, a :class:`~rotapipe.runtime.pinning.HostPinning`, whose
+    page-locked buffers are accounted, also on emulated workers).
 
     A block is handed out again only when no tensor uses its storage any more (its use
     count is the pool's own reference), so reuse can never alias live data, whoever
@@ -28,8 +30,9 @@ class BlockPool:
 
     MIN_BYTES = 1 << 16
 
-    def __init__(self, pin: bool = False):
+    def __init__(self, pin: bool = False, pinning=None):
         self.pin = pin
+        self.pinning = pinning
         self._blocks: dict[int, list[torch.UntypedStorage]] = {}
         self._lock = threading.Lock()
 
@@ -37,7 +40,7 @@ class BlockPool:
         """A contiguous tensor of ``shape`` and ``dtype`` with undefined contents."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.MIN_BYTES or _use_count is None:
-            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            return self._alloc(shape, dtype)
         with self._lock:
             blocks = self._blocks.setdefault(nbytes, [])
             for i, block in enumerate(blocks):
@@ -45,8 +48,18 @@ class BlockPool:
                     blocks.append(blocks.pop(i))   # least recently taken first next time
                     break
             else:
-                block = torch.empty(nbytes, dtype=torch.uint8,
-                                    pin_memory=self.pin).untyped_storage()
+                block = self._alloc((nbytes,), torch.uint8).untyped_storage()
                 blocks.append(block)
             # Claimed under the lock: the tensor's reference makes the block busy.
             return torch.empty(0, dtype=dtype).set_(block, 0, shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pooled blocks (in use or idle); small tensors are not pooled."""
+        with self._lock:
+            return sum(b.nbytes() for blocks in self._blocks.values() for b in blocks)
+
+    def _alloc(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        if self.pinning is not None:
+            return self.pinning.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
