@@ -114,7 +114,7 @@ def child(code: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--steps", type=int, default=3)

@@ -158,9 +158,9 @@ def bench(model: str, args) -> list[dict]:
     for label, e, plan, schedule, mode, grain, sim_tl in runs:
         row = measure(label, e, plan, schedule, mode, grain, M, args.steps, sim_tl)
         if args.ungated:
-            # The same schedule with every weight copy issued at once (gate_copies=False).
-            off = measure(label, e, plan, schedule, mode, grain, M, args.steps, sim_tl,
-                          gate=False)
+            # The same schedule with every weight copy issued at once (gate_copies=False),
+            # one measured step.
+            off = measure(label, e, plan, schedule, mode, grain, M, 1, sim_tl, gate=False)
             row["ungated"] = off["tokens"]
         rows.append(row)
     base = rows[3]["tokens"]      # 1F1B with the optimizer stepped after the call

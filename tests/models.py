@@ -8,6 +8,8 @@ share of the batch, exactly as ``RoundPipe.forward_backward`` documents.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -100,5 +102,12 @@ def reference_forward_backward(model: nn.Sequential, inputs, labels, microbatche
 
 
 def emulated(workers: int, microbatches: int, **kw) -> rotapipe.PipeConfig:
+    """Emulated workers. ``ROTAPIPE_TEST_PIN`` (copy / register / off) and
+    ``ROTAPIPE_TEST_CHUNK_MB`` run a suite with another host memory mode or weight
+    chunk size (docs/host_memory.md)."""
+    if os.environ.get("ROTAPIPE_TEST_PIN"):
+        kw.setdefault("pin", os.environ["ROTAPIPE_TEST_PIN"])
+    if os.environ.get("ROTAPIPE_TEST_CHUNK_MB"):
+        kw.setdefault("copy_chunk_mb", float(os.environ["ROTAPIPE_TEST_CHUNK_MB"]))
     return rotapipe.PipeConfig(workers=workers, microbatches=microbatches,
                                backend="emulated", **kw)

@@ -210,12 +210,28 @@ def test_prefetch_bounds_the_resident_stages(depth):
                 assert frees == [], (a.key, frees)
 
 
+def _twins(dim: int, layers: int):
+    """A tiny GPT and an identical plain-PyTorch reference."""
+    torch.manual_seed(0)
+    model = rotapipe.model.tiny.tiny_gpt(32, dim, layers, heads=2)
+    ref = rotapipe.model.tiny.tiny_gpt(32, dim, layers, heads=2)
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def _reference_loss(ref, x, y, microbatches: int) -> float:
+    """Accumulate ``ref``'s gradients over the microbatches as the pipeline does."""
+    total = 0.0
+    for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
+        l = lm_loss(ref(xm), ym) / microbatches
+        l.backward()
+        total += l.item()
+    return total
+
+
 @pytest.mark.parametrize("prefetch", [2, 3])
 def test_deeper_prefetch_is_exact(prefetch):
-    torch.manual_seed(0)
-    model = rotapipe.model.tiny.tiny_gpt(32, 16, 6, heads=2)
-    ref = rotapipe.model.tiny.tiny_gpt(32, 16, 6, heads=2)
-    ref.load_state_dict(model.state_dict())
+    model, ref = _twins(16, 6)
     x, y = stride_batch(6, 8, 32)
     pipe = rotapipe.RoundPipe(model, lm_loss, config=rotapipe.PipeConfig(
         workers=2, microbatches=3, backend="emulated", prefetch=prefetch))
@@ -223,12 +239,7 @@ def test_deeper_prefetch_is_exact(prefetch):
         loss = pipe.forward_backward(x, y)
     finally:
         pipe.close()
-    ref_loss = 0.0
-    for xm, ym in zip(x.chunk(3), y.chunk(3)):
-        l = lm_loss(ref(xm), ym) / 3
-        l.backward()
-        ref_loss += l.item()
-    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert loss == pytest.approx(_reference_loss(ref, x, y, 3), rel=1e-6)
     for (name, p), q in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -250,3 +261,36 @@ def test_simulator_models_the_same_engines():
     assert gated.start["UW:F1"] < runnable < gated.end["UW:F1"]
     assert gated.start[ua] - runnable <= 10.0 + 1e-9
     assert ungated.start[ua] >= ungated.end["UW:F1"] - 1e-9
+
+
+@pytest.mark.parametrize("pin,gate", [("copy", True), ("off", True), ("off", False),
+                                      ("register", True)])
+def test_small_chunks_are_exact(pin, gate):
+    # Chunks of 1000 bytes cut weight tensors (and their gradients) into byte ranges,
+    # mid-element too, through bounce buffers when the weights are pageable: gradients
+    # and weights after a step equal plain PyTorch's.
+    model, ref = _twins(32, 4)
+    x, y = stride_batch(6, 8, 32)
+    pipe = rotapipe.RoundPipe(model, lm_loss, config=rotapipe.PipeConfig(
+        workers=2, microbatches=3, backend="emulated", pin=pin, gate_copies=gate,
+        copy_chunk_mb=1000 / 2**20))
+    try:
+        assert pipe.pin_mode.value == pin
+        pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        loss = pipe.forward_backward(x, y)
+        grads = [p.grad.clone() for p in model.parameters()]
+        pipe.step()
+        uploads = [sp for sp in pipe.last_timeline().spans if sp.action.kind.value == "UW"]
+        if pin == "off":
+            assert pipe.pinning.stats["buffers_peak"] > 0       # bounce buffers were used
+    finally:
+        pipe.close()
+    assert len(uploads) > 2 * len({sp.action.key for sp in uploads})   # several chunks each
+    assert loss == pytest.approx(_reference_loss(ref, x, y, 3), rel=1e-6)
+    for (name, p), g in zip(ref.named_parameters(), grads):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.sub_(0.1 * p.grad)
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-5, atol=1e-6, msg=name)

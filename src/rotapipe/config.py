@@ -63,9 +63,10 @@ class OptimizerMode(str, enum.Enum):
 
 
 class PinMode(str, enum.Enum):
-    """How the model state the workers upload is kept in host memory (docs/performance.md,
-    "Host memory modes"). A copy engine reads page-locked ("pinned") memory without the
-    CPU; from pageable memory a copy is synchronous (CUDA programming guide)."""
+    """How the model state the workers upload is kept in host memory
+    (docs/host_memory.md). A copy engine reads page-locked ("pinned") memory without the
+    CPU; from pageable memory a copy is partly synchronous with the host (CUDA runtime
+    API, "API synchronization behavior")."""
 
     COPY = "copy"
     """Copy every compute-dtype weight into newly allocated pinned memory (the original
