@@ -109,9 +109,10 @@ def test_mobius_matches_plain_pytorch(workers, chunks, microbatches):
 def test_mobius_swaps_weights_and_fits_where_looped_bfs_does_not():
     """Wide layers, 1 device x 4 chunks: Mobius uploads each forward chunk twice (its
     forwards, then its recompute and backward; the tail once) and holds at most two
-    chunks' weights (and one chunk's gradients while it runs backward), so it runs
-    within a budget in which looped BFS, keeping all four resident, runs out of
-    memory."""
+    chunks' weights (and the gradients of the chunk running backward, and of the one
+    before while they download: gated weight-gradient chunks may still be on the copy
+    engine), so it runs within a budget in which looped BFS, keeping all four
+    resident, runs out of memory."""
     torch.manual_seed(0)
     layers = [nn.Linear(64, 64) for _ in range(8)]
     weights = sum(p.numel() * 4 for p in layers[0].parameters())      # bytes per layer
@@ -124,7 +125,7 @@ def test_mobius_swaps_weights_and_fits_where_looped_bfs_does_not():
     for name, schedule in (("mobius", mobius),
                            ("looped-bfs", looped_bfs_schedule(plan, 1, 2, recompute=True,
                                                               offload_optimizer=True))):
-        config = emulated(1, 2, device_memory=7 * weights)
+        config = emulated(1, 2, device_memory=int(8.5 * weights))
         with rotapipe.RoundPipe(copy.deepcopy(layers), nn.functional.mse_loss,
                                 config=config, plan=plan) as pipe:
             pipe.use_schedule(schedule)
@@ -136,8 +137,8 @@ def test_mobius_swaps_weights_and_fits_where_looped_bfs_does_not():
     assert isinstance(peaks["looped-bfs"], rotapipe.WorkerError), peaks
     assert "out of memory" in str(peaks["looped-bfs"]) or \
         "budget" in str(peaks["looped-bfs"]), peaks["looped-bfs"]
-    # At most two chunks of two layers, one chunk's gradients and the activations.
-    assert 6 * weights <= peaks["mobius"] <= 7 * weights, (peaks["mobius"], weights)
+    # At most two chunks of two layers, two chunks' gradients and the activations.
+    assert 6 * weights <= peaks["mobius"] <= 8.5 * weights, (peaks["mobius"], weights)
 
 
 def test_swap_needs_recompute_and_contiguous_phases():

@@ -99,6 +99,12 @@ def _window(tl: Timeline) -> tuple[float, float, float]:
                if sp.resource == Resource.COMPUTE and sp.action.call == 0)
     if step * tl.schedule.workers < 0.5 * busy:
         return whole
+    # Calls that end irregularly (two nearly together, the next much later) leave a
+    # window without a call's worth of work in it: no steady state either.
+    inside = sum(_overlap(sp.start, sp.end, ends[0], ends[last]) for sp in tl.spans
+                 if sp.resource == Resource.COMPUTE)
+    if inside < 0.5 * busy * last:
+        return whole
     return ends[0], ends[last], step
 
 
