@@ -9,8 +9,8 @@ Event protocol (the one note other modules refer to):
    dispatcher records an event on that stream. A consumer reads an action's results
    only after its own stream *waited* on that event (``Stream.wait``), or, for host
    work and memory reuse, after the host *synchronized* on it.
-2. A stream may only wait on an event that was already recorded: dispatchers block on
-   the host until the producing dispatcher recorded the event (not until it ran).
+2. A stream may only wait on an event that was already recorded: a dispatcher issues
+   an action only once every producing action's event was recorded (not until it ran).
 3. Data handed between actions goes through a :class:`~rotapipe.runtime.store.Store`
    (one per device, one for the host); with the race checker on, every read checks
    that rule 1 held, and a violation raises :class:`~rotapipe.errors.RaceError`.

@@ -26,7 +26,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..config import RecomputeGrain
