@@ -18,11 +18,10 @@ resident set sizes (RSS, from /proc) against the bytes the weights need:
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import subprocess
-import sys
 import tempfile
+
+from rss import run_child
 
 # The children import the RSS sampler shared with planner_host_memory.py from here.
 COMMON = f"import sys\nsys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n" + r"""
@@ -73,13 +72,6 @@ pipe.close()
 """
 
 
-def child(code: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(out.stderr)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=12)
@@ -97,7 +89,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         torch.manual_seed(0)
         transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
-        load = child(LOAD.format(path=d))
+        load = run_child(LOAD.format(path=d))
         print(f"Qwen3-architecture model, {args.layers} layers, hidden {args.hidden}, "
               f"vocab {args.vocab}: {load['weights'] / mib:.0f} MiB of bf16 weights\n")
         print("load_hf (from_pretrained, safetensors memory-mapped):")
@@ -107,7 +99,7 @@ def main() -> None:
               f"({load['touched'] / load['weights']:.2f}x the weights)")
         print(f"  peak during load {load['peak'] / mib:8.0f} MiB "
               f"({load['peak'] / load['weights']:.2f}x the weights)\n")
-        lora = child(LORA.format(path=d))
+        lora = run_child(LORA.format(path=d))
         adapter = lora["lora"] * (4 + 2 + 4 + 8)   # master, bf16 copy, grad, AdamW m+v
         print("LoRA r=16 on every block linear, bf16 compute, 2 steps:")
         print(f"  frozen base                 {lora['frozen'] / mib:8.0f} MiB bf16 "

@@ -48,7 +48,7 @@ from contextlib import nullcontext
 import torch
 
 import rotapipe
-from rotapipe.runtime.backend import Device, Event, Stream
+from rotapipe.runtime.backend import Device, HostStream
 from rotapipe.runtime.executor import Chunk, Executor
 from rotapipe.schedule import HOST, ActionKind as K, Lane
 from rotapipe.sim import ActionTimes, TimedEmulation, run as simulate
@@ -61,38 +61,17 @@ USABLE = int(22.5 * GIB)      # of a 24 GiB RTX 4090, after context and fragment
 
 # -- the null backend ------------------------------------------------------------------
 
-class DoneEvent(Event):
-    """An event whose work is already complete (nothing runs asynchronously)."""
-
-    clock: dict = {}
-
-    def synchronize(self, abort=None):
-        return None
-
-    def query(self):
-        return True
-
-
-class NullStream(Stream):
+class NullStream(HostStream):
     """Runs each submitted body now, on the calling (dispatcher) thread, like CUDA's
-    ``submit``; waits are free and every event is complete when recorded."""
+    ``submit`` (the host lane's stream); waits are free and every event is complete
+    when recorded."""
 
     def __init__(self, name: str):
+        super().__init__()
         self.name = name
-
-    def submit(self, fn, on_error, abort, what=""):
-        if abort.is_set():
-            return
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller
-            on_error(exc)
 
     def wait(self, event):
         return None
-
-    def record(self, notify=None):
-        return DoneEvent()
 
 
 class NullDevice(Device):

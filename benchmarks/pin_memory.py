@@ -24,12 +24,10 @@ page-locks the same pages in place. Threads: ``torch.set_num_threads(2)``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import pathlib
-import subprocess
-import sys
 import tempfile
+
+from rss import run_child
 
 CHILD = f"import sys\nsys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n" + r"""
 import gc, json, time, torch, transformers
@@ -104,12 +102,7 @@ def child(code: str) -> dict:
     # A fixed mmap threshold makes glibc return every freed block over 128 KiB to the
     # system at once (its default threshold grows to 32 MiB and keeps freed
     # activations in the heap), so RSS follows the memory actually in use.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=env)
-    if out.returncode != 0:
-        raise SystemExit(out.stderr)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(code, MALLOC_MMAP_THRESHOLD_="131072")
 
 
 def main() -> None:

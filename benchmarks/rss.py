@@ -5,7 +5,11 @@ sampled from ``/proc/self/statm`` every 5 ms while the block runs."""
 
 from __future__ import annotations
 
+import json
+import os
 import resource
+import subprocess
+import sys
 import threading
 
 
@@ -32,3 +36,13 @@ class Sampler:
         self._stop.set()
         self._t.join()
         self.peak = max(self.peak, rss())
+
+
+def run_child(code: str, **env: str) -> dict:
+    """Run ``code`` in a fresh interpreter (extra environment ``env``) and return the
+    JSON object its last line of output prints; exit with its stderr if it fails."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **env})
+    if out.returncode != 0:
+        raise SystemExit(out.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1])
