@@ -80,8 +80,9 @@ class ChunkedCopies:
     weight uploads and weight-gradient downloads (the :class:`ActionRunner` owns it).
 
     ``layer_bytes``: under timed emulation, the emulated layers' weight bytes (the
-    chunk counts follow them); ``seconds(action)``: the chunk durations to emulate;
-    ``pinned(pid)``: whether parameter ``pid``'s compute copy is page-locked."""
+    chunk counts follow them; the chunk durations come from the runner's ``timing``);
+    ``pinned(pid)``: whether parameter ``pid``'s compute copy is page-locked;
+    ``pinned_empty(nbytes)``: new page-locked bytes for the bounce buffers."""
 
     def __init__(self, runner, chunk_bytes: int, pinned: Callable[[int], bool],
                  pinned_empty: Callable[[int], torch.Tensor]):

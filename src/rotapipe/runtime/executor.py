@@ -253,7 +253,8 @@ class _Run:
             copies[lane] = _Copy(a, chunks, gates[direction(lane)])
             self._next_chunk(stream, lane, copies)
             return
-        stream.submit(self._runner(a), lambda exc, a=a: self.fail(a, exc), self.abort, a.key)
+        stream.submit(self._runner(a, lambda: self.body(a)),
+                      lambda exc, a=a: self.fail(a, exc), self.abort, a.key)
         ev = stream.record(self._notifier(a))
         if a.kind in CRITICAL:
             gates[direction(lane)].add(lane, ev, waits_on)
@@ -275,7 +276,7 @@ class _Run:
         if chunk.stage is not None:
             chunk.stage()
         a = c.action
-        stream.submit(self._chunk_runner(a, chunk.copy), lambda exc, a=a: self.fail(a, exc),
+        stream.submit(self._runner(a, chunk.copy), lambda exc, a=a: self.fail(a, exc),
                       self.abort, f"{a.key}#{c.next}")
         c.last = ev = stream.record(self._notifier(a))
         if chunk.issued is not None:
@@ -301,18 +302,11 @@ class _Run:
                 wake.set()
         return notify
 
-    def _runner(self, a: Action):
+    def _runner(self, a: Action, work: Callable[[], None]):
+        """``work`` (the body of ``a``, or one of its chunks), recording its span."""
         def run():
             t0 = time.perf_counter()
-            self.body(a)
-            self.spans.append((a, t0, time.perf_counter()))
-            self.last_progress = time.monotonic()
-        return run
-
-    def _chunk_runner(self, a: Action, copy):
-        def run():
-            t0 = time.perf_counter()
-            copy()
+            work()
             self.spans.append((a, t0, time.perf_counter()))
             self.last_progress = time.monotonic()
         return run
