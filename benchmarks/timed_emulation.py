@@ -50,7 +50,8 @@ import torch
 import rotapipe
 from rotapipe.model.tiny import lm_loss, stride_batch
 from rotapipe.plan import bound_plan
-from rotapipe.schedule import gpipe_schedule, mobius_schedule, one_f_one_b_schedule
+from rotapipe.schedule import (gpipe_schedule, mobius_schedule, one_f_one_b_schedule,
+                               roundpipe_stale_schedule)
 from rotapipe.sim import ActionTimes, TimedEmulation, memory_sizes, report, run
 from rotapipe.sim.autoplan import PlannerConfig, choose_plan
 from rotapipe.sim.engine import Timeline
@@ -92,9 +93,25 @@ def mobius(costs, microbatches: int):
             return plan, s, tl, v
 
 
+PIPELINED = ("overlap", "stale")
+
+
+def pipelined_sim(em, plan, mode: str, microbatches: int, calls: int):
+    """The simulator's timeline of ``calls`` overlapping calls as the runtime runs them
+    in ``mode`` (the schedule of :func:`roundpipe_stale_schedule`, the host optimizer's
+    work in the hand-offs that do it)."""
+    whole = mode == "stale"
+    s = roundpipe_stale_schedule(plan, DEVICES, microbatches, calls=calls,
+                                 staleness=1 if whole else 0, whole_step=whole)
+    return run(s, ActionTimes(plan, em.costs, optimizer_ms=em.optimizer_ms(plan, whole)))
+
+
 def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
             gate=True, chunk_mb=32.0):
-    """Run ``steps`` training steps (after one warm-up) and return the row."""
+    """Run ``steps`` training steps (after warm-up) and return the row. Tokens/s: the
+    wall time between train_step returns (overlapping calls: the steady state). With
+    overlapping calls, ``rt/sim`` and the bubble compare the steady-state step of the
+    runtime's timeline of the measured calls with the simulator's (``sim_tl``)."""
     torch.manual_seed(0)
     model = em.stand_in()
     cfg = rotapipe.PipeConfig(workers=DEVICES, microbatches=microbatches,
@@ -106,24 +123,33 @@ def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
     if schedule is not None:
         pipe.use_schedule(schedule)
     x, y = stride_batch(microbatches, 16, 32)
+    tokens = em.costs.tokens * microbatches
+    overlapping = mode in PIPELINED and schedule is None
     try:
-        pipe.train_step(x, y)                      # warm-up (autograd, allocator)
+        for _ in range(2 if overlapping else 1):   # warm-up (autograd, allocator)
+            pipe.train_step(x, y)
         t0 = time.perf_counter()
         ratios, reps = [], []
         for _ in range(steps):
             pipe.train_step(x, y)
-            tl = scaled(pipe.last_timeline(), em.dilation)
-            ratios.append(tl.makespan / sim_tl.makespan)
-            reps.append(report(tl, em.costs.tokens * microbatches, memory_sizes(em.costs)))
+            if not overlapping:
+                tl = scaled(pipe.last_timeline(), em.dilation)
+                ratios.append(tl.makespan / sim_tl.makespan)
+                reps.append(report(tl, tokens, memory_sizes(em.costs)))
         step_s = (time.perf_counter() - t0) / steps / em.dilation
-        pipe.flush() if mode == "stale" else None
+        pipe.flush()
+        if overlapping:
+            tl = scaled(pipe.last_timeline(calls=steps), em.dilation)
+            reps = [report(tl, tokens, memory_sizes(em.costs))]
+            ratios = [reps[0].step_ms / report(sim_tl, tokens).step_ms]
     finally:
         pipe.close()
     rep = reps[-1]
-    return dict(label=label, tokens=em.costs.tokens * microbatches / step_s, step_s=step_s,
-                bubble=sum(r.bubble.total for r in reps) / steps,
-                exposed=sum(r.exposed_comm for r in reps) / steps,
-                memory=rep.peak_bytes, ratio=sum(ratios) / steps)
+    return dict(label=label, tokens=tokens / step_s, step_s=step_s,
+                bubble=sum(r.bubble.total for r in reps) / len(reps),
+                exposed=sum(r.exposed_comm for r in reps) / len(reps),
+                memory=rep.peak_bytes, ratio=sum(ratios) / len(ratios),
+                sim_tokens=tokens / (report(sim_tl, tokens).step_ms / 1e3))
 
 
 def bench(model: str, args) -> list[dict]:
@@ -146,7 +172,8 @@ def bench(model: str, args) -> list[dict]:
                                     args.min_action_ms / shortest)
     em = replace(em0, costs=costs, dilation=dilation)
     em_b = replace(em0, dilation=dilation)
-    runs = [(f"roundpipe {mode}", em, choice.plan, None, mode, choice.grain.value, sim_rp)
+    runs = [(f"roundpipe {mode}", em, choice.plan, None, mode, choice.grain.value,
+             sim_rp if mode == "sync" else pipelined_sim(em, choice.plan, mode, M, args.steps))
             for mode in ("sync", "overlap", "stale")]
     for name, mode in (("1f1b", "sync"), ("1f1b", "overlap"), ("gpipe", "sync")):
         plan, schedule, sim_tl, _, recompute = baseline(em0.costs, name, M)
@@ -169,15 +196,19 @@ def bench(model: str, args) -> list[dict]:
     print(f"\n{model}: seq {args.seq}, {M} microbatches, plan {choice.plan.to_text()} "
           f"(grain {choice.grain.value}), dilation {dilation:.2f}x")
     gated = f" {'ungated':>9s} {'gating':>7s}" if args.ungated else ""
-    print(f"{'schedule':18s} {'tokens/s':>9s} {'step s':>7s} {'vs 1f1b':>8s} {'bubble':>7s} "
-          f"{'exp.comm':>8s} {'mem GiB':>8s} {'rt/sim':>7s}{gated}")
+    print(f"{'schedule':18s} {'tokens/s':>9s} {'sim tok/s':>9s} {'step s':>7s} "
+          f"{'vs 1f1b':>8s} {'bubble':>7s} {'exp.comm':>8s} {'mem GiB':>8s} "
+          f"{'rt/sim':>7s}{gated}")
     for r in rows:
         fits = "" if r["memory"] <= USABLE else " (does not fit)"
         off = f" {r['ungated']:9,.0f} {r['tokens'] / r['ungated']:6.2f}x" \
             if args.ungated else ""
-        print(f"{r['label']:18s} {r['tokens']:9,.0f} {r['step_s']:7.2f} {r['speedup']:7.2f}x "
-              f"{r['bubble']:7.1%} {r['exposed']:8.1%} {r['memory'] / GIB:8.1f} "
-              f"{r['ratio']:7.3f}{off}{fits}")
+        print(f"{r['label']:18s} {r['tokens']:9,.0f} {r['sim_tokens']:9,.0f} "
+              f"{r['step_s']:7.2f} {r['speedup']:7.2f}x {r['bubble']:7.1%} "
+              f"{r['exposed']:8.1%} {r['memory'] / GIB:8.1f} {r['ratio']:7.3f}{off}{fits}")
+    overlap, stale = rows[1]["tokens"], rows[2]["tokens"]
+    print(f"overlap keeps {overlap / stale:.1%} of stale's tokens/s; stale over sync "
+          f"{stale / rows[0]['tokens']:.2f}x")
     return rows
 
 
@@ -186,7 +217,8 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="qwen3-1.7b,llama-3.1-8b,qwen3-32b")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--microbatches", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=2, help="measured steps per schedule")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="measured steps per schedule (after warm-up)")
     ap.add_argument("--target-s", type=float, default=2.0,
                     help="real seconds one RoundPipe call should take (sets the dilation)")
     ap.add_argument("--min-action-ms", type=float, default=20.0,

@@ -192,7 +192,7 @@ def test_one_rank_group_runs_the_reduction_bit_identically(one_rank_group):
 def test_one_rank_group_overlap_steps_on_reduced_gradients(one_rank_group, monkeypatch,
                                                            clip):
     """optimizer="overlap" under data parallelism: each stage's step waits for its own
-    all-reduce on the optimizer thread. Bit-identical to sync without data parallelism,
+    all-reduce on the host lane. Bit-identical to sync without data parallelism,
     with clipping off, never triggering (1e3) and triggering every step (0.05)."""
     applied = []            # (thread, buckets) of every CallReduce.apply
     real = rotapipe.runtime.allreduce.CallReduce.apply
@@ -221,8 +221,9 @@ def test_one_rank_group_overlap_steps_on_reduced_gradients(one_rank_group, monke
         assert torch.equal(state[k], v), k
     # Stepped stage by stage (clipping at 0.05 then redoes one whole step per call).
     assert len(steps) >= 3 * (4 if clip == 0.05 else 3), steps
-    # The optimizer thread applied the reduced buckets before stepping on them.
-    assert any(name.startswith("rotapipe-optimizer") and n > 0 for name, n in applied)
+    # The host lane applied the reduced buckets at the hand-offs, before stepping on
+    # them (not the caller's finish()).
+    assert any(name == "rotapipe-dispatch--1" and n > 0 for name, n in applied), applied
 
 
 def test_auto_is_off_without_a_group_and_true_requires_one():

@@ -172,9 +172,14 @@ def test_overlap_failure_after_deeper_steps_changes_nothing(clip):
         stepped.clear()
         trigger.ready.clear()      # set by the steps of the first train_step
         trigger.arm(1, M - 1, pipe.calls, "backward")
-        with pytest.raises(rotapipe.WorkerError):
+        with pytest.raises(rotapipe.WorkerError) as failed:
+            # The loss is known before the backward fails: train_step returns it and
+            # the failure surfaces at the next call or flush, naming the call's fate.
             pipe.train_step(*batches[2])
+            pipe.flush()
         trigger.disarm()
+        assert failed.value.calls_discarded == [2] and failed.value.calls_committed == 2
+        assert "call 2: discarded (train_step already returned its loss)" in str(failed.value)
         assert trigger.fired_at is not None and len(stepped) >= deeper, stepped
         assert_same_state(before, snapshot(pipe, opt))
 
@@ -206,9 +211,11 @@ def test_stale_matches_one_step_delayed_reference(clip):
         for t, (x, y) in enumerate(batches):
             if t == 2:
                 trigger.arm(3, 1, pipe.calls, "backward")
-                with pytest.raises(rotapipe.WorkerError):
-                    pipe.train_step(x, y)
+                with pytest.raises(rotapipe.WorkerError) as failed:
+                    pipe.train_step(x, y)     # returns its loss: the backward drains
+                    pipe.flush()
                 trigger.disarm()
+                assert failed.value.calls_discarded == [2]
             losses.append(pipe.train_step(x, y))
         state = {k: v.clone() for k, v in pipe.state_dict().items()}
 

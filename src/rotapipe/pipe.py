@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -22,15 +23,16 @@ from .errors import ConfigError, DistributedError, InputError, ScheduleError, Wo
 from .model import LayerSet
 from .pipe_plan import PipePlanner
 from .plan import Plan
-from .schedule import Schedule, validate
+from .schedule import Schedule, roundpipe_call, validate
 from .schedule.validate import check_runnable
 from .runtime.allreduce import GradReducer
 from .runtime.backend import Device
-from .runtime.calls import CallRunner, check_stage_budget, split_batch
+from .runtime.calls import (Call, CallRunner, CallStream, StepResult, check_stage_budget,
+                            split_batch, timeline)
 from .runtime.devices import make_devices
 from .runtime.host import CallGrads, HostState, LossScaler
 from .runtime.pinning import HostPinning, resolve_pin
-from .runtime.optimizer import HostOptimizer, OverlapStep
+from .runtime.optimizer import HostOptimizer
 from .runtime import trees
 
 __all__ = ["RoundPipe"]
@@ -100,7 +102,9 @@ class RoundPipe:
         # Devices we created are closed (their threads joined) when the pipeline is
         # closed or garbage collected, or the constructor fails; devices passed in
         # belong to the caller.
-        self._finalizer = weakref.finalize(self, _close, self.devices) \
+        self._stream: CallStream | None = None
+        self._streams: list[CallStream] = []      # for the finalizer (no reference to self)
+        self._finalizer = weakref.finalize(self, _close, self.devices, self._streams) \
             if devices is None else None
         try:
             self._build(layers, loss_fn, config, optimizer, side_inputs, plan, process_group)
@@ -115,9 +119,10 @@ class RoundPipe:
         cuda = bool(self.devices) and self.devices[0].torch_device.type == "cuda"
         self.pinning = HostPinning(resolve_pin(config.pin, cuda, self.layerset,
                                                dtype=config.precision.compute_dtype), cuda)
-        # The stale optimizer steps the masters while workers upload the compute copies.
+        # The stale optimizer writes one step's weights while workers upload the
+        # previous step's: two sets of compute copies.
         self.host = HostState(self.layerset, config.precision, self.pinning,
-                              separate=config.optimizer is OptimizerMode.STALE)
+                              views=2 if config.optimizer is OptimizerMode.STALE else 1)
         check_stage_budget(plan, self.layerset, self.host, self.devices)
         self.scaler = LossScaler(config.precision)
         self._host_opt = HostOptimizer(self.host, self.scaler, config.optimizer,
@@ -125,6 +130,17 @@ class RoundPipe:
         self._calls = CallRunner(self.layerset, self.host, loss_fn, self.devices, config,
                                  plan, side_inputs=side_inputs,
                                  tail_context=self.tail_context, pinning=self.pinning)
+        self._stream = CallStream(self._calls)
+        self._streams.append(self._stream)
+        self._user_schedules: dict[bool, Schedule] = {}
+        # Layers sharing a parameter (a tied embedding and head): a stage's weights
+        # wait for the update of every stage holding one of them.
+        holders: dict[int, set[int]] = {}
+        for l, pids in enumerate(self.layerset.layer_params):
+            for pid in pids:
+                holders.setdefault(pid, set()).add(l)
+        self._ties = sorted({frozenset(ls) for ls in holders.values() if len(ls) > 1},
+                            key=sorted)
         stages = self._calls.stages
         self.data_parallel = None
         """The data-parallel gradient reducer (``None`` when off); ``.last`` holds the
@@ -136,34 +152,44 @@ class RoundPipe:
             lambda stage: [pid for pid in self.layerset.stage_params(stages[stage].layers)
                            if pid in trainable])
         self._lock = threading.Lock()
-        self.calls = 0
-        """Successful ``forward_backward`` calls so far; with ``config.seed`` it defines
-        the random streams (see :func:`rotapipe.layer_seed`)."""
         self._evals = 0
         self._optimizer_cost = self._calls.optimizer_cost()
         if self.data_parallel is not None and self._planner.refiner is not None:
             raise ConfigError("partition='refine' re-plans from this process's timings, "
                               "but data-parallel ranks must keep one plan: use "
                               "partition='auto' (or pass plan=)")
-        self.optimizer = None
+        self.optimizer = self.scheduler = None
         if optimizer is not None:
             self.attach_optimizer(optimizer if isinstance(optimizer, torch.optim.Optimizer)
                                   else optimizer(self.parameters()))
 
     # -- parameters and optimizer ------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The fp32 master weights (trainable parameters only), each once."""
-        for pid in self.host.trainable:
-            yield self.layerset.params[pid]
+        """The fp32 master weights (trainable parameters only), each once, after the
+        calls in flight completed (:meth:`flush`)."""
+        self.flush()
+        return iter([self.layerset.params[pid] for pid in self.host.trainable])
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(name, master)`` pairs; names are ``"<layer index>.<path>"``."""
-        for pid in self.host.trainable:
-            yield self.layerset.param_names[pid], self.layerset.params[pid]
+        """``(name, master)`` pairs; names are ``"<layer index>.<path>"`` (after
+        :meth:`flush`)."""
+        self.flush()
+        return iter([(self.layerset.param_names[pid], self.layerset.params[pid])
+                     for pid in self.host.trainable])
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
         """Use ``optimizer`` in :meth:`step`. It must hold only this model's trainable
-        parameters (``fused=True`` AdamW is the fast choice on the CPU)."""
+        parameters (``fused=True`` AdamW is the fast choice on the CPU).
+
+        ``scheduler``: a ``torch.optim.lr_scheduler`` over ``optimizer``, stepped by the
+        pipeline right after every optimizer step it takes, on the thread that took
+        it. With ``optimizer="overlap"`` or ``"stale"`` a step is still under way when
+        :meth:`train_step` returns, so a scheduler stepped by the caller would change
+        the learning rate of that step: pass it here instead
+        (:meth:`step_result` gives the learning rate each step used)."""
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
+            raise ConfigError("the scheduler does not drive this optimizer: build it over "
+                              "the optimizer passed to attach_optimizer")
         ours = {id(p) for p in self.parameters()}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -171,15 +197,30 @@ class RoundPipe:
                     raise ConfigError("the optimizer holds a parameter that is not a "
                                       "trainable parameter of the wrapped layers: build it "
                                       "over pipe.parameters()")
-        self.optimizer = optimizer
+        with self._lock:
+            self._flush()
+            self.optimizer, self.scheduler = optimizer, scheduler
 
     # -- training ----------------------------------------------------------------------
+    @property
+    def calls(self) -> int:
+        """Training calls that returned so far (those still draining included; a
+        failure rolls it back to the calls that completed); with ``config.seed`` it
+        defines the random streams (see :func:`rotapipe.layer_seed`)."""
+        return self._stream.next_number
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        self._stream.drain()
+        self._stream.committed = int(value)
+
     def forward_backward(self, inputs, labels) -> float:
         """Run forward and backward over one batch; return its mean loss.
 
-        The batch is split along dim 0 into ``config.microbatches`` microbatches. The
-        returned loss is the mean of the per-microbatch losses weighted by microbatch
-        size (or by ``loss_weight``), i.e. the mean over the whole batch when
+        The batch is split along dim 0 into the schedule's microbatches
+        (``config.microbatches``, or those of a schedule set with :meth:`use_schedule`).
+        The returned loss is the mean of the per-microbatch losses weighted by
+        microbatch size (or by ``loss_weight``), i.e. the mean over the whole batch when
         ``loss_fn`` returns a per-sample mean. Gradients accumulate until :meth:`step`:
         after several calls they are the gradient of the mean loss over *every* sample
         since the last step, the same as one call on the concatenated batch. If the
@@ -189,11 +230,11 @@ class RoundPipe:
         are shares of the global batch, gradients are all-reduced as each stage's land,
         and the returned loss is the global mean. Every rank must make the call.
 
-        With ``config.optimizer="stale"`` the first call after a :meth:`train_step`
-        runs that step's optimizer update in the background (docs/optimizer.md).
+        With ``config.optimizer="overlap"`` or ``"stale"`` the call returns once its
+        loss is known, while its backward still drains (docs/optimizer.md).
         """
         with self._lock:
-            return self._train_call(inputs, labels)
+            return self._train_call(inputs, labels, step=False)
 
     def train_step(self, inputs, labels) -> float:
         """:meth:`forward_backward` on the batch, then the optimizer step; returns the
@@ -203,37 +244,47 @@ class RoundPipe:
         ``config.optimizer`` says how the step runs (docs/optimizer.md): ``"sync"``
         after the call (exactly ``forward_backward`` then :meth:`step`); ``"overlap"``
         during the call, each stage's parameters as soon as their gradients are
-        complete (exact, same result as ``sync``); ``"stale"`` during the next call,
-        so the next call runs on weights one step old (:meth:`flush` applies it now).
-        A failed call changes no weight, gradient or optimizer state (``stale``: the
-        weights the next call runs on do not change).
+        complete, and the next call starts while this one drains, each of its stages
+        waiting only for the update of its own layers (exact, same result as
+        ``sync``); ``"stale"`` once the call is complete, while the next call runs on
+        the weights one step old. In both of these the call returns once its loss is
+        known. A failed call changes no weight, gradient or optimizer state; a failure
+        of a call still draining is raised by the next call (or :meth:`flush`), with
+        the fate of every call in flight (docs/optimizer.md, "Failures").
         """
         self._need_optimizer()
         with self._lock:
-            mode = self.config.optimizer
-            if mode is OptimizerMode.OVERLAP:
-                return self._train_call(inputs, labels, overlap=True)
-            loss = self._train_call(inputs, labels)
-            if mode is OptimizerMode.SYNC:
-                self._host_opt.sync_step(self.optimizer, self._optimizer_cost)
-            else:
-                self._host_opt.stash()
-            return loss
+            return self._train_call(inputs, labels, step=True)
 
     def flush(self) -> None:
-        """Stale optimizer: apply the pending step now and refresh the weights the
-        workers read, so the next call runs on current weights. Reading or replacing
-        weights (:meth:`state_dict`, :meth:`load_state_dict`, evaluation,
-        :meth:`pipeline_state`, :meth:`close`) flushes first. No-op in other modes."""
+        """Wait for the calls in flight to complete (raising a failure of theirs) and
+        make the weights the workers read current: with ``stale`` the next call then
+        runs on the weights of the last step. Reading or replacing weights
+        (:meth:`state_dict`, :meth:`load_state_dict`, evaluation,
+        :meth:`pipeline_state`, :meth:`step`, :meth:`close`) flushes first."""
         with self._lock:
             self._flush()
 
-    def _train_call(self, inputs, labels, overlap: bool = False) -> float:
-        """One training call (under ``self._lock``); ``overlap``: step as gradients land."""
-        M = self.config.microbatches
+    def _overlapping(self) -> bool:
+        """Whether training calls may overlap: an asynchronous optimizer mode, on the
+        generated schedule, without data parallelism (collectives run in the caller's
+        order), without dynamic loss scaling (a call's scale depends on the previous
+        call's overflow) and without layers that update buffers in forward (the next
+        call's forward would read them before this call keeps them)."""
+        return (self._host_opt.overlapping and self.data_parallel is None
+                and not self.scaler.dynamic and True not in self._user_schedules
+                and not self.layerset.buffer_layers())
+
+    def _train_call(self, inputs, labels, step: bool) -> float:
+        """One training call (under ``self._lock``); ``step``: it ends an optimizer
+        step (the mode's hook steps, or the caller does in ``sync``)."""
+        stream, dp = self._stream, self.data_parallel
+        overlap = self._overlapping()
+        self._reaped(stream.reap(1) if overlap else stream.drain())
+        schedule = self._schedule(True)
+        M = schedule.microbatches
         mbs, lbs, units = split_batch(inputs, labels, M, self.host.dtype, self.loss_weight)
         total = sum(units)
-        dp = self.data_parallel
         if any(u < 0 for u in units) or not (total > 0 or dp is not None):
             raise InputError(f"loss_weight gave {units} for the microbatches: the items "
                              "the loss averages over must be >= 0 and not all 0 (are all "
@@ -244,44 +295,57 @@ class RoundPipe:
             if not total > 0:
                 raise InputError("loss_weight gave 0 items on every rank: are all "
                                  "labels ignored?")
+        opt = self._host_opt
+        index = stream.index
+        if overlap:
+            cfg = self.config
+            schedule = Schedule(self.plan, len(self.devices), M, roundpipe_call(
+                self.plan, len(self.devices), M, index, reads=opt.reads(stream.step_ends),
+                whole_step=opt.whole_step, ties=self._ties,
+                side_inputs=self.side_inputs is not None,
+                tail_barrier=self.tail_context is not None, prefetch=cfg.prefetch),
+                "roundpipe-stale")
         grads = CallGrads(1.0 / self.scaler.scale)
-        ctx = self._calls.context(self.calls, True, [u / total for u in units], grads, M,
-                                  self.scaler.scale)
-        schedule = self._schedule(True)
+        ctx = self._calls.context(stream.next_number, True, [u / total for u in units],
+                                  grads, M, self.scaler.scale)
         reduce = None
         if dp is not None:
             reduce = dp.begin(schedule, grads)
-            ctx.handoff, ctx.mb_offset = reduce.handoff, dp.rank * M
-            ctx.extra_weight = local / total
-        host_store = self._calls.host_store(mbs, lbs)
-        # The optimizer work of this call (after ctx: it captured the loss scale).
+            ctx.mb_offset, ctx.extra_weight = dp.rank * M, local / total
+        view = opt.view(stream.steps)
         stages = self._calls.stages
-        hook = self._host_opt.start_call(
-            self.optimizer, schedule, lambda name: self.layerset.stage_params(
-                stages[name].layers), grads, total, overlap, self._optimizer_cost, reduce)
-        if isinstance(hook, OverlapStep):
-            ctx.handoff = hook.handoff      # starts the all-reduce first (data parallel)
+        hook = opt.call_hook(self.optimizer, schedule, lambda name: self.layerset.stage_params(
+            stages[name].layers), grads, total, step, self._optimizer_cost, reduce, view)
+        state = self._calls.state(schedule, ctx, self._calls.host_store(mbs, lbs), view)
+        call = Call(stream.next_number, index, schedule, state, hook, step, total, stages,
+                    self._keep_buffers, on_host=overlap, reduce=reduce,
+                    after_step=self._after_step)
+        ctx.handoff = call.handoff
         try:
-            self._run_training(schedule, ctx, host_store)
-            losses = [host_store.get(("loss", m)) for m in range(M)]
-            loss = float(sum(l.item() for l in losses))   # weighted contributions
+            stream.submit(call)
+            loss = stream.wait_loss(call)
+            if not overlap:
+                self._reaped(stream.drain())
+        except BaseException as exc:
             if dp is not None:
-                reduce.finish()
-                loss = dp.global_sum(loss, "sum of the weighted losses")
-        except BaseException:
-            if hook is not None:
-                hook.abort()
+                dp.fail(f"{type(exc).__name__} in the schedule")
+                if isinstance(exc, WorkerError) and isinstance(exc.cause, DistributedError):
+                    raise exc.cause from exc
             raise
-        if hook is not None:
-            hook.finish()
+        if dp is not None:
+            loss = dp.global_sum(loss, "sum of the weighted losses")
+        return loss
+
+    def _keep_buffers(self, host_store) -> None:
+        """A committing call's buffer updates become the layers' buffers."""
         for bid in range(len(self.layerset.buffers)):
             if host_store.contains(("buf", bid)):
                 self.layerset.set_buffer(bid, host_store.get(("buf", bid)))
-        if not isinstance(hook, OverlapStep):      # overlap consumed the gradients
-            self.host.commit(grads, total)
-        self.calls += 1
-        self._refine_plan()
-        return loss
+
+    def _reaped(self, calls: list[Call]) -> None:
+        """Calls that completed: ``partition="refine"`` learns from their timings."""
+        for call in calls:
+            self._refine_plan(call)
 
     def step(self) -> bool:
         """Run the optimizer on the accumulated gradients, refresh the compute-dtype
@@ -292,12 +356,43 @@ class RoundPipe:
         self._need_optimizer()
         with self._lock:
             self._flush()
-            return self._host_opt.sync_step(self.optimizer, self._optimizer_cost)
+            stepped = self._host_opt.sync_step(self.optimizer, self._optimizer_cost)
+            self._after_step()
+            return stepped
 
     def _need_optimizer(self) -> None:
         if self.optimizer is None:
             raise ConfigError("no optimizer: pass optimizer= to RoundPipe or call "
                               "pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters()))")
+
+    def step_result(self, call: int) -> StepResult | None:
+        """What the optimizer step ended by training call ``call`` (its :attr:`calls`
+        number, ``train_step``) did: :class:`~rotapipe.runtime.calls.StepResult` with
+        the learning rates, the gradient norm (clipping on) and whether it was skipped;
+        ``None`` for a call that ended no step. Waits for that call to complete; the
+        last 64 calls are kept."""
+        with self._lock:
+            stream = self._stream
+            while any(c.number <= call for c in stream.inflight):
+                self._reaped(stream.reap(len(stream.inflight) - 1))
+            if call not in stream.results:
+                raise ConfigError(f"training call {call} is not among the last calls "
+                                  f"completed ({sorted(stream.results)})")
+            return stream.results[call]
+
+    def _after_step(self) -> StepResult:
+        """Right after a call's optimizer step (on its thread): what it did, then the
+        scheduler's step."""
+        opt = self.optimizer
+        result = StepResult(tuple(g["lr"] for g in opt.param_groups), self._host_opt.last_norm
+                            if self.config.clip_grad_norm is not None else None,
+                            self._host_opt.last_skipped)
+        if self.scheduler is not None:
+            with warnings.catch_warnings():
+                # A skipped step (fp16 overflow) did not call optimizer.step().
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                self.scheduler.step()
+        return result
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -307,8 +402,9 @@ class RoundPipe:
         return self._host_opt.last_norm
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients without stepping."""
+        """Drop accumulated gradients without stepping (after the calls in flight)."""
         with self._lock:
+            self._flush()
             self.host.zero_grad()
 
     @torch.no_grad()
@@ -317,14 +413,20 @@ class RoundPipe:
 
         Runs forward stages only (the layers' train/eval flags apply as set; buffer
         updates made during evaluation are not kept)."""
-        M = min(self.config.microbatches, trees.batch_size(inputs, "inputs"))
-        mbs = trees.split(trees.cast_floating(inputs, self.host.dtype), M)
         with self._lock:
             self._flush()
+            M = min(self.config.microbatches, trees.batch_size(inputs, "inputs"))
+            schedule = self._schedule(False, M)
+            M = schedule.microbatches
+            if trees.batch_size(inputs, "inputs") < M:
+                raise InputError(f"the evaluation schedule set with use_schedule has {M} "
+                                 f"microbatches but the batch has "
+                                 f"{trees.batch_size(inputs, 'inputs')} samples")
+            mbs = trees.split(trees.cast_floating(inputs, self.host.dtype), M)
             # Evaluation draws from its own streams so that it never shifts training's.
             ctx = self._calls.context(-1 - self._evals, False, [1.0 / M] * M, None, M, 1.0)
             host_store = self._calls.host_store(mbs)
-            self._calls.run(self._schedule(False, M), ctx, host_store)
+            self._calls.run(schedule, ctx, host_store)
             outs = [host_store.get(("act", self.plan.num_layers, m)) for m in range(M)]
             self._evals += 1
         return trees.concat(outs)
@@ -356,6 +458,7 @@ class RoundPipe:
     def load_pipeline_state(self, state: dict) -> None:
         """Restore what :meth:`pipeline_state` returned."""
         with self._lock:
+            self._flush()
             self.calls, self._evals = int(state["calls"]), int(state["evals"])
             self.scaler.load_state_dict(state["scaler"])
 
@@ -374,13 +477,18 @@ class RoundPipe:
 
     def use_schedule(self, schedule: Schedule) -> None:
         """Run ``schedule`` instead of the generated one for calls of its kind (training
-        when its name does not end in ``-eval``) and microbatch count. It must be for
-        this pipeline's plan and worker count; it is validated (a dry run) first, and it
+        when its name does not end in ``-eval``), as given: its microbatch count splits
+        the batch (it may differ from ``config.microbatches``); such calls run one at a
+        time. It must be for this pipeline's plan and worker count (an error names
+        both counts otherwise); it is validated (a dry run) first, and it
         must move the model state this pipeline keeps in host memory (weight uploads,
         gradient downloads and hand-offs, side inputs, buffers). The baselines run with
         ``offload_optimizer=True``: build the pipeline with ``plan=bound_plan(...)`` and
         pass e.g. ``one_f_one_b_schedule(pipe.plan, workers, microbatches,
         offload_optimizer=True)``."""
+        if not isinstance(schedule, Schedule):
+            raise ConfigError(f"use_schedule takes a rotapipe Schedule, got "
+                              f"{type(schedule).__name__}")
         if schedule.plan != self.plan or schedule.workers != len(self.devices):
             raise ConfigError(f"the schedule is for {schedule.workers} workers and plan "
                               f"{schedule.plan.to_text()}; this pipeline has "
@@ -392,8 +500,14 @@ class RoundPipe:
                            tail_context=self.tail_context is not None)
         except ScheduleError as exc:
             raise ConfigError(str(exc)) from None
+        if schedule.calls > 1:
+            raise ConfigError(f"the schedule spans {schedule.calls} calls; use_schedule "
+                              "takes the schedule of one call (overlapping calls are "
+                              "config.optimizer='overlap' or 'stale')")
         training = not schedule.name.endswith("-eval")
-        self._calls.schedules[(training, schedule.microbatches)] = schedule
+        with self._lock:
+            self._flush()
+            self._user_schedules[training] = schedule
         if self._planner.refiner is not None:   # a schedule of the user's: keep its plan
             self._planner.refiner.frozen = True
 
@@ -405,14 +519,18 @@ class RoundPipe:
         ``self.pinning.stats`` counts the bytes of each kind."""
         return self.pinning.mode
 
-    def last_timeline(self):
-        """When each action of the last call ran, as a :class:`rotapipe.sim.Timeline`
-        (milliseconds from the call's first action), so the simulator's tools apply to
-        real runs: ``rotapipe.sim.trace.write_trace`` (Chrome/Perfetto JSON),
+    def last_timeline(self, calls: int = 1):
+        """When each action of the last training call (or the last ``calls`` calls, as
+        one timeline) ran, as a :class:`rotapipe.sim.Timeline` (milliseconds from the
+        first action), so the simulator's tools apply to real runs:
+        ``rotapipe.sim.trace.write_trace`` (Chrome/Perfetto JSON),
         ``rotapipe.sim.gantt.draw_gantt`` (PNG) and ``rotapipe.sim.report.report``
-        (bubble). Emulated workers give the times the actions ran; on CUDA the times
-        are when their work was issued."""
-        return self._calls.last_timeline()
+        (bubble). Calls still in flight are left out (:meth:`flush` completes them).
+        Emulated workers give the times the actions ran; on CUDA the times are when
+        their work was issued. With overlapping calls the timeline's schedule is what
+        ran: :func:`rotapipe.schedule.roundpipe_stale_schedule`'s calls."""
+        history = list(self._stream.history)[-calls:]
+        return timeline(history)
 
     def peak_memory(self) -> list[int]:
         """Peak accounted device bytes per worker since construction or reset."""
@@ -423,21 +541,27 @@ class RoundPipe:
             d.reset_peak()
 
     def close(self) -> None:
-        """Stop the worker threads (emulated backend) and the optimizer thread, after
-        applying a pending stale step. The pipeline is unusable after."""
+        """Wait for the calls in flight (a failure of theirs is raised after the
+        pipeline is closed), then stop the worker threads (emulated backend) and
+        release pinned memory. The pipeline is unusable after."""
+        error = None
+        stream = getattr(self, "_stream", None)
+        if stream is not None and stream.inflight and hasattr(self, "_lock"):
+            try:
+                self.flush()
+            except BaseException as exc:  # noqa: BLE001 - raised once closed
+                error = exc
         host_opt = getattr(self, "_host_opt", None)
         if host_opt is not None:
-            try:
-                if host_opt.pending is not None and hasattr(self, "_lock"):
-                    self.flush()
-            finally:
-                host_opt.close()
+            host_opt.close()
         if getattr(self, "data_parallel", None) is not None:
             self.data_parallel.close()
         if self._finalizer is not None:
             self._finalizer()
         if getattr(self, "pinning", None) is not None:
             self.pinning.close()       # after the workers stopped reading the weights
+        if error is not None:
+            raise error
 
     def __enter__(self):
         return self
@@ -447,25 +571,18 @@ class RoundPipe:
 
     # -- internals -----------------------------------------------------------------------
     def _schedule(self, training: bool, microbatches: int | None = None) -> Schedule:
+        """The schedule of one call of a kind: the user's (:meth:`use_schedule`) or the
+        generated one for ``microbatches`` (default ``config.microbatches``)."""
+        if training in self._user_schedules:
+            return self._user_schedules[training]
         return self._calls.schedule(self.plan, training,
                                     microbatches or self.config.microbatches)
 
     def _flush(self) -> None:
-        """Stale: apply the pending step and refresh the compute copies (under the lock)."""
-        self._host_opt.flush(self.optimizer, self._optimizer_cost)
-
-    def _run_training(self, schedule: Schedule, ctx, host_store) -> None:
-        """``CallRunner.run``; under data parallelism a failure also retires the reducer (the
-        ranks' collectives are out of step) and a lost rank surfaces as the
-        :class:`DistributedError` itself."""
-        try:
-            self._calls.run(schedule, ctx, host_store)
-        except BaseException as exc:
-            if self.data_parallel is not None:
-                self.data_parallel.fail(f"{type(exc).__name__} in the schedule")
-                if isinstance(exc, WorkerError) and isinstance(exc.cause, DistributedError):
-                    raise exc.cause from exc
-            raise
+        """Complete the calls in flight and make every set of compute copies follow the
+        masters (under the lock)."""
+        self._reaped(self._stream.drain())
+        self._host_opt.flush()
 
     def _fingerprint(self) -> str:
         """What must agree across data-parallel ranks (plan, dtype, parameter shapes)."""
@@ -473,14 +590,15 @@ class RoundPipe:
         return (f"plan {self.plan.to_text()}, compute dtype {self.host.dtype}, "
                 f"{len(shapes)} trainable parameters, shapes hash {hash(tuple(shapes))}")
 
-    def _refine_plan(self) -> None:
-        """``partition="refine"``: feed this call's stage times to the planner and switch
-        to its new plan, if any, before the next call (the schedules are rebuilt; the
-        math does not depend on the plan)."""
+    def _refine_plan(self, call: Call) -> None:
+        """``partition="refine"``: feed a completed call's stage times to the planner
+        and switch to its new plan, if any, before the next call (calls in flight
+        complete first; the schedules are rebuilt; the math does not depend on the
+        plan)."""
         if not self._planner.refining:
             return
-        new = self._planner.observe(self._calls.executor.last_spans, self._calls.stages,
-                                    self.calls)
+        new = self._planner.observe(self._stream.last_spans, self._calls.stages,
+                                    call.number + 1)
         if new is None:
             return
         try:
@@ -488,10 +606,14 @@ class RoundPipe:
         except ConfigError:            # the planner's bound fits; keep the safe plan
             self._planner.refiner.frozen = True
             return
+        self._stream.drain()
         self.plan = new
         self._calls.use_plan(new)
 
 
-def _close(devices) -> None:
+def _close(devices, streams=()) -> None:
+    for stream in streams:       # dispatchers of calls still in flight stop first
+        if stream.session is not None:
+            stream.session.kill()
     for d in devices:
         d.close()

@@ -73,9 +73,11 @@ class Stream(abc.ABC):
     def host_wait(self, event: Event, abort: threading.Event | None = None) -> None:
         """Host thread feeding this stream waits for ``event`` (memory reuse, host work).
         Work submitted afterwards is ordered after the event, so the stream also waits
-        on it (free on a completed event; it tells the race checker, too)."""
+        on it (free on a completed event; it tells the race checker, too). An event of
+        the host lane (work done on the host) needs no stream wait."""
         event.synchronize(abort)
-        self.wait(event)
+        if not isinstance(event, _DoneEvent):
+            self.wait(event)
 
 
 class Device(abc.ABC):

@@ -12,25 +12,29 @@ durations of the current plan, and the modelled host optimizer time.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..config import PipeConfig
 from ..errors import ConfigError, InputError
 from ..model import LayerSet
-from ..plan import Plan
-from ..schedule import Schedule, roundpipe_schedule, validate
+from ..plan import Plan, StageKind
+from ..schedule import ActionKind as K, Schedule, roundpipe_schedule, validate
+from ..schedule.bound import Routes
 from .backend import Device
 from .executor import Executor
 from .host import CallGrads, HostState
-from .kernels import ActionRunner, CallContext
+from .kernels import ActionRunner, CallContext, CallState
 from .pinning import HostPinning
 from .pool import BlockPool
 from .store import Store
 from . import trees
 
-__all__ = ["CallRunner", "split_batch", "check_stage_budget"]
+__all__ = ["Call", "CallRunner", "CallStream", "StepResult", "split_batch",
+           "check_stage_budget", "timeline"]
 
 
 def split_batch(inputs, labels, microbatches: int, dtype: torch.dtype,
@@ -86,12 +90,11 @@ class CallRunner:
         self._staging = BlockPool(pinning=pinning) if pinning is not None else None
         self.side_inputs, self.tail_context = side_inputs, tail_context
         self.check = config.check_races and devices[0].torch_device.type == "cpu"
-        self.stores = [Store(f"worker {d.index}", d, self.check) for d in devices]
         self.shells = [layerset.make_shells() for _ in devices]
         self.chunk_bytes = max(1, int(config.copy_chunk_mb * 2**20))
         pinning = getattr(host, "pinning", None)
         self.runner = ActionRunner(
-            layerset, host, loss_fn, devices, self.stores, self.shells, _stages(plan),
+            layerset, host, loss_fn, devices, self.shells, _stages(plan),
             chunk_bytes=self.chunk_bytes,
             pinned=getattr(host, "is_pinned", lambda pid: True),
             pinned_empty=None if pinning is None else
@@ -100,6 +103,7 @@ class CallRunner:
             self.runner.copies.layer_bytes = [l.weight_bytes
                                               for l in config.emulation.costs.layers]
         self.executor = Executor(devices, config.timeout_s)
+        self._plan = plan
         self.schedules: dict[tuple[bool, int], Schedule] = {}
         self.last_schedule: Schedule | None = None
         self._timed: tuple[Plan, dict] | None = None
@@ -112,6 +116,7 @@ class CallRunner:
     def use_plan(self, plan: Plan) -> None:
         """Run later calls with ``plan`` (the cached schedules are dropped)."""
         self.schedules = {}
+        self._plan = plan
         # A new dict (not mutated): a pending stale step keeps the stages it started with.
         self.runner.stages = _stages(plan)
 
@@ -166,25 +171,45 @@ class CallRunner:
         with torch.no_grad():
             return trees.map_tensors(stage, tree)
 
+    def state(self, schedule: Schedule, ctx: CallContext, host_store: Store,
+              view: int = 0) -> CallState:
+        """The data of a call running ``schedule`` (its actions), uploading the compute
+        copies of ``host.views[view]``."""
+        stores = [Store(f"worker {d.index}", d, self.check) for d in self.devices]
+        return CallState(ctx, host_store, stores, Routes.of(schedule, self.runner.stages),
+                         self.host.views[view])
+
+    def begin(self, call: int, state: CallState) -> None:
+        """Make ``state`` the data of the actions numbered ``call``."""
+        runner = self.runner
+        if not runner.states:
+            runner.timing = self._timing(self.plan_of_stages())
+            for shells in self.shells:
+                self.ls.set_training(shells)
+        runner.states[call] = state
+
+    def end(self, call: int) -> None:
+        """Forget a finished (or abandoned) call's data; free what its stores hold."""
+        state = self.runner.states.pop(call, None)
+        if state is not None:
+            for store in state.stores:
+                store.clear()
+
+    def plan_of_stages(self) -> Plan | None:
+        return self._plan
+
     def run(self, schedule: Schedule, ctx: CallContext, host_store: Store) -> None:
         """Run ``schedule`` on the workers; raise the first failure (as the executor
         reports it). The caller's CPU random state and the device stores are restored."""
-        runner = self.runner
-        runner.ctx, runner.host_store = ctx, host_store
-        runner.timing = self._timing(schedule.plan)
-        runner.set_schedule(schedule)
-        for shells in self.shells:
-            self.ls.set_training(shells)
+        self.begin(0, self.state(schedule, ctx, host_store))
         rng_state = torch.get_rng_state()
         try:
             self.last_schedule = schedule
-            self.executor.run(schedule, runner.run, self.where, runner.chunks,
+            self.executor.run(schedule, self.runner.run, self.where, self.runner.chunks,
                               gate=self.config.gate_copies)
         finally:
             torch.set_rng_state(rng_state)
-            for store in self.stores:
-                store.clear()
-            runner.ctx = runner.host_store = None
+            self.end(0)
 
     def where(self, action) -> str:
         """The stage an action ran, with its layers (for error messages)."""
@@ -194,25 +219,6 @@ class CallRunner:
         layers = f"layer {s.start}" if s.stop - s.start == 1 else \
             f"layers {s.start}-{s.stop - 1}"
         return f"{s.name} ({layers})"
-
-    def last_timeline(self):
-        """The last call's actions as a :class:`rotapipe.sim.Timeline` (ms from its
-        first action), or ``None`` before the first call."""
-        from ..sim.engine import Span, Timeline, _RESOURCE
-        spans = list(self.executor.last_spans)
-        schedule = self.last_schedule
-        if not spans or schedule is None:
-            return None
-        t0 = min(s for _, s, _ in spans)
-        out = tuple(Span(a, _RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
-                    for a, s, e in sorted(spans, key=lambda x: x[1]))
-        start: dict[str, float] = {}
-        end: dict[str, float] = {}
-        for sp in out:          # a chunked copy has a span per chunk
-            k = sp.action.key
-            start[k] = min(start.get(k, sp.start), sp.start)
-            end[k] = max(end.get(k, sp.end), sp.end)
-        return Timeline(schedule, out, start, end)
 
     # -- timed emulation ----------------------------------------------------------------
     def optimizer_cost(self) -> Callable[[list[int]], None] | None:
@@ -250,3 +256,206 @@ class CallRunner:
 
 def _stages(plan: Plan) -> dict:
     return {s.name: s for s in plan.eval_jobs() + plan.jobs()}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the optimizer step a training call ended did: the learning rate of each
+    parameter group, the global gradient norm before clipping (``None`` unless
+    clipping is on), and whether it was skipped (overflow under dynamic loss scaling)."""
+
+    lrs: tuple[float, ...]
+    grad_norm: float | None
+    skipped: bool
+
+
+class Call:
+    """One training call, built from its schedule: the schedule's actions are the
+    call's shape (workers, microbatches, stages), nothing else is. ``number`` is the
+    pipeline's call counter it runs as (its random streams), ``index`` its place in the
+    :class:`CallStream` (its actions' call number). The call changes the pipeline's
+    state only at :meth:`commit`: when every gradient of it is in host memory (in the
+    last ``O`` action, on the host lane, when calls overlap; otherwise after it)."""
+
+    def __init__(self, number: int, index: int, schedule: Schedule, state: CallState,
+                 hook, step: bool, units: float, stages: dict, buffers: Callable[[Store], None],
+                 on_host: bool, reduce=None, after_step: Callable[[], StepResult] | None = None):
+        self.number, self.index, self.schedule, self.state = number, index, schedule, state
+        self.hook, self.step, self.units, self.reduce = hook, step, units, reduce
+        self._buffers, self._after_step = buffers, after_step
+        self.committed = False
+        self.result: StepResult | None = None     # of the step it ended
+        self.loss: float | None = None
+        tails = [a.key for a in schedule.actions if a.kind is K.DOWNLOAD_GRAD
+                 and stages[a.stage].kind is StageKind.TAIL]
+        handoffs = [a.key for a in schedule.actions if a.kind is K.OPTIMIZER]
+        self.loss_keys = tuple(tails)
+        """The actions after which the call's loss is in host memory (empty: the end
+        of the call)."""
+        self.last_handoff = handoffs[-1] if handoffs and on_host else None
+
+    def handoff(self, key: str) -> None:
+        """After an ``O`` action added its gradients (host lane)."""
+        self.hook.handoff(key)
+        if key == self.last_handoff:
+            self.commit()
+
+    def commit(self) -> None:
+        if self.committed:
+            return
+        if self.reduce is not None:
+            self.reduce.finish()        # the reduced gradients are in place
+        self.hook.commit()
+        self._buffers(self.state.host_store)
+        if self.step and self._after_step is not None:
+            self.result = self._after_step()
+        self.committed = True
+
+    def read_loss(self) -> float:
+        store = self.state.host_store
+        M = self.schedule.microbatches
+        self.loss = float(sum(store.get(("loss", m)).item() for m in range(M)))
+        return self.loss
+
+
+class CallStream:
+    """Training calls on one executor session, at most ``depth`` in flight: with
+    ``depth=2`` the next call's actions start on the workers the draining call frees
+    (the asynchronous optimizer modes), with 1 every call completes before the next.
+
+    A failure aborts every call in flight. Calls that committed keep their effect; the
+    others are undone (:meth:`CallHook.abort`) and reported in the exception, which
+    carries ``calls_committed`` (the pipeline's call count after it: the step boundary
+    the state is at) and ``calls_discarded`` (the numbers of the calls dropped)."""
+
+    def __init__(self, runner: CallRunner):
+        self.runner = runner
+        self.session = None
+        self.inflight: list[Call] = []
+        self.index = 0              # the next call's index in the session
+        self.step_ends: list[int] = []
+        self.steps = 0              # calls that ended a step
+        self.committed = 0          # the pipeline's committed calls, in total
+        self.last_spans: list = []  # the spans of the last call reaped
+        self.results: dict[int, StepResult | None] = {}   # call number -> Call.result
+        self.history: deque[tuple[Schedule, list]] = deque(maxlen=64)
+        """``(schedule, spans)`` of the last calls completed, oldest first."""
+
+    @property
+    def next_number(self) -> int:
+        return self.committed + len(self.inflight)
+
+    def submit(self, call: Call) -> None:
+        r = self.runner
+        if self.session is None:
+            self.session = r.executor.open(r.runner.run, r.where, r.runner.chunks,
+                                           gate=r.config.gate_copies)
+        r.begin(call.index, call.state)
+        self.inflight.append(call)
+        self.index += 1
+        if call.step:
+            self.step_ends.append(call.index)
+            self.steps += 1
+        self.session.submit(call.schedule)
+
+    def wait_loss(self, call: Call) -> float:
+        """Block until ``call``'s loss is in host memory and return it."""
+        keys = call.loss_keys or self.session._lasts.get(call.index, ())
+        self._guarded(lambda: self.session.wait_keys(keys))
+        return call.read_loss()
+
+    def reap(self, keep: int) -> list[Call]:
+        """Complete the oldest calls until at most ``keep`` are in flight (committing
+        those that commit after the call); return them."""
+        done = []
+        while len(self.inflight) > keep:
+            c = self.inflight[0]
+            self._guarded(lambda: self.session.wait_call(c.index))
+            if not c.committed:
+                self._guarded(c.commit)
+            self.committed += 1
+            self.inflight.pop(0)
+            self.last_spans = [s for s in self.session.spans if s[0].call == c.index]
+            self.history.append((c.schedule, self.last_spans))
+            self.results[c.number] = c.result
+            self.results.pop(c.number - 64, None)
+            self.runner.end(c.index)
+            done.append(c)
+        return done
+
+    def drain(self) -> list[Call]:
+        """Complete every call in flight and close the session (the next call starts a
+        fresh round-robin)."""
+        done = self.reap(0)
+        if self.session is not None:
+            self.session.close()
+        self._reset()
+        return done
+
+    def _reset(self) -> None:
+        # ``steps`` goes on: it picks the compute copies a call uploads (stale keeps two
+        # sets, which differ until the optimizer flushes).
+        self.session = None
+        self.index, self.step_ends = 0, []
+
+    def _guarded(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: BaseException) -> None:
+        """Abort the session, keep what committed, undo the rest (newest first)."""
+        session = self.session
+        if session is not None and session.failure is None:
+            session.kill()
+        kept = [c for c in self.inflight if c.committed]
+        dropped = [c for c in self.inflight if not c.committed]
+        for c in reversed(dropped):
+            c.hook.abort()
+        for c in self.inflight:
+            self.runner.end(c.index)
+        for c in kept:
+            self.results[c.number] = c.result
+        self.committed += len(kept)
+        self.inflight = []
+        # The next call uploads the compute copies it would have (stale keeps two
+        # sets), as if the discarded calls had never run.
+        self.steps -= sum(1 for c in dropped if c.step)
+        self._reset()
+        if kept or dropped:
+            fates = [f"call {c.number}: completed, its update is kept" for c in kept] + \
+                [f"call {c.number}: discarded" + (" (train_step already returned its loss)"
+                                                  if c.loss is not None else "")
+                 for c in dropped]
+            note = ("calls in flight when it failed: " + "; ".join(fates) +
+                    f". The state is that after call {self.committed - 1} (pipe.calls = "
+                    f"{self.committed}): run the discarded calls' batches again.")
+            if exc.args and isinstance(exc.args[0], str):
+                exc.args = (exc.args[0] + "\n\n" + note,) + exc.args[1:]
+        exc.calls_committed = self.committed
+        exc.calls_discarded = [c.number for c in dropped]
+
+
+def timeline(history: Sequence[tuple[Schedule, list]]):
+    """Calls' actions as one :class:`rotapipe.sim.Timeline` (ms from the first action;
+    a chunked copy has a span per chunk), or ``None`` without calls."""
+    from ..sim.engine import Span, Timeline, _RESOURCE
+    spans = [s for _, sp in history for s in sp]
+    if not spans:
+        return None
+    first = history[0][0]
+    actions = tuple(a for sched, _ in history for a in sched.actions)
+    schedule = first if len(history) == 1 else \
+        Schedule(first.plan, first.workers, first.microbatches, actions, first.name)
+    t0 = min(s for _, s, _ in spans)
+    out = tuple(Span(a, _RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
+                for a, s, e in sorted(spans, key=lambda x: x[1]))
+    start: dict[str, float] = {}
+    end: dict[str, float] = {}
+    for sp in out:
+        k = sp.action.key
+        start[k] = min(start.get(k, sp.start), sp.start)
+        end[k] = max(end.get(k, sp.end), sp.end)
+    return Timeline(schedule, out, start, end)

@@ -101,7 +101,7 @@ class ChunkedCopies:
         for l in self.r.stages[a.stage].layers:
             pids = [p for p in self.r.ls.layer_params[l] if p not in seen and pick(p)]
             seen.update(pids)
-            sizes = [self.r.host.compute[p].numel() * self.r.host.compute[p].element_size()
+            sizes = [self.r.compute[p].numel() * self.r.compute[p].element_size()
                      for p in pids]
             out.append((l, pids, sizes))
         return out
@@ -139,7 +139,7 @@ class ChunkedCopies:
                 def body(l=l, pids=pids, pieces=pieces, first=j == 0, src=None):
                     if first:
                         for p in pids:
-                            c = r.host.compute[p]
+                            c = r.compute[p]
                             dst[p] = dev.empty(c.shape, c.dtype)
                         self._upload_buffers(dev, l, buffers)
                     for i, lo, hi in pieces:
@@ -147,7 +147,7 @@ class ChunkedCopies:
                         if src is not None:        # staged in a pinned bounce buffer
                             target.copy_(src[i], non_blocking=True)
                         else:
-                            host = r.host.compute[pids[i]].contiguous()
+                            host = r.compute[pids[i]].contiguous()
                             target.copy_(_bytes(host)[lo:hi], non_blocking=True)
                 chunks.append(self._upload_chunk(a, dev, pids, pieces, body, len(chunks)))
 
@@ -178,7 +178,7 @@ class ChunkedCopies:
             off = 0
             for k, lo, hi in pieces:
                 n = hi - lo
-                buf[off:off + n].copy_(_bytes(r.host.compute[pids[k]].contiguous())[lo:hi])
+                buf[off:off + n].copy_(_bytes(r.compute[pids[k]].contiguous())[lo:hi])
                 staged[k] = buf[off:off + n]
                 off += n
             slot[:] = [i]

@@ -200,9 +200,16 @@ class EmulatedDevice(Device):
 
     @contextmanager
     def seeded(self, seed):
+        # Emulated layers draw from the process's CPU generator: seed it for the layer
+        # and put the caller's state back, so that training calls still in flight
+        # (overlapping calls) never move the random stream of the caller's thread.
         with _CPU_RNG_LOCK:
+            state = torch.default_generator.get_state()
             torch.default_generator.manual_seed(seed)
-            yield
+            try:
+                yield
+            finally:
+                torch.default_generator.set_state(state)
 
     def allocate(self, nbytes: int, what: str) -> None:
         with self._lock:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 from ..errors import RotapipeError, WorkerError, worker_error_type
 from ..schedule import HOST, Action, ActionKind as K, Lane, Schedule
@@ -61,27 +61,26 @@ class Executor:
         ``chunks(action)`` splits a weight upload or weight-gradient download into
         :class:`Chunk` s (``None``: one piece, run by ``body``); ``gate`` issues them
         gated (``transfer.py``), else all at once."""
+        session = self.open(body, describe, chunks, gate)
+        self.last_spans = session.spans
+        try:
+            session.submit(schedule)
+            session.wait_all()
+        except BaseException:
+            session.kill()       # e.g. KeyboardInterrupt: stop the workers first
+            raise
+        finally:
+            session.close()
+
+    def open(self, body: Callable[[Action], None],
+             describe: Callable[[Action], str] = lambda a: "",
+             chunks: Callable[[Action], list[Chunk] | None] = lambda a: None,
+             gate: bool = True) -> Session:
+        """A :class:`Session`: dispatchers that run the actions of every call submitted
+        to it, calls overlapping as their dependencies allow, until it is closed."""
         if self.broken:
             raise WorkerError(self.broken)
-        run = _Run(self, schedule, body, chunks, gate)
-        self.last_spans = run.spans
-        run.start()
-        try:
-            failure = run.wait()
-        except BaseException:
-            # KeyboardInterrupt in the caller: stop the workers before unwinding.
-            run.abort.set()
-            run.join()
-            self._drain()
-            raise
-        if failure is None:
-            return
-        action, exc = failure
-        drained = self._drain()
-        error = self._error(schedule, action, exc, describe(action))
-        if not drained:
-            error.args = (error.args[0] + f"\n\n{self.broken}",)
-        raise error from exc
+        return Session(self, body, describe, chunks, gate)
 
     def _drain(self) -> bool:
         """Wait for every stream to finish what it is running (queued work of the
@@ -99,9 +98,10 @@ class Executor:
     def _error(self, schedule, action, exc, where) -> Exception:
         who = "the host" if action.worker == HOST else f"worker {action.worker}"
         mb = f" at microbatch {action.mb}" if action.mb is not None else ""
-        msg = (f"{_VERBS[action.kind]} {action.key} of stage {where}{mb} failed on {who}: "
-               f"{type(exc).__name__}: {exc}\n\nschedule ({schedule.name}, failing action "
-               f"marked):\n{schedule.grid(mark=action.key, context=8)}")
+        call = f" of call {action.call}" if schedule.calls > 1 else ""
+        msg = (f"{_VERBS[action.kind]} {action.key}{call} of stage {where}{mb} failed on "
+               f"{who}: {type(exc).__name__}: {exc}\n\nschedule ({schedule.name}, failing "
+               f"action marked):\n{schedule.grid(mark=action.key, context=8)}")
         cls = worker_error_type(type(exc)) if isinstance(exc, RotapipeError) else WorkerError
         return cls(msg, action=action.key, worker=action.worker, cause=exc)
 
@@ -134,32 +134,144 @@ _LANE_ORDER = {Lane.UPLOAD: 0, Lane.DOWNLOAD: 1, Lane.COMPUTE: 2, Lane.WEIGHTS: 
                Lane.GRADS: 4, Lane.HOST: 5}
 
 
-class _Run:
-    """State of one call: events, the first failure, one dispatcher per device."""
+class Session:
+    """Dispatchers over a stream of calls (:meth:`Executor.open`).
 
-    def __init__(self, ex: Executor, schedule: Schedule, body, chunks, gate: bool):
-        self.ex, self.schedule, self.body, self.chunks = ex, schedule, body, chunks
+    :meth:`submit` appends a call's actions to the per-worker lanes; one dispatcher
+    thread per worker (and one for the host lane) issues each lane in order, an action
+    as soon as its dependencies were recorded, whichever call they belong to, so the
+    actions of the next call start while the previous call drains. The first failure
+    aborts every call in flight: dispatchers stop, streams skip queued work, and the
+    waits raise it (:meth:`error`)."""
+
+    def __init__(self, ex: Executor, body, describe, chunks, gate: bool):
+        self.ex, self.body, self.describe, self.chunks = ex, body, describe, chunks
         self.gate = gate
         self.abort = threading.Event()
         self.failure: tuple[Action, BaseException] | None = None
         self._fail_lock = threading.Lock()
+        self._lock = threading.Lock()      # submissions against the dispatchers' reads
         self.events: dict[str, object] = {}
         self.last_progress = time.monotonic()
-        self.workers: dict[int, dict[Lane, list[Action]]] = defaultdict(dict)
-        for a in schedule.actions:
-            self.workers[a.worker].setdefault(a.lane, []).append(a)
-        self.threads: list[threading.Thread] = []
         self.spans: list[tuple[Action, float, float]] = []   # appended by stream threads
-        self.last_events: list = []
-        # One wake-up per dispatcher; an action's record or completion wakes only the
-        # dispatchers whose actions depend on it (and its own).
-        self._wake = {w: _Wake() for w in self.workers}
-        watchers: dict[str, set[int]] = defaultdict(set)
-        for a in schedule.actions:
-            for d in a.deps + a.host_deps:
-                watchers[d].add(a.worker)
-        self._watchers = {a.key: tuple(self._wake[w] for w in watchers[a.key] | {a.worker})
-                          for a in schedule.actions}
+        self.actions: dict[int, list[Action]] = {}     # call -> its actions, in order
+        self._lasts: dict[int, list[str]] = {}        # call -> last key of each lane
+        self._done: set[int] = set()
+        self._back = 0          # how many calls back a dependency reaches, at most
+        self._closing = False
+        workers = list(range(len(ex.devices))) + [HOST]
+        self._queues: dict[int, dict[Lane, deque]] = {w: {} for w in workers}
+        self._wake = {w: _Wake() for w in workers}
+        self._watchers: dict[str, set] = defaultdict(set)
+        self.threads = [threading.Thread(target=self._dispatch, args=(w,), daemon=True,
+                                         name=f"rotapipe-dispatch-{w}") for w in workers]
+        for t in self.threads:
+            t.start()
+
+    # -- the caller's side ---------------------------------------------------------------
+    def submit(self, schedule: Schedule, actions: Sequence[Action] | None = None) -> None:
+        """Append ``actions`` (default: all of ``schedule``'s) to the lanes. Their
+        dependencies may name actions of calls submitted before."""
+        actions = schedule.actions if actions is None else actions
+        self.schedule = schedule
+        with self._lock:
+            lasts: dict[tuple[int, Lane], str] = {}
+            for a in actions:
+                self.actions.setdefault(a.call, []).append(a)
+                lasts[(a.worker, a.lane)] = a.key
+                wake = self._wake[a.worker]
+                self._watchers[a.key].add(wake)
+                for d in a.deps + a.host_deps:
+                    self._watchers[d].add(wake)
+                    self._back = max(self._back, a.call - _call_of(d))
+                self._queues[a.worker].setdefault(a.lane, deque()).append(a)
+            for a in actions:
+                self._lasts.setdefault(a.call, [])
+            for (_, _), key in lasts.items():
+                self._lasts[_call_of(key)].append(key)
+        for wake in self._wake.values():
+            wake.set()
+
+    def wait_keys(self, keys: Iterable[str]) -> None:
+        """Block until every action in ``keys`` has completed; raise the first failure
+        (aborting the session) instead, or a timeout when nothing progresses."""
+        for key in keys:
+            while True:
+                if self.failure is not None:
+                    self.raise_failure()
+                ev = self.events.get(key)
+                if ev is not None and ev.query():
+                    break
+                self.abort.wait(0.001)
+                self._check_timeout()
+
+    def wait_call(self, call: int) -> None:
+        """Block until every action of ``call`` has completed (see :meth:`wait_keys`);
+        then forget the events of calls no later dependency can name."""
+        self.wait_keys(self._lasts.get(call, ()))
+        self._done.add(call)
+        self._prune()
+
+    def wait_all(self) -> None:
+        for call in sorted(self._lasts):
+            if call not in self._done:
+                self.wait_call(call)
+
+    def done(self, call: int) -> bool:
+        return call in self._done
+
+    def close(self) -> None:
+        """Stop the dispatchers (after the work submitted was issued, or at once after a
+        failure)."""
+        self._closing = True
+        for wake in self._wake.values():
+            wake.set()
+        if self.failure is not None:
+            self.abort.set()
+        for t in self.threads:
+            t.join()
+
+    def kill(self) -> None:
+        """Abort everything in flight (e.g. on KeyboardInterrupt) and drain the devices."""
+        self.abort.set()
+        self.close()
+        self.ex._drain()
+
+    def raise_failure(self):
+        """Drain the devices after the first failure and raise it as a WorkerError."""
+        action, exc = self.failure
+        self.close()
+        drained = self.ex._drain()
+        error = self.ex._error(self.schedule_of(action), action, exc, self.describe(action))
+        if not drained:
+            error.args = (error.args[0] + f"\n\n{self.ex.broken}",)
+        raise error from exc
+
+    def schedule_of(self, action: Action) -> Schedule:
+        """The submitted actions around ``action`` as one schedule (for messages)."""
+        s = self.schedule
+        if len(self.actions) == 1:
+            return s
+        acts = [a for c in sorted(self.actions) if abs(c - action.call) <= 1
+                for a in self.actions[c]]
+        return Schedule(s.plan, s.workers, s.microbatches, tuple(acts), s.name)
+
+    def _prune(self) -> None:
+        """Drop the events and spans of complete calls that no action submitted now or
+        later can depend on (a dependency reaches at most ``_back`` calls back; two
+        more are kept in case a later plan reaches further)."""
+        pending = [c for c in self._lasts if c not in self._done]
+        low = min(pending) if pending else max(self._lasts, default=-1) + 1
+        old = {c for c in self._done if c < low - self._back - 2}
+        if not old:
+            return
+        for c in old:
+            for a in self.actions.pop(c, ()):
+                self.events.pop(a.key, None)
+                self._watchers.pop(a.key, None)
+            self._lasts.pop(c, None)
+            self._done.discard(c)
+        self.spans[:] = [s for s in self.spans if s[0].call not in old]
 
     def fail(self, action: Action, exc: BaseException) -> None:
         with self._fail_lock:
@@ -169,36 +281,33 @@ class _Run:
         for wake in self._wake.values():
             wake.set()
 
-    def start(self) -> None:
-        for worker, lanes in self.workers.items():
-            t = threading.Thread(target=self._dispatch, args=(worker, lanes),
-                                 name=f"rotapipe-dispatch-{worker}", daemon=True)
-            self.threads.append(t)
-            t.start()
-
-    def _dispatch(self, worker: int, lanes: dict[Lane, list[Action]]) -> None:
+    # -- the dispatchers -----------------------------------------------------------------
+    def _dispatch(self, worker: int) -> None:
         """Issue one device's lanes (or the host lane): each lane in list order, each
         action as soon as its dependencies were recorded, chunked copies chunk by
         chunk; never blocking on one lane while another could go."""
         if worker == HOST:
-            streams = {lane: self.ex.host_stream for lane in lanes}
+            streams = defaultdict(lambda: self.ex.host_stream)
             notify_ok = True
         else:
             dev = self.ex.devices[worker]
-            streams = {lane: dev.stream(lane) for lane in lanes}
+            streams = {lane: dev.stream(lane) for lane in Lane if lane is not Lane.HOST}
             notify_ok = dev.notifies
         gates = {UP: CopyGate(), DOWN: CopyGate()}
-        queues = {lane: deque(acts) for lane, acts in
-                  sorted(lanes.items(), key=lambda kv: _LANE_ORDER[kv[0]])}
+        queues = self._queues[worker]
+        wake = self._wake[worker]
         copies: dict[Lane, _Copy] = {}
         idle = _IDLE_MIN
         a = None
         try:
-            while queues or copies:
-                wake = self._wake[worker]
+            while True:
                 generation = wake.generation
                 progressed = False
-                for lane in list(queues) + [l for l in copies if l not in queues]:
+                with self._lock:
+                    lanes = [l for l in sorted(queues, key=_LANE_ORDER.get) if queues[l]]
+                if not lanes and not copies and self._closing:
+                    return
+                for lane in lanes + [l for l in copies if l not in lanes]:
                     if self.abort.is_set():
                         return
                     stream = streams[lane]
@@ -210,11 +319,12 @@ class _Run:
                     a = q[0]
                     if not self._ready(a):
                         continue
-                    q.popleft()
-                    if not q:
-                        del queues[lane]
+                    with self._lock:
+                        q.popleft()
                     progressed = True
                     self._issue(a, stream, lane, gates, copies)
+                if self.abort.is_set():
+                    return
                 if progressed:
                     idle = _IDLE_MIN
                     continue
@@ -224,8 +334,6 @@ class _Run:
                 # A chunk in flight: its completion lets the next one go; keep polling
                 # fast so that the copy engine does not sit idle between chunks.
                 idle = _IDLE_MIN if copies else min(idle * 2, _IDLE_MAX)
-            for lane, acts in lanes.items():
-                self.last_events.append(self.events[acts[-1].key])
         except Aborted:
             return
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
@@ -289,16 +397,16 @@ class _Run:
 
     def _recorded(self, a: Action, ev) -> None:
         self.events[a.key] = ev
-        for wake in self._watchers[a.key]:
+        for wake in tuple(self._watchers.get(a.key, ())):
             wake.set()
 
     def _notifier(self, a: Action):
         """What an event of ``a`` calls on completion: wake the dispatchers that wait
         for ``a`` (host dependencies, gated chunks and the copy gate: its own)."""
-        watchers = self._watchers[a.key]
+        key = a.key
 
         def notify():
-            for wake in watchers:
+            for wake in tuple(self._watchers.get(key, ())):
                 wake.set()
         return notify
 
@@ -311,34 +419,25 @@ class _Run:
             self.last_progress = time.monotonic()
         return run
 
-    def join(self) -> None:
-        for t in self.threads:
-            t.join()
-
-    def wait(self):
-        """Wait for the dispatchers, then for every stream; return the failure if any."""
-        pending = list(self.threads)
-        while pending:
-            pending[0].join(0.05)
-            pending = [t for t in pending if t.is_alive()]
-            self._check_timeout()
-        for ev in self.last_events:
-            while self.failure is None and not ev.query():
-                self.abort.wait(0.001)
-                self._check_timeout()
-        return self.failure
-
     def _check_timeout(self) -> None:
         idle = time.monotonic() - self.last_progress
         if idle > self.ex.timeout_s and self.failure is None:
-            first = self.schedule.actions[0]
-            for a in self.schedule.actions:
-                if a.key not in self.events:
-                    first = a
-                    break
-            self.fail(first, TimeoutError(
+            pending = [a for c in sorted(self.actions) for a in self.actions[c]
+                       if a.key not in self.events]
+            issued = [a for c in sorted(self.actions) for a in self.actions[c]
+                      if a.key in self.events and not self.events[a.key].query()]
+            stuck = (issued or pending or [self.schedule.actions[0]])[0]
+            what = "the oldest issued action not yet complete" if issued else \
+                "the first action not yet issued"
+            self.fail(stuck, TimeoutError(
                 f"no action completed for {idle:.0f} s (timeout_s={self.ex.timeout_s}); "
-                "the first action not yet issued is marked"))
+                f"{what} is marked"))
+
+
+def _call_of(key: str) -> int:
+    """The call number in an action key (``.../c3``; 0 without the suffix)."""
+    _, sep, call = key.rpartition("/c")
+    return int(call) if sep and call.isdigit() else 0
 
 
 class _Wake:

@@ -24,11 +24,14 @@ from .pinning import HostPinning
 class HostState:
     """``pinning`` keeps every tensor the workers upload in its host memory mode
     (:class:`~rotapipe.runtime.pinning.HostPinning`; ``None``: pageable, as allocated).
-    ``separate=True`` gives every master a compute copy of its own even in fp32 (the
-    stale optimizer steps the masters while workers still upload the old weights)."""
+    ``views=2`` keeps two sets of compute copies of the trainable weights (the stale
+    optimizer writes one step's weights into one set while workers still upload the
+    previous step's from the other: :attr:`views`); every master then has compute
+    copies of its own, even in fp32."""
 
     def __init__(self, layerset: LayerSet, precision: PrecisionConfig,
-                 pinning: HostPinning | None = None, separate: bool = False):
+                 pinning: HostPinning | None = None, views: int = 1):
+        separate = views > 1
         self.layerset = layerset
         self.dtype = precision.compute_dtype
         self.pinning = pinning
@@ -57,6 +60,18 @@ class HostState:
                 p.data = keep(p.data)
                 self.compute.append(p.data)
         self._is_separate = frozenset(self._separate)
+        self.views: list[list[torch.Tensor]] = [self.compute]
+        """Sets of compute copies the workers may upload (one, or two for ``stale``):
+        frozen weights are shared by every set."""
+        for _ in range(views - 1):
+            view = list(self.compute)
+            for pid in self._separate:
+                c = self.compute[pid]
+                view[pid] = pinning.new(c.shape, c.dtype) if pinning is not None else \
+                    torch.empty_like(c)
+                with torch.no_grad():
+                    view[pid].copy_(c)
+            self.views.append(view)
         self.trainable = [pid for pid, p in enumerate(layerset.params) if p.requires_grad]
         self.samples = 0.0
         """Loss items (samples, or ``loss_weight`` units) whose gradients ``param.grad``
@@ -67,15 +82,18 @@ class HostState:
         locked (recorded so on emulated workers); ``False`` without a pinning."""
         return self.pinning is not None and self.pinning.is_pinned(self.compute[pid])
 
-    def write_back(self, pids: list[int] | None = None) -> None:
+    def write_back(self, pids: list[int] | None = None, view: int | None = None) -> None:
         """Refresh compute-dtype copies from the masters after an optimizer step (of the
-        parameters ``pids``; default all): one pass that reads fp32 and writes the
-        compute dtype. Copies that alias their master need nothing."""
+        parameters ``pids``; default all; into the set ``view`` of :attr:`views`,
+        default every set): one pass that reads fp32 and writes the compute dtype.
+        Copies that alias their master need nothing."""
         params = self.layerset.params
         todo = self._separate if pids is None else [p for p in pids if p in self._is_separate]
+        views = self.views if view is None else [self.views[view]]
         with torch.no_grad():
-            for pid in todo:
-                self.compute[pid].copy_(params[pid].data)
+            for compute in views:
+                for pid in todo:
+                    compute[pid].copy_(params[pid].data)
 
     def commit(self, grads: CallGrads, samples: float) -> None:
         """Merge one successful call's gradients so that ``param.grad`` is the gradient

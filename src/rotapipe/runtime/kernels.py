@@ -20,6 +20,7 @@ stage's ``("gout", ...)`` (:class:`rotapipe.schedule.bound.Routes`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
@@ -65,22 +66,69 @@ class CallContext:
     extra_weight: float = 1.0  # data parallel: this rank's share of the global units
 
 
+@dataclass
+class CallState:
+    """One call's data while its actions run: its context, host store, device stores,
+    data routes, and the compute copies its weight uploads read."""
+
+    ctx: CallContext
+    host_store: Store
+    stores: list[Store]
+    routes: Routes
+    compute: list[torch.Tensor]
+
+
 class ActionRunner:
-    """Runs single actions on a worker's device; one per pipeline, reused per call."""
+    """Runs single actions on a worker's device; one per pipeline, reused per call.
+    Several calls may be in flight: ``states[call]`` holds each one's data, and an
+    action body sees its own call's (``ctx``, ``host_store``, ``stores``, ``routes``
+    and ``compute`` are those of the call whose action runs on this thread)."""
 
     def __init__(self, layerset: LayerSet, host: HostState, loss_fn, devices: list[Device],
-                 stores: list[Store], shells: list, stages: dict[str, Stage], *,
+                 shells: list, stages: dict[str, Stage], *,
                  chunk_bytes: int = 32 << 20,
                  pinned: Callable[[int], bool] = lambda pid: True,
                  pinned_empty: Callable[[int], torch.Tensor] | None = None):
         self.ls, self.host, self.loss_fn = layerset, host, loss_fn
-        self.devices, self.stores, self.shells, self.stages = devices, stores, shells, stages
-        self.host_store: Store | None = None
-        self.ctx: CallContext | None = None
+        self.devices, self.shells, self.stages = devices, shells, stages
+        self.states: dict[int, CallState] = {}
+        self._tls = threading.local()
         self.copies = ChunkedCopies(
             self, chunk_bytes, pinned,
             pinned_empty or (lambda n: torch.empty(n, dtype=torch.uint8)))
         """Chunked weight uploads and weight-gradient downloads (``chunks.py``)."""
+
+    # The running action's call (set per action on the thread that runs it).
+    @property
+    def state(self) -> CallState:
+        return self._tls.state
+
+    @property
+    def ctx(self) -> CallContext:
+        return self._tls.state.ctx
+
+    @property
+    def host_store(self) -> Store:
+        return self._tls.state.host_store
+
+    @property
+    def stores(self) -> list[Store]:
+        return self._tls.state.stores
+
+    @property
+    def routes(self) -> Routes:
+        return self._tls.state.routes
+
+    @property
+    def compute(self) -> list[torch.Tensor]:
+        return self._tls.state.compute
+
+    def _in_call(self, state: CallState, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn``, run with ``state`` as this thread's call."""
+        def run():
+            self._tls.state = state
+            fn()
+        return run
 
     timing: Callable[[Action], tuple[float, ...]] | None = None
     """Timed emulation (:class:`rotapipe.sim.TimedEmulation`): an action's duration in
@@ -89,6 +137,7 @@ class ActionRunner:
     engine that long, compute sleeps outside the random-generator lock."""
 
     def run(self, a: Action) -> None:
+        self._tls.state = self.states[a.call]
         if self.timing is None:
             getattr(self, "_" + a.kind.name.lower())(a)
             return
@@ -100,11 +149,16 @@ class ActionRunner:
     def chunks(self, a: Action) -> list | None:
         """The chunks of a weight upload or weight-gradient download (``None`` for
         every other action: one piece, run by :meth:`run`)."""
-        if a.kind is K.UPLOAD_WEIGHTS:
-            return self.copies.upload(a)
-        if a.kind is K.DOWNLOAD_WGRAD:
-            return self.copies.download(a)
-        return None
+        if a.kind not in (K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD):
+            return None
+        state = self._tls.state = self.states[a.call]
+        chunks = self.copies.upload(a) if a.kind is K.UPLOAD_WEIGHTS else \
+            self.copies.download(a)
+        for c in chunks:
+            c.copy = self._in_call(state, c.copy)
+            if c.stage is not None:
+                c.stage = self._in_call(state, c.stage)
+        return chunks
 
     # -- uploads --------------------------------------------------------------------
     def _upload_side(self, a: Action) -> None:
@@ -374,11 +428,6 @@ class ActionRunner:
         if self.ctx.handoff is not None:
             # Data parallel: all-reduce what is complete now, overlapping shallower stages.
             self.ctx.handoff(a.key)
-
-    # -- per-schedule data -----------------------------------------------------------
-    def set_schedule(self, schedule) -> None:
-        """Route this schedule's data (:class:`rotapipe.schedule.bound.Routes`)."""
-        self.routes = Routes.of(schedule, self.stages)
 
 
 class _SavedBytes:

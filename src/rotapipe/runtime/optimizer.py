@@ -1,10 +1,11 @@
-"""The host optimizer: its thread, global-norm clipping, undoable steps, overlapped steps.
+"""The host optimizer: its modes, global-norm clipping, undoable steps, overlapped steps.
 
 Three ways to step (``PipeConfig.optimizer``, docs/optimizer.md): ``sync`` steps every
-master after the call; ``overlap`` steps each stage's parameters on the optimizer
-thread as soon as their gradients are complete (:class:`OverlapStep`); ``stale`` steps
-the previous call's gradients in the background while the next call runs
-(:func:`step_params`); :class:`HostOptimizer` drives all three for a pipeline.
+master after the call; ``overlap`` steps each stage's parameters on the host lane as
+soon as their gradients are complete (:class:`OverlapStep`), and the next call's
+weight uploads wait only for the steps of their own layers; ``stale`` steps a
+complete call's gradients while the next call runs, on weights one step old
+(:class:`WholeStep`); :class:`HostOptimizer` is the mode of a pipeline.
 
 Stepping a subset of the parameters with the user's optimizer works by giving only
 those parameters a ``.grad``: ``torch.optim`` skips parameters whose gradient is
@@ -19,7 +20,6 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -32,112 +32,155 @@ Cost = Callable[[list[int]], None] | None
 
 
 class HostOptimizer:
-    """The optimizer side of a pipeline: its mode, its thread (started on first use),
-    and the stale mode's pending step. The optimizer and the cost hook are passed per
-    call: the user may attach the optimizer late, timed emulation sets the hook."""
+    """The optimizer side of a pipeline in its mode, chosen once at construction.
+
+    A training call gets a :class:`CallHook` (:meth:`call_hook`) that does the mode's
+    optimizer work as the call's gradients reach the host: ``sync`` only accumulates
+    them, and the call that ends a step steps once it is complete (:class:`WholeStep`); ``overlap`` steps each
+    stage's parameters as soon as their gradients are complete (:class:`OverlapStep`);
+    ``stale`` steps all of them once the call is complete, into the compute copies
+    that the calls two steps later read (:class:`WholeStep`). In the two asynchronous
+    modes calls overlap: :meth:`reads` says which earlier call's update a call's weight
+    uploads wait for. The optimizer and the cost hook are passed per call: the user may
+    attach the optimizer late, timed emulation sets the hook."""
 
     def __init__(self, host: HostState, scaler: LossScaler, mode: OptimizerMode,
                  max_norm: float | None):
         self.host, self.scaler, self.mode, self.max_norm = host, scaler, mode, max_norm
-        self._thread: OptimizerThread | None = None
-        self.pending: dict[int, torch.Tensor] | None = None   # stale: the next step
-        self.behind = False     # stale: masters stepped, compute copies not yet
         self.last_norm: float | None = None
         """Global gradient norm (before clipping) of the last step taken, when
         clipping is on (``None`` otherwise)."""
+        self.last_skipped = False
+        """Whether the last step was skipped (overflow under dynamic loss scaling)."""
 
-    def sync_step(self, optimizer: torch.optim.Optimizer, cost: Cost) -> bool:
-        """Step every master on its ``.grad`` now; ``False``: skipped (overflow)."""
+    @property
+    def overlapping(self) -> bool:
+        """Whether this mode lets the next call start while this one drains."""
+        return self.mode is not OptimizerMode.SYNC
+
+    def reads(self, step_ends: list[int]) -> int | None:
+        """The earlier call (index in the stream) whose update the next call's weight
+        uploads must wait for, given the stream's calls that ended a step so far:
+        ``overlap`` reads the last step (exact), ``stale`` the one before (the calls of
+        step ``t`` run on the weights after step ``t - 2``); ``None``: none."""
+        if self.mode is OptimizerMode.OVERLAP and step_ends:
+            return step_ends[-1]
+        if self.mode is OptimizerMode.STALE and len(step_ends) >= 2:
+            return step_ends[-2]
+        return None
+
+    @property
+    def whole_step(self) -> bool:
+        """Whether a step needs the whole call's gradients before it updates any
+        weight the next call reads (``stale``; ``overlap`` with clipping to a global
+        norm or dynamic loss scaling, whose step depends on every gradient)."""
+        return self.mode is not OptimizerMode.OVERLAP or self.max_norm is not None \
+            or self.scaler.dynamic
+
+    def view(self, steps: int) -> int:
+        """Which set of compute copies the calls of step ``steps`` (counted in the
+        stream) upload (``stale`` keeps two: :attr:`HostState.views`)."""
+        return steps % len(self.host.views)
+
+    def call_hook(self, optimizer, schedule: Schedule, stage_pids: Callable[[str], list[int]],
+                  grads: CallGrads, units: float, step: bool, cost: Cost, reduce=None,
+                  view: int = 0) -> CallHook:
+        """The optimizer work of one training call (``step``: the call ends a step;
+        ``reduce``: its data-parallel all-reduce)."""
+        if step and self.mode is OptimizerMode.OVERLAP:
+            return OverlapStep(optimizer, self.host, schedule, stage_pids, grads, units,
+                               self.max_norm, self.scaler, cost, self, reduce)
+        if step:
+            # sync: every set of compute copies; stale: the set two steps ahead reads.
+            return WholeStep(self, optimizer, grads, units, cost,
+                             view if self.mode is OptimizerMode.STALE else None, reduce)
+        return CallHook(self.host, grads, units, reduce)
+
+    def sync_step(self, optimizer: torch.optim.Optimizer, cost: Cost,
+                  view: int | None = None) -> bool:
+        """Step every master on its ``.grad`` now; ``False``: skipped (overflow).
+        Refreshes the compute copies of ``view`` (default: all)."""
         host = self.host
         overflow = self.scaler.dynamic and not host.grads_finite()
         if not overflow:
             params = host.layerset.params
             self.last_norm = clip((params[pid] for pid in host.trainable), self.max_norm)
             optimizer.step()
-            host.write_back()
+            host.write_back(view=view)
             if cost is not None:
                 cost(list(host.trainable))
         self.scaler.update(overflow)
+        self.last_skipped = overflow
         host.zero_grad()
         return not overflow
 
-    def start_call(self, optimizer, schedule: Schedule, stage_pids: Callable[[str], list[int]],
-                   grads: CallGrads, units: float, overlap: bool, cost: Cost,
-                   reduce=None):
-        """The optimizer work running alongside a training call (``abort()`` if the call
-        fails, ``finish()`` if it succeeds): the overlapped step of this call
-        (``overlap``; ``reduce``: the call's data-parallel all-reduce), the pending
-        stale step, or ``None``."""
-        if overlap:
-            return OverlapStep(optimizer, self.host, schedule, stage_pids, grads, units,
-                               self.max_norm, self.scaler, self._worker(), cost, self,
-                               reduce)
-        if self.pending is None:
-            return None
-        pending, self.pending = self.pending, None
-        future = self._worker().submit(step_params, optimizer, self.host,
-                                       list(self.host.trainable), pending, self.max_norm,
-                                       self.scaler, cost, self)
-
-        def applied():
-            self.behind = True
-
-        def restore():
-            self.pending = pending
-        return StaleStart(future, applied, restore)
-
-    def stash(self) -> None:
-        """Stale, after a train_step's call: its gradients become the pending step (run
-        by the next call, in the background); the weights the previous pending step
-        produced become the ones workers read."""
-        params = self.host.layerset.params
-        self.pending = {pid: params[pid].grad for pid in self.host.trainable
-                        if params[pid].grad is not None}
-        self.host.zero_grad()
-        self.catch_up()
-
-    def flush(self, optimizer, cost: Cost) -> None:
-        """Stale: apply the pending step here and now, then refresh the compute copies."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            try:
-                step_params(optimizer, self.host, list(self.host.trainable), pending,
-                            self.max_norm, self.scaler, cost, self)
-            except BaseException:
-                self.pending = pending
-                raise
-            self.behind = True
-        self.catch_up()
-
-    def catch_up(self) -> None:
-        if self.behind:
+    def flush(self) -> None:
+        """After the calls in flight completed: every set of compute copies follows
+        the masters (``stale``: the next call runs on the current weights)."""
+        if len(self.host.views) > 1:
             self.host.write_back()
-            self.behind = False
-
-    def _worker(self) -> OptimizerThread:
-        if self._thread is None:
-            self._thread = OptimizerThread()
-        return self._thread
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.close()
-            self._thread = None
+        pass
 
 
-class OptimizerThread:
-    """One persistent thread that runs optimizer work in submission order, owned by a
-    pipeline and joined by :meth:`close`. Work on it never overlaps other work on it,
-    so the optimizer is only ever driven by one thread at a time."""
+class CallHook:
+    """The optimizer work of one training call: :meth:`handoff` after each ``O`` action
+    (host lane), :meth:`commit` once every gradient of the call is in (the call then
+    changes the state), :meth:`abort` when it failed. This base only accumulates: the
+    call's gradients are merged into ``param.grad`` (:meth:`HostState.commit`)."""
 
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rotapipe-optimizer")
+    def __init__(self, host: HostState, grads: CallGrads, units: float, reduce=None):
+        self.host, self.grads, self.units, self.reduce = host, grads, units, reduce
 
-    def submit(self, fn: Callable, *args) -> Future:
-        return self._pool.submit(fn, *args)
+    def handoff(self, key: str) -> None:
+        if self.reduce is not None:
+            # Data parallel: all-reduce what is complete now, overlapping shallower stages.
+            self.reduce.handoff(key)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def commit(self) -> None:
+        self.host.commit(self.grads, self.units)
+
+    def abort(self) -> None:
+        pass
+
+
+class WholeStep(CallHook):
+    """``sync`` and ``stale``: once the call is complete, one whole step on the
+    gradients accumulated since the last step plus this call's (clip, skip on
+    overflow, step), written into the compute copies of ``view`` (``None``: every
+    set; ``stale``: the set the calls two steps later read, the next step's calls
+    read the other). Nothing changes if the call fails."""
+
+    def __init__(self, owner: HostOptimizer, optimizer, grads: CallGrads, units: float,
+                 cost: Cost, view: int | None, reduce=None):
+        super().__init__(owner.host, grads, units, reduce)
+        self.owner, self.opt, self.cost, self.view = owner, optimizer, cost, view
+
+    def commit(self) -> None:
+        host, params = self.host, self.host.layerset.params
+        total = host.samples + self.units
+        keep, new = host.samples / total, self.units / total
+        merged = {}
+        for pid in host.trainable:
+            g = _merged(params[pid].grad, self.grads.staged.get(pid), keep, new)
+            if g is not None:
+                merged[pid] = g
+        step_params(self.opt, host, list(host.trainable), merged, self.owner.max_norm,
+                    self.owner.scaler, self.cost, self.owner)
+        host.write_back(view=self.view)
+        host.zero_grad()
+
+
+def _merged(prev: torch.Tensor | None, g: torch.Tensor | None, keep: float,
+            new: float) -> torch.Tensor | None:
+    """A call's gradient ``g`` merged with the accumulated ``prev`` as
+    :meth:`HostState.commit` does, without changing ``prev``."""
+    if prev is None:
+        return None if g is None else (g.mul_(new) if new != 1.0 else g)
+    if g is None:
+        return torch.mul(prev, keep)
+    return torch.mul(prev, keep).add_(g, alpha=new)
 
 
 def clip(params: Iterable[nn.Parameter], max_norm: float | None) -> float | None:
@@ -172,38 +215,12 @@ def step_params(optimizer: torch.optim.Optimizer, host: HostState, pids: list[in
             if cost is not None:
                 cost(pids)
         scaler.update(overflow)
+        if owner is not None:
+            owner.last_skipped = overflow
         return not overflow
     finally:
         for pid, g in saved.items():
             params[pid].grad = g
-
-
-class StaleStart:
-    """The pending stale step, running on the optimizer thread during a call. Whether
-    the call succeeds or fails, the step completes (the masters move on, the compute
-    copies the call reads do not): ``applied`` is called. If the step itself raised,
-    ``restore`` puts the gradients back as pending (and :meth:`finish` re-raises)."""
-
-    def __init__(self, future: Future, applied: Callable[[], None],
-                 restore: Callable[[], None]):
-        self.future, self.applied, self.restore = future, applied, restore
-
-    def _wait(self) -> BaseException | None:
-        exc = self.future.exception()
-        if exc is None:
-            self.applied()
-        else:
-            self.restore()
-        return exc
-
-    def abort(self) -> None:
-        self._wait()
-
-    def finish(self) -> bool:
-        exc = self._wait()
-        if exc is not None:
-            raise exc
-        return True
 
 
 class Snapshot:
@@ -233,56 +250,65 @@ def _copy_state(state: dict | None) -> dict | None:
             for k, v in state.items()}
 
 
-class OverlapStep:
-    """The optimizer side of one ``overlap`` train_step.
+class OverlapStep(CallHook):
+    """The optimizer side of one ``overlap`` call that ends a step.
 
-    The host lane calls :meth:`handoff` after each O action has added its stage's
-    gradients to ``grads``. A parameter is complete once every stage holding it has
-    handed off (a tied weight: after its shallowest stage); the complete ones are
-    stepped on the optimizer thread while shallower stages still run backward. Each
-    step is speculative: a snapshot taken just before it lets :meth:`abort` (the call
-    failed) or :meth:`finish` (the global norm needs clipping, or a gradient overflowed
-    under dynamic loss scaling) undo it. On success nothing is left in ``param.grad``.
+    Each ``O`` action (host lane) adds its stage's gradients to ``grads`` and calls
+    :meth:`handoff`. A parameter is complete once every stage holding it has handed
+    off (a tied weight: after its shallowest stage); the complete ones are stepped
+    right there, on the host lane, and their compute copies refreshed, while
+    shallower stages still run backward: the ``O`` action completes after the step,
+    so the next call's weight uploads that wait for it read the new weights. Each step
+    is speculative: a snapshot taken just before it lets :meth:`abort` (the call
+    failed) or :meth:`commit` (the global norm needs clipping, or a gradient
+    overflowed under dynamic loss scaling) undo it. On success nothing is left in
+    ``param.grad``.
 
     Data parallel (``reduce``, a :class:`~rotapipe.runtime.allreduce.CallReduce`): a
-    hand-off first starts the all-reduce of the parameters it completes; the optimizer
-    thread waits for it and steps them on the reduced gradients, which are identical on
-    every rank (so are the overflow check, the global norm and the step).
+    hand-off first starts the all-reduce of the parameters it completes, then waits
+    for it and steps them on the reduced gradients, which are identical on every rank
+    (so are the overflow check, the global norm and the step).
 
-    Write-back of the stepped parameters' compute copies happens right after their
-    step: once a backward stage has handed off, no action of this call uploads its
-    layers again (forward stages uploaded them before the tail ran, shallower backward
-    stages hold other layers, and a tied weight is stepped only after its last stage).
+    Write-back right after the step is safe: once a backward stage has handed off, no
+    action of this call uploads its layers again (forward stages uploaded them before
+    the tail ran, shallower backward stages hold other layers, and a tied weight is
+    stepped only after its last stage).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, host: HostState,
                  schedule: Schedule, stage_pids: Callable[[str], list[int]],
                  grads: CallGrads, units: float, max_norm: float | None,
-                 scaler: LossScaler, thread: OptimizerThread, cost: Cost,
-                 owner: HostOptimizer | None = None, reduce=None):
-        self.opt, self.host, self.grads, self.owner = optimizer, host, grads, owner
-        self.reduce = reduce
-        self.max_norm, self.scaler, self.thread, self.cost = max_norm, scaler, thread, cost
+                 scaler: LossScaler, cost: Cost, owner: HostOptimizer | None = None,
+                 reduce=None):
+        super().__init__(host, grads, units, reduce)
+        self.opt, self.owner = optimizer, owner
+        self.max_norm, self.scaler, self.cost = max_norm, scaler, cost
         self.params = host.layerset.params
         trainable = set(host.trainable)
         self.by_key = {a.key: [pid for pid in stage_pids(a.stage) if pid in trainable]
                        for a in schedule.actions if a.kind is K.OPTIMIZER}
         self.left = Counter(pid for pids in self.by_key.values() for pid in pids)
-        # Gradients of earlier accumulated calls: merged with this call's as
-        # HostState.commit would (``keep``/``new`` weights), never modified in place.
-        total = host.samples + units
-        self.keep, self.new = host.samples / total, units / total
-        self.prev = {pid: self.params[pid].grad for pid in host.trainable}
-        for pid in host.trainable:
-            self.params[pid].grad = None
+        self.prev: dict[int, torch.Tensor | None] | None = None   # set by _begin
         self.final: dict[int, torch.Tensor] = {}     # pid -> gradient the step used
         self.norms: dict[int, torch.Tensor] = {}     # pid -> its L2 norm (clipping)
         self.snapshots: list[Snapshot] = []
-        self.futures: list[Future] = []
         self.overflow = False
+
+    def _begin(self) -> None:
+        """At the first hand-off (earlier calls have committed by then): set aside the
+        gradients of earlier accumulated calls, merged with this call's as
+        HostState.commit would (``keep``/``new`` weights), never modified in place."""
+        host = self.host
+        total = host.samples + self.units
+        self.keep, self.new = host.samples / total, self.units / total
+        self.prev = {pid: self.params[pid].grad for pid in host.trainable}
+        for pid in host.trainable:
+            self.params[pid].grad = None
 
     # -- during the call (host lane) -----------------------------------------------------
     def handoff(self, key: str) -> None:
+        if self.prev is None:
+            self._begin()
         # The reducer's buckets at ``key`` hold exactly the parameters completed here.
         buckets = self.reduce.handoff(key) if self.reduce is not None else []
         done = []
@@ -291,15 +317,14 @@ class OverlapStep:
             if self.left[pid] == 0:
                 done.append(pid)
         if done or buckets:
-            self.futures.append(self.thread.submit(self._step, done, buckets))
+            self._step(done, buckets)
 
-    # -- on the optimizer thread ---------------------------------------------------------
     def _step(self, pids: list[int], buckets=()) -> None:
         if buckets:
             self.reduce.apply(buckets)      # the reduced gradients replace the staged
         stepped = []
         for pid in pids:
-            g = self._merge(pid)
+            g = _merged(self.prev.get(pid), self.grads.staged.get(pid), self.keep, self.new)
             if g is None:
                 continue        # no loss depends on it: torch would skip it too
             self.final[pid] = g
@@ -309,7 +334,7 @@ class OverlapStep:
                 self.overflow = True
             stepped.append(pid)
         if not stepped or self.overflow:
-            return              # finish() skips the whole step
+            return              # commit() skips the whole step
         params = [self.params[pid] for pid in stepped]
         self.snapshots.append(Snapshot(self.opt, params, stepped))
         for pid, p in zip(stepped, params):
@@ -323,30 +348,11 @@ class OverlapStep:
         if self.cost is not None:
             self.cost(stepped)
 
-    def _merge(self, pid: int) -> torch.Tensor | None:
-        """This call's gradient merged with the accumulated one, as HostState.commit."""
-        g, prev = self.grads.staged.get(pid), self.prev.get(pid)
-        if prev is None:
-            return None if g is None else (g.mul_(self.new) if self.new != 1.0 else g)
-        if g is None:
-            return torch.mul(prev, self.keep)
-        return torch.mul(prev, self.keep).add_(g, alpha=self.new)
-
-    # -- after the call (caller thread) --------------------------------------------------
-    def _wait(self) -> BaseException | None:
-        error = None
-        for f in self.futures:
-            exc = f.exception()
-            error = error or exc
-        return error
-
-    def finish(self) -> bool:
-        """The call succeeded: complete the step. Returns ``False`` when it was skipped
-        (overflow under dynamic loss scaling)."""
-        error = self._wait()
-        if error is not None:
-            self._undo()
-            raise error
+    # -- once the call is complete -------------------------------------------------------
+    def commit(self) -> None:
+        """Complete the step (a skipped step, on overflow, lowers the loss scale)."""
+        if self.prev is None:
+            self._begin()
         missing = [pid for pid, n in self.left.items() if n > 0]
         assert not missing, f"parameters {missing} were never handed off"
         if self.owner is not None and self.max_norm is not None and self.norms:
@@ -370,7 +376,9 @@ class OverlapStep:
             self.params[pid].grad = None
         self.host.samples = 0.0
         self.scaler.update(self.overflow)
-        return not self.overflow
+        if self.owner is not None:
+            self.owner.last_skipped = self.overflow
+        self.snapshots = []
 
     def _needs_clipping(self) -> bool:
         # torch.nn.utils.clip_grad_norm_'s formula, on the per-parameter norms in
@@ -381,7 +389,6 @@ class OverlapStep:
 
     def abort(self) -> None:
         """The call failed: undo every step and put the accumulated gradients back."""
-        self._wait()
         self._undo()
 
     def _undo(self, grads: bool = True) -> None:
@@ -389,6 +396,6 @@ class OverlapStep:
             snap.restore()
         self.host.write_back([pid for snap in self.snapshots for pid in snap.pids])
         self.snapshots = []
-        if grads:
+        if grads and self.prev is not None:
             for pid, g in self.prev.items():
                 self.params[pid].grad = g

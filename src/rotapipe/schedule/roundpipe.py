@@ -42,57 +42,98 @@ def roundpipe_schedule(plan: Plan, workers: int, microbatches: int, *,
     (1: the next stage's weights load while the current stage computes; deeper
     prefetch holds more stages' weights, see :func:`prefetch_depth`).
     """
-    if workers < 1 or microbatches < 1:
-        raise ScheduleError(f"workers={workers} and microbatches={microbatches} must be >= 1")
-    gen = _Generator(plan, workers, microbatches, side_inputs, frozenset(buffer_layers),
-                     prefetch)
-    if plan.tail_jobs > 1 and tail_barrier and training:
+    if not training:
+        if workers < 1 or microbatches < 1:
+            raise ScheduleError(f"workers={workers} and microbatches={microbatches} "
+                                "must be >= 1")
+        # Evaluation: forward stages only, the tail's layers run as one more forward
+        # stage, nothing is checkpointed and no buffer update is kept.
+        gen = _Generator(plan, workers, microbatches, side_inputs, frozenset(), prefetch)
+        gen.jobs = plan.eval_jobs()
+        gen.checkpoints = frozenset()
+        for j, stage in enumerate(gen.jobs):
+            gen.job(j, stage)
+        return Schedule(plan, workers, microbatches, tuple(gen.out), "roundpipe-eval")
+    return Schedule(plan, workers, microbatches,
+                    roundpipe_call(plan, workers, microbatches, 0, side_inputs=side_inputs,
+                                   buffer_layers=buffer_layers, tail_barrier=tail_barrier,
+                                   prefetch=prefetch), "roundpipe")
+
+
+def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
+                   reads: int | None = None, whole_step: bool = False,
+                   ties: Collection[Collection[int]] = (), side_inputs: bool = False,
+                   buffer_layers: Collection[int] = (), tail_barrier: bool = False,
+                   prefetch: int = 1) -> tuple[Action, ...]:
+    """The actions of training call ``call`` in a sequence of overlapping calls.
+
+    Call ``c``'s job ``j`` runs on worker ``(c * jobs + j) % workers``: the round-robin
+    continues across calls, so call ``c``'s forward stages start on the workers that
+    call ``c - 1``'s draining backward frees. A weight upload waits (on the host) for
+    the free of the job ``prefetch + 1`` turns back on its worker, of whichever call.
+    ``reads``: the earlier call whose optimizer update this call's weights must include
+    (``None``: none): a stage's weight upload waits for the hand-off (``O``) of every
+    stage of call ``reads`` that updates a layer it holds (``ties``: groups of layers
+    sharing parameters, e.g. a tied embedding and head), or of every stage with
+    ``whole_step`` (an update that needs the whole call's gradients, e.g. clipping to
+    a global norm). Call 0 without ``reads`` is :func:`roundpipe_schedule`'s call.
+    """
+    if workers < 1 or microbatches < 1 or call < 0:
+        raise ScheduleError(f"workers={workers} and microbatches={microbatches} must be "
+                            f">= 1 and call={call} >= 0")
+    if reads is not None and not 0 <= reads < call:
+        raise ScheduleError(f"call {call} cannot read the update of call {reads}: only "
+                            "of an earlier call")
+    if plan.tail_jobs > 1 and tail_barrier:
         raise ScheduleError(f"the tail is split into {plan.tail_jobs} jobs, but a loss "
                             "with whole-batch context (tail_context) needs one tail job: "
                             "use a plan with tail_jobs=1")
-    if plan.tail_jobs > 1 and training and set(plan.tail.layers) & set(buffer_layers):
+    if plan.tail_jobs > 1 and set(plan.tail.layers) & set(buffer_layers):
         raise ScheduleError(f"the tail is split into {plan.tail_jobs} jobs, but its layers "
                             "update buffers in their forward (each job would keep its own "
                             "update): use a plan with tail_jobs=1")
-    gen.tail_barrier = tail_barrier and training and plan.tail.start > 0
-    if not training:
-        # Evaluation: forward stages only, the tail's layers run as one more forward
-        # stage, nothing is checkpointed and no buffer update is kept.
-        gen.jobs = plan.eval_jobs()
-        gen.checkpoints = frozenset()
-        gen.buffer_layers = frozenset()
+    gen = _Generator(plan, workers, microbatches, side_inputs, frozenset(buffer_layers),
+                     prefetch)
+    gen.start_call(call)
+    gen.tail_barrier = tail_barrier and plan.tail.start > 0
+    updaters = [s for s in gen.jobs if s.kind is not StageKind.FORWARD]
+    tied: dict[int, set[int]] = {}
+    for group in ties:
+        for l in group:
+            tied.setdefault(l, set()).update(group)
     for j, stage in enumerate(gen.jobs):
-        gen.job(j, stage)
-    return Schedule(plan, workers, microbatches, tuple(gen.out),
-                    "roundpipe" if training else "roundpipe-eval")
+        reads_keys = []
+        if reads is not None:
+            touched = set(stage.layers).union(*(tied.get(l, ()) for l in stage.layers))
+            reads_keys = [action_key(K.OPTIMIZER, u.name, call=reads) for u in updaters
+                          if whole_step or touched & set(u.layers)]
+        gen.job(j, stage, weight_deps=reads_keys)
+    return tuple(gen.out)
 
 
 def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
                              calls: int = 4, staleness: int = 1,
-                             side_inputs: bool = False) -> Schedule:
-    """``calls`` overlapping training calls with an optimizer ``staleness`` steps stale.
-
-    Call ``c``'s job ``j`` runs on worker ``(c * jobs + j) % workers``: the round-robin
-    continues across calls, so call ``c + 1``'s forward stages start while call ``c``'s
-    backward stages drain. The weight upload of a stage in call ``c`` waits for the
-    optimizer hand-off of every stage holding its layers in call ``c - 1 - staleness``
-    (``staleness=0`` is the exact optimizer: the next call reads this call's update).
-    A simulator reports the steady state between the first and the last call.
+                             side_inputs: bool = False, whole_step: bool = False,
+                             ties: Collection[Collection[int]] = (),
+                             prefetch: int = 1) -> Schedule:
+    """``calls`` overlapping training calls (:func:`roundpipe_call`), each a step of an
+    optimizer ``staleness`` steps stale: call ``c`` reads the update of call
+    ``c - 1 - staleness`` (``staleness=0`` is the exact optimizer: the next call reads
+    this call's update). The runtime runs exactly these calls for
+    ``optimizer="stale"`` (staleness 1, ``whole_step``) and ``"overlap"`` (staleness 0;
+    ``whole_step`` when clipping). A simulator reports the steady state between the
+    first and the last call.
     """
     if calls < 1 or staleness < 0:
         raise ScheduleError(f"calls={calls} must be >= 1 and staleness={staleness} >= 0")
-    if workers < 1 or microbatches < 1:
-        raise ScheduleError(f"workers={workers} and microbatches={microbatches} must be >= 1")
-    gen = _Generator(plan, workers, microbatches, side_inputs, frozenset())
-    updaters = [s for s in gen.jobs if s.kind is not StageKind.FORWARD]
+    actions: list[Action] = []
     for c in range(calls):
-        gen.start_call(c)
         older = c - 1 - staleness
-        for j, stage in enumerate(gen.jobs):
-            reads = [action_key(K.OPTIMIZER, u.name, call=older) for u in updaters
-                     if older >= 0 and u.start < stage.stop and stage.start < u.stop]
-            gen.job(j, stage, weight_deps=reads)
-    return Schedule(plan, workers, microbatches, tuple(gen.out), "roundpipe-stale")
+        actions += roundpipe_call(plan, workers, microbatches, c,
+                                  reads=older if older >= 0 else None,
+                                  whole_step=whole_step, ties=ties,
+                                  side_inputs=side_inputs, prefetch=prefetch)
+    return Schedule(plan, workers, microbatches, tuple(actions), "roundpipe-stale")
 
 
 def prefetch_depth(plan: Plan, workers: int, resident: Mapping[str, int], budget: int,

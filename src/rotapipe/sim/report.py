@@ -196,6 +196,8 @@ class _Chain:
             preds = list(self.by_key[key].deps + self.by_key[key].host_deps)
             if key in self.prev:
                 preds.append(self.prev[key])
+            # A window of overlapping calls: actions of calls outside it are ignored.
+            preds = [p for p in preds if p in self.tl.end]
             if not preds:
                 return 0.0
             key = max(preds, key=self.tl.end.__getitem__)

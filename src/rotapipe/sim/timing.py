@@ -3,10 +3,11 @@ device-memory sizes the same costs imply."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..plan import ModelCosts, Plan, Stage
+from ..plan import ModelCosts, Plan, Stage, StageKind
 from ..schedule import Action, ActionKind as K
 from ..schedule.memory import MemorySizes
 from ..plan.hardware import layer_chunks
@@ -27,15 +28,19 @@ class ActionTimes:
     ``layer_chunks(weight_bytes, chunk_bytes)`` equal chunks (the runtime's gated
     chunks, ``rotapipe.runtime.transfer``); a weight-gradient download takes as long as
     the upload, in the same chunks. Frees, side inputs, buffer downloads and optimizer
-    hand-offs take no time. ``chunk_bytes=None``: one chunk per layer.
+    hand-offs take no time, unless ``optimizer_ms(stage)`` gives the host optimizer
+    work an ``O`` action does (:meth:`TimedEmulation.optimizer_ms`). ``chunk_bytes=None``:
+    one chunk per layer.
     """
 
-    def __init__(self, plan: Plan, costs: ModelCosts, chunk_bytes: int | None = DEFAULT_CHUNK):
+    def __init__(self, plan: Plan, costs: ModelCosts, chunk_bytes: int | None = DEFAULT_CHUNK,
+                 optimizer_ms: Callable[[Stage], float] | None = None):
         if len(costs.layers) != plan.num_layers:
             raise ConfigError(f"the costs describe {len(costs.layers)} layers, the plan "
                              f"{plan.num_layers}")
         self.costs = costs
         self.chunk_bytes = chunk_bytes
+        self.optimizer_ms = optimizer_ms
         self.stages: dict[str, Stage] = {s.name: s for s in plan.jobs() + plan.eval_jobs()}
         self._cache: dict[tuple, tuple[float, ...]] = {}
 
@@ -65,6 +70,8 @@ class ActionTimes:
                     layer_chunks(l.weight_bytes, self.chunk_bytes)
                 out += [l.upload_ms / k] * k
             return tuple(out)
+        if a.kind is K.OPTIMIZER and self.optimizer_ms is not None:
+            return (self.optimizer_ms(s),)
         return (0.0,)
 
 
@@ -131,6 +138,19 @@ class TimedEmulation:
                 cache[key] = tuple(ms * scale for ms in times(a))
             return cache[key]
         return seconds
+
+    def optimizer_ms(self, plan: Plan, whole_step: bool) -> Callable[[Stage], float]:
+        """``fn(stage)`` -> emulated ms of the optimizer work a stage's ``O`` action does
+        in the runtime: its layers' step (``overlap``), or with ``whole_step`` (``sync``
+        and ``stale``) the whole model's at the call's last hand-off."""
+        updaters = [st for st in plan.jobs() if st.kind is not StageKind.FORWARD]
+        last = updaters[-1].name if updaters else None
+        every = range(len(self.costs.layers))
+
+        def ms(stage: Stage) -> float:
+            layers = (every if stage.name == last else ()) if whole_step else stage.layers
+            return self.optimizer_seconds(layers) / self.dilation * 1e3
+        return ms
 
     def optimizer_seconds(self, layers) -> float:
         """Real seconds the host optimizer takes over the weights of ``layers``."""

@@ -15,11 +15,9 @@ import math
 import os
 import pathlib
 import random
-import re
 import signal
 import threading
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -150,8 +148,10 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     pipe = wrapped.pipe(cfg.pipe_config())
     try:
         opt = _optimizer(cfg, pipe)
-        pipe.attach_optimizer(opt)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
+        # The pipeline steps the schedule after each optimizer step (overlap / stale:
+        # a step is still under way when train_step returns).
+        pipe.attach_optimizer(opt, scheduler=sched)
         stream = TrainBatches(files, tokenizer, batch=cfg.batch, seq=cfg.seq,
                               seed=cfg.seed, holdout=cfg.holdout, fields=fields)
         eval_ids, eval_labels = eval_batch(files, tokenizer, cfg.eval_sequences, seq=cfg.seq,
@@ -288,14 +288,11 @@ class _Job:
             norm = torch.nn.utils.clip_grad_norm_(list(pipe.parameters()), float("inf")).item()
             stepped = pipe.step()
         else:
+            # overlap / stale: the call returns with its loss while its backward drains;
+            # the step's learning rate, norm and outcome are read when the record is
+            # written (finish).
             loss = pipe.train_step(self.wrapped.inputs(x), y)
-            norm = pipe.last_grad_norm if pipe.last_grad_norm is not None else float("nan")
-            stepped = not pipe.scaler.scale < scale          # a skipped step lowers it
-        with warnings.catch_warnings():
-            # stale: the first call's step runs during the second call; the schedule
-            # still advances once per train_step (docs/optimizer.md).
-            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
-            self.sched.step()
+            norm, stepped = None, None
         self.step += 1
         self.tokens += ids.numel()
         dt = time.perf_counter() - t
@@ -306,8 +303,20 @@ class _Job:
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
                 "tokens": self.tokens, "tokens_per_s": ids.numel() / dt,
                 "device_mem_mib": round(mem, 2), "bubble": round(bubble, 4),
-                "loss_scale": pipe.scaler.scale,
-                "skipped": not stepped, "elapsed_s": round(self.elapsed, 3)}
+                "loss_scale": scale, "skipped": None if stepped is None else not stepped,
+                "elapsed_s": round(self.elapsed, 3), "_call": pipe.calls - 1}
+
+    def finish(self, record: dict) -> dict:
+        """The record of a step whose call has completed: its gradient norm and whether
+        it was skipped (pipelined calls: known only once the call drained)."""
+        call = record.pop("_call")
+        if record["grad_norm"] is None:
+            result = self.pipe.step_result(call)
+            record["lr"] = result.lrs[0]
+            record["grad_norm"] = float("nan") if result.grad_norm is None else result.grad_norm
+            record["skipped"] = result.skipped
+        record["loss_scale"] = self.pipe.scaler.scale
+        return record
 
     def write_trace(self) -> str:
         """Chrome/Perfetto trace and timeline PNG of the last step's pipeline call."""
@@ -373,6 +382,25 @@ def _loop(job: _Job) -> TrainResult:
                unit="step", dynamic_ncols=True, leave=False)
     if cfg.progress and main:
         job.say = bar.write                       # lines above the bar, not through it
+    pending = None
+
+    def emit(r: dict) -> None:
+        """Write a finished step record; progress, log line, trace."""
+        step = r["step"]
+        metrics.write(json.dumps(r) + "\n")
+        metrics.flush()
+        bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{r['tokens_per_s']:.0f}",
+                        lr=f"{r['lr']:.2e}", bubble=f"{r['bubble']:.0%}",
+                        mem=f"{r['device_mem_mib']:.0f}MiB", refresh=False)
+        if cfg.trace and step == min(3, cfg.steps) and job.dist.is_main:
+            job.say(f"trace of step {step}: {job.write_trace()}")
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == 1:
+            job.say(f"step {step:5d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad norm "
+                    f"{r['grad_norm']:.2f}  {r['tokens_per_s']:7.0f} tokens/s  device "
+                    f"{r['device_mem_mib']:.0f} MiB"
+                    + ("  (skipped: fp16 overflow)" if r["skipped"] else ""))
+
     with _Stop() as stop, open(metrics_path if main else os.devnull, "a") as metrics:
         if job.start == 0 and cfg.eval_interval:
             record = {"step": 0}
@@ -388,24 +416,24 @@ def _loop(job: _Job) -> TrainResult:
                 job.say(f"time limit {cfg.time_limit:g} s reached")
                 break
             r = job.train_step()
-            step = r["step"]
-            if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.steps):
-                evals.append(job.evaluate(r))
-            metrics.write(json.dumps(r) + "\n")
-            metrics.flush()
-            bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{r['tokens_per_s']:.0f}",
-                            lr=f"{r['lr']:.2e}", bubble=f"{r['bubble']:.0%}",
-                            mem=f"{r['device_mem_mib']:.0f}MiB", refresh=False)
-            if cfg.trace and step == min(3, cfg.steps) and job.dist.is_main:
-                job.say(f"trace of step {step}: {job.write_trace()}")
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == 1:
-                job.say(f"step {step:5d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad norm "
-                        f"{r['grad_norm']:.2f}  {r['tokens_per_s']:7.0f} tokens/s  device "
-                        f"{r['device_mem_mib']:.0f} MiB"
-                        + ("  (skipped: fp16 overflow)" if r["skipped"] else ""))
-            if cfg.save_interval and step % cfg.save_interval == 0:
+            # The previous step's record is complete once this call returned (its
+            # call drained meanwhile): written one step late when calls overlap.
+            if pending is not None:
+                emit(job.finish(pending))
+            pending, step = r, r["step"]
+            evaluate = cfg.eval_interval and (step % cfg.eval_interval == 0
+                                              or step == cfg.steps)
+            save = cfg.save_interval and step % cfg.save_interval == 0
+            if evaluate or save or step == cfg.steps:
+                job.finish(r)
+                if evaluate:
+                    evals.append(job.evaluate(r))
+                emit(r)
+                pending = None
+            if save:
                 job.save()
+        if pending is not None:
+            emit(job.finish(pending))
         bar.close()
         job.say = job.echo
         if (job.step > job.start or stop.agreed) and not job.saved_now():

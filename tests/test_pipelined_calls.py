@@ -1,0 +1,270 @@
+"""Pipelined training calls (``optimizer="stale"`` / ``"overlap"``): a call returns once
+its loss is in host memory and the next call's stages start on the workers its draining
+backward frees.
+
+- exactness: ``stale`` equals the one-step-delayed plain-PyTorch reference
+  (g_t = grad L_t(w_{t-1})), ``overlap`` equals plain PyTorch, over 6 pipelined steps,
+  1-4 workers, 1-8 microbatches, clipping on and off (fp32, element by element);
+- the actions run are :func:`rotapipe.schedule.roundpipe_stale_schedule`'s (what the
+  simulator simulates);
+- overlap is real: a call returns while its backward is held, and (stale) the next
+  call's loss comes back while the previous call's backward is still held;
+- a fault at 20 random points of a run: no hang, the error names call, stage,
+  microbatch and worker, the state is that of a run stopped at the reported step
+  boundary, and training continues exactly from there;
+- ``use_schedule`` runs a schedule's own microbatch count or refuses other counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import rotapipe
+from rotapipe.schedule import one_f_one_b_schedule, roundpipe_stale_schedule
+from rotapipe.plan import bound_plan
+
+from models import emulated, lm_loss, reference_forward_backward, tiny_transformer, token_batch
+from test_exactness import OPTIMIZERS
+from test_faults import PASSES, Fault, Trigger, faulty_model
+
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 6
+CLIP = {"off": None, "hit": 0.05}     # "hit" clips every step
+SHAPES = [(1, 1), (2, 4), (3, 8), (4, 3)]      # (workers, microbatches)
+
+
+def batches(n: int = STEPS, size: int = 8, seed: int = 0):
+    return [token_batch(size, 6, seed=seed + s) for s in range(n)]
+
+
+def reference(mode: str, model: nn.Module, data, M: int, clip) -> tuple[list, dict]:
+    """Plain PyTorch: losses and final weights of ``len(data)`` steps; ``stale`` computes
+    step t's gradient on the weights before step t - 1 (w_{-1} = w_0)."""
+    ref = copy.deepcopy(model)
+    shadow = copy.deepcopy(model)
+    opt = OPTIMIZERS["adamw"](ref.parameters())
+
+    def apply(grads):
+        for name, q in ref.named_parameters():
+            q.grad = grads.get(name)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    losses = []
+    runs_on = {k: v.clone() for k, v in ref.state_dict().items()}
+    pending = None
+    for t, (x, y) in enumerate(data):
+        shadow.load_state_dict(runs_on if mode == "stale" else ref.state_dict())
+        shadow.zero_grad(set_to_none=True)
+        losses.append(reference_forward_backward(shadow, x, y, M, call=t))
+        grads = {n: q.grad.clone() for n, q in shadow.named_parameters() if q.grad is not None}
+        if mode == "stale":
+            if pending is not None:
+                apply(pending)
+            runs_on = {k: v.clone() for k, v in ref.state_dict().items()}
+            pending = grads
+        else:
+            apply(grads)
+    if pending is not None:
+        apply(pending)                       # state_dict() applies the last stale step
+    return losses, {k: v.clone() for k, v in ref.state_dict().items()}
+
+
+def assert_weights(got: dict, want: dict, what: str = "") -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["stale", "overlap"])
+@pytest.mark.parametrize("clip", ["off", "hit"])
+@pytest.mark.parametrize("workers,microbatches", SHAPES,
+                         ids=[f"w{w}-m{m}" for w, m in SHAPES])
+def test_pipelined_calls_match_plain_pytorch(mode, clip, workers, microbatches):
+    model = tiny_transformer(tied=True, dropout=0.1)
+    data = batches(size=max(8, microbatches))
+    want_losses, want = reference(mode, model, data, microbatches, CLIP[clip])
+    config = emulated(workers, microbatches, optimizer=mode, clip_grad_norm=CLIP[clip])
+    with rotapipe.RoundPipe(copy.deepcopy(model), lm_loss, config=config,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        losses = [pipe.train_step(x, y) for x, y in data]
+        got = {k: v.clone() for k, v in pipe.state_dict().items()}
+        ran = pipe.last_timeline(calls=STEPS)
+        # What ran is the simulator's overlapping schedule, call for call.
+        sim = roundpipe_stale_schedule(pipe.plan, workers, microbatches, calls=STEPS,
+                                       staleness=1 if mode == "stale" else 0,
+                                       whole_step=mode == "stale" or clip != "off",
+                                       ties=pipe._ties)
+    torch.testing.assert_close(losses, want_losses, rtol=RTOL, atol=ATOL)
+    assert_weights(got, want, f"{mode} clip={clip}")
+    assert ran.schedule.to_text() == sim.to_text()
+
+
+class Hold(torch.autograd.Function):
+    """Identity whose backward waits for ``gate`` (a layer's backward held open)."""
+
+    @staticmethod
+    def forward(ctx, x, gate, seeds):
+        ctx.gate, ctx.seeds = gate, seeds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        assert ctx.gate.wait(30.0), "the held backward was never released"
+        return g, None, None
+
+
+class Holding(nn.Module):
+    """Layer wrapper: in the calls whose seeds are in ``seeds``, its backward waits for
+    ``gate`` (set by the test)."""
+
+    def __init__(self, inner: nn.Module, index: int, gate: threading.Event, seeds: set):
+        super().__init__()
+        self.inner, self.index, self.gate, self.seeds = inner, index, gate, seeds
+
+    def __deepcopy__(self, memo):
+        new = Holding(copy.deepcopy(self.inner, memo), self.index, self.gate, self.seeds)
+        return new
+
+    def forward(self, x):
+        y = self.inner(x)
+        if torch.is_grad_enabled() and torch.initial_seed() in self.seeds:
+            y = Hold.apply(y, self.gate, self.seeds)
+        return y
+
+
+@pytest.mark.parametrize("mode", ["stale", "overlap"])
+def test_a_call_returns_while_its_backward_is_held(mode):
+    """The held backward (layer 1, call 1) blocks the call's completion, not its loss;
+    with ``stale`` the next call runs whole on the weights of call 0's step and returns
+    its loss too, while call 1 is still held (its update is not read until call 3)."""
+    gate = threading.Event()
+    seeds: set = set()
+    layers = [Holding(l, i, gate, seeds) if i == 1 else l
+              for i, l in enumerate(tiny_transformer(tied=True))]
+    data = batches(4)
+    M = 2
+    config = emulated(2, M, optimizer=mode, tail_layers=1)
+    with rotapipe.RoundPipe(nn.Sequential(*layers), lm_loss, config=config,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        pipe.train_step(*data[0])
+        seeds.update(rotapipe.layer_seed(0, 1, m, 1) for m in range(M))
+        done = {}
+
+        def steps():
+            done[1] = pipe.train_step(*data[1])
+            if mode == "stale":
+                done[2] = pipe.train_step(*data[2])
+
+        t = threading.Thread(target=steps)
+        t.start()
+        t.join(20.0)
+        held = not gate.is_set()
+        gate.set()
+        t.join(20.0)
+        assert held and not t.is_alive()
+        assert sorted(done) == ([1, 2] if mode == "stale" else [1])
+        pipe.flush()
+
+
+def fault_point(i: int) -> dict:
+    rng = random.Random(2000 + i)
+    return {"mode": ("stale", "overlap")[i % 2], "workers": rng.randint(1, 4),
+            "microbatches": rng.randint(1, 4), "pass_": PASSES[i % len(PASSES)],
+            "call": rng.randint(0, STEPS - 1), "clip": rng.choice([None, 0.05]),
+            "mb": rng.random(), "layer": rng.random()}
+
+
+def fault_layer(pipe: rotapipe.RoundPipe, pass_: str, pick: float) -> int:
+    """A layer that runs ``pass_`` in this plan."""
+    plan = pipe.plan
+    if pass_.startswith("tail"):
+        layers = list(plan.tail.layers)
+    elif pass_ == "forward":
+        layers = [l for s in plan.forward for l in s.layers]
+    else:
+        layers = [l for s in plan.backward for l in s.layers]
+    return layers[int(pick * len(layers))]
+
+
+@pytest.mark.parametrize("i", range(20), ids=lambda i: f"point{i}")
+def test_fault_in_a_run_of_pipelined_calls(i):
+    p = fault_point(i)
+    M = p["microbatches"]
+    trigger = Trigger()
+    model = faulty_model(trigger, tied=True, dropout=0.1)
+    data = batches()
+    config = emulated(p["workers"], M, optimizer=p["mode"], clip_grad_norm=p["clip"],
+                      grain="stage", timeout_s=60.0)
+    _, want = reference(p["mode"], model, data, M, p["clip"])
+    with rotapipe.RoundPipe(copy.deepcopy(model), lm_loss, config=config,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        layer, mb = fault_layer(pipe, p["pass_"], p["layer"]), int(p["mb"] * M)
+        trigger.arm(layer, mb, p["call"], p["pass_"])
+        t = 0
+        with pytest.raises(rotapipe.WorkerError) as info:
+            for t, (x, y) in enumerate(data):
+                pipe.train_step(x, y)
+            pipe.flush()
+        trigger.disarm()
+        err = info.value
+        msg = str(err)
+        assert isinstance(err.cause, Fault), msg
+        # The failing action: its call, stage, microbatch and worker are named.
+        assert f"call {p['call']}" in msg and f"microbatch {mb}" in msg, msg
+        assert f"worker {err.worker}" in msg and f">>{err.action}<<" in msg, msg
+        # Calls that committed before the fault are kept; the faulty call and every
+        # call in flight that had not committed (at most the one before it) are dropped.
+        k = err.calls_committed
+        assert p["call"] - 1 <= k <= p["call"] and k == pipe.calls, (k, p["call"], msg)
+        assert err.calls_discarded == list(range(k, k + len(err.calls_discarded)))
+        assert p["call"] in err.calls_discarded, msg
+        assert all(d.memory_in_use() == 0 for d in pipe.devices)
+        # The state is that of a run that stopped after step k (masters read without
+        # flushing: stale's next call still runs on the weights one step old) ...
+        _, stopped = reference(p["mode"], model, data[:k], M, p["clip"]) if k else \
+            (None, {n: v for n, v in model.state_dict().items()})
+        if p["mode"] == "overlap" or k == 0:
+            assert_weights(pipe._container.state_dict(), stopped, f"after the fault ({k})")
+        # ... and training continues exactly from there.
+        for x, y in data[k:]:
+            pipe.train_step(x, y)
+        got = {n: v.clone() for n, v in pipe.state_dict().items()}
+    assert_weights(got, want, "after resuming")
+
+
+def test_use_schedule_runs_the_schedules_own_microbatch_count():
+    model = tiny_transformer()
+    plan = bound_plan([1.0] * len(model), 2)
+    x, y = token_batch(8, 6, seed=3)
+    with rotapipe.RoundPipe(copy.deepcopy(model), lm_loss, plan=plan,
+                            config=emulated(2, 4)) as pipe:
+        pipe.use_schedule(one_f_one_b_schedule(plan, 2, 2, offload_optimizer=True))
+        loss = pipe.forward_backward(x, y)
+        grads = {n: q.grad.clone() for n, q in pipe.named_parameters()}
+        assert pipe.last_timeline().schedule.microbatches == 2
+    ref = copy.deepcopy(model)
+    want = reference_forward_backward(ref, x, y, 2, call=0)
+    assert loss == pytest.approx(want, rel=RTOL)
+    for n, q in ref.named_parameters():
+        torch.testing.assert_close(grads[n], q.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_use_schedule_refuses_another_worker_count():
+    model = tiny_transformer()
+    plan = bound_plan([1.0] * len(model), 2)
+    with rotapipe.RoundPipe(model, lm_loss, plan=plan, config=emulated(2, 4)) as pipe:
+        with pytest.raises(rotapipe.ConfigError, match="for 3 workers.*has 2 workers"):
+            pipe.use_schedule(rotapipe.roundpipe_schedule(plan, 3, 4))
+        stale = roundpipe_stale_schedule(pipe.plan, 2, 4, calls=2)
+        with pytest.raises(rotapipe.ConfigError, match="spans 2 calls"):
+            pipe.use_schedule(stale)
