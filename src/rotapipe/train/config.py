@@ -267,7 +267,7 @@ def _check_names(values: dict, where: str = "") -> None:
 
 def _coerce(name: str, value):
     t = field_types()[name]
-    if value is None or isinstance(value, t):
+    if value is None or isinstance(value, t) or (name == "resume" and value == "auto"):
         return value
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
