@@ -280,7 +280,11 @@ def read_file(path: str | pathlib.Path) -> dict:
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist: check the path")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}): write the "
+                          "settings as TOML, YAML or JSON") from None
     try:
         if p.suffix == ".toml":
             import tomllib
@@ -303,7 +307,8 @@ def read_file(path: str | pathlib.Path) -> dict:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"config file {p} does not parse: {first}") from None
     if not isinstance(values, dict):
-        raise ConfigError(f"config file {p} must hold a table of settings")
+        raise ConfigError(f"config file {p} holds a {type(values).__name__}, not a table "
+                          "of settings (name = value)")
     if set(values) == {"train"} and isinstance(values["train"], dict):
         values = values["train"]
     return values
