@@ -148,8 +148,10 @@ def load_checkpoint(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict, 
         masters = load_file(str(path / "masters.safetensors"))
         state = torch.load(path / "state.pt", weights_only=True)
     except Exception as exc:   # noqa: BLE001 - safetensors, pickle, zip, json errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = first.split(". ")[0][:200]              # torch's reasons run on
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                              f"{first})") from None
     return masters, state, meta
 
 
