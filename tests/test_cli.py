@@ -39,7 +39,7 @@ def test_train_command_bad_input_is_one_line_error(capsys):
     rc = main(["train", "--steps", "1", "--batch", "2", "--microbatches", "4",
                "--backend", "emulated"])
     err = capsys.readouterr().err
-    assert rc == 1
+    assert rc == 2                     # a setting is wrong: usage
     assert "microbatches" in err and "Traceback" not in err
 
 

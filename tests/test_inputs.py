@@ -181,9 +181,10 @@ def test_inputs_or_labels_on_the_wrong_device(pipe):
     ({"workers": 0}, r"workers=0: use a positive int or None"),
     ({"forward_stages": 0}, r"forward_stages=0: use a positive int or None"),
     ({"backward_stages": -2}, r"backward_stages=-2"),
-    ({"tail_layers": 0}, r"tail_layers=0: the fused tail needs at least one layer"),
-    ({"device_memory": 0}, r"device_memory=0: use bytes > 0 or None"),
-    ({"timeout_s": 0}, r"timeout_s must be > 0"),
+    ({"tail_layers": 0}, r"tail_layers=0: use a positive int: the fused tail needs at least "
+                         r"one layer"),
+    ({"device_memory": 0}, r"device_memory=0: use a whole number of bytes > 0 .* or None"),
+    ({"timeout_s": 0}, r"timeout_s=0: use a finite number of seconds > 0"),
 ])
 def test_bad_config_values(kw, match):
     with raises_in_caller(rotapipe.ConfigError, match):
@@ -195,9 +196,9 @@ def test_bad_config_values(kw, match):
                                 r"'float32', 'bfloat16' or 'float16'"),
     ({"compute_dtype": torch.int8}, r"compute_dtype=torch.int8 is not supported"),
     ({"compute_dtype": torch.float64}, r"compute_dtype=torch.float64 is not supported"),
-    ({"loss_scale": -1.0}, r"loss_scale=-1.0 is invalid: use 'dynamic', a positive number"),
-    ({"loss_scale": "auto"}, r"loss_scale='auto' is invalid"),
-    ({"init_scale": 0}, r"init_scale must be > 0"),
+    ({"loss_scale": -1.0}, r"loss_scale=-1.0: use 'dynamic', a finite number > 0, or None"),
+    ({"loss_scale": "auto"}, r"loss_scale='auto': use 'dynamic'"),
+    ({"init_scale": 0}, r"init_scale=0: use a finite number > 0"),
 ])
 def test_bad_precision_values(kw, match):
     with raises_in_caller(rotapipe.ConfigError, match):

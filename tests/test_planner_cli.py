@@ -30,7 +30,7 @@ def test_plan_says_how_much_host_ram_and_suggests_lora(capsys):
     rc = main(["plan", "qwen3-32b", "--hardware", "rtx4090x1", "--host-ram", "512",
                "--microbatches", "16"])
     text = capsys.readouterr().out
-    assert rc == 2
+    assert rc == 3                     # does not fit
     assert "binding constraint: host memory" in text
     assert "needs 7" in text and "GB of host RAM, you have 512" in text
     assert "suggestion: LoRA" in text
@@ -60,7 +60,7 @@ def test_plan_of_a_235b_moe_is_fast_and_allocates_no_weights(capsys):
 def test_plan_reports_a_layer_that_cannot_fit(capsys):
     rc, out = _json(capsys, "qwen3-32b", "--hardware", "rtx4090x8", "--seq", "131072",
                     "--global-batch", "1")
-    assert rc == 2 and not out["fits_device"] and out["binding"] == "device"
+    assert rc == 3 and not out["fits_device"] and out["binding"] == "device"
     assert "alone needs" in out["device_error"] and "usable device memory" in out["device_error"]
     assert any("longest sequence" in s for s in out["suggestions"])
 

@@ -92,6 +92,6 @@ def test_simulate_command_on_a_32b_config_is_fast(capsys):
     (["simulate", "--model", "nope.json"], "no model config"),
 ])
 def test_simulate_command_errors_are_one_line(capsys, argv, match):
-    assert main(argv) == 1
+    assert main(argv) == 2                       # a wrong flag or setting: usage
     err = capsys.readouterr().err
     assert re.search(match, err) and "Traceback" not in err

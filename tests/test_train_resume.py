@@ -123,9 +123,9 @@ def test_checkpoint_from_a_different_model_is_refused(tmp_path):
     first = run(flags(data=str(data), out_dir=out, steps=2, eval_interval=0))
     assert first.returncode == 0, first.stdout + first.stderr
     again = run(flags(data=str(data), out_dir=out, steps=4, dim=48, resume=True))
-    assert again.returncode == 1
+    assert again.returncode == 2                   # a setting is wrong: usage
     err = again.stderr.strip()
     assert len(err.splitlines()) == 1 and "dim=32" in err and "--dim 32" in err, err
     # Fresh run into a directory that holds checkpoints: refused, with the fix.
     fresh = run(flags(data=str(data), out_dir=out, steps=2))
-    assert fresh.returncode == 1 and "--resume" in fresh.stderr
+    assert fresh.returncode == 2 and "--resume" in fresh.stderr

@@ -6,6 +6,13 @@ takes the parsed arguments and returns the exit code. ``train`` is the training 
 no arguments, the demo). ``simulate`` runs pipeline schedules side by side on a cost model
 (:mod:`rotapipe.sim`); ``plan`` says whether a run fits, with which partition and how
 fast (:mod:`rotapipe.sim.advise`).
+
+Exit codes (docs/training.md, "Exit codes"): 0 success; 1 the run failed (bad data,
+a damaged checkpoint, a worker error, an I/O error); 2 usage: a flag or setting is
+wrong (argparse's own errors, :class:`~rotapipe.errors.ConfigError`); 3 ``plan``: the
+run does not fit; 130 interrupted. Every error is one line on stderr, never a
+traceback; an unexpected exception says so and suggests ``--debug``, which shows the
+traceback.
 """
 
 from __future__ import annotations
@@ -14,9 +21,52 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from .errors import RotapipeError
+from . import _validate
+from .errors import ConfigError, RotapipeError
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "COMMANDS", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_NO_FIT"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+"""The run failed: bad data, a damaged checkpoint, a worker or I/O error."""
+EXIT_USAGE = 2
+"""A flag, config file or setting is wrong (argparse uses 2 for its own errors too)."""
+EXIT_NO_FIT = 3
+"""``rotapipe plan``: the run does not fit the machine."""
+EXIT_INTERRUPTED = 130
+
+
+# -- flag types: argparse turns their errors into "argument --x: ..." and exit 2 -----------
+def _count(minimum: int = 1):
+    """An int flag of at least ``minimum``."""
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text}: use an integer >= {minimum}")
+        return value
+    convert.__name__ = "int"
+    return convert
+
+
+def _real(low: float | None = 0.0, high: float | None = None, *, low_open: bool = True,
+          unit: str = ""):
+    """A finite float flag in a range (NaN and inf refused); default: > 0."""
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        try:
+            return _validate.number("", value, low=low, high=high, low_open=low_open,
+                                    unit=unit)
+        except ConfigError as exc:
+            allowed = str(exc).split(": ", 1)[1]           # "use a finite number > 0"
+            raise argparse.ArgumentTypeError(f"{text}: {allowed}") from None
+    convert.__name__ = "float"
+    return convert
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,12 +86,24 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
         text = f"{docs.get(name, '')} (default: {default})".replace("%", "%%")
-        if t is bool:
+        if name == "resume":       # --resume, --resume auto, --no-resume
+            g.add_argument(flag, dest=name, nargs="?", const=True, type=_resume_mode,
+                           default=argparse.SUPPRESS, metavar="auto", help=text)
+            g.add_argument("--no-resume", dest=name, action="store_false",
+                           default=argparse.SUPPRESS)
+        elif t is bool:
             g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=text)
         else:
             g.add_argument(flag, dest=name, type=_none_or(t), default=argparse.SUPPRESS,
                            metavar=t.__name__.upper(), help=text)
+
+
+def _resume_mode(text: str) -> str:
+    if text.strip().lower() != "auto":
+        raise argparse.ArgumentTypeError(f"{text!r}: use --resume (the latest checkpoint, "
+                                         "which must exist) or --resume auto (it, if any)")
+    return "auto"
 
 
 def _none_or(t):
@@ -73,42 +135,45 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     a("--schedules", default="all",
       help=f"comma-separated subset of {','.join(SCHEDULES)} (aliases: interleaved, "
            "bfs, exact, stale; default: all)")
-    a("--devices", type=int, default=None,
+    a("--devices", type=_count(), default=None,
       help="pipeline devices (default: the hardware's count, or 8)")
-    a("--microbatches", type=int, default=16, help="microbatches per step (default: 16)")
+    a("--microbatches", type=_count(), default=16,
+      help="microbatches per step (default: 16)")
     g = p.add_argument_group("explicit per-layer times (ms per microbatch)")
-    g.add_argument("--layers", type=int, help="decoder blocks (the LM head comes on top)")
-    g.add_argument("--fwd-ms", type=float, help="forward of one block")
-    g.add_argument("--bwd-ms", type=float, help="backward of one block (no recompute)")
-    g.add_argument("--recompute-ms", type=float, default=None,
+    g.add_argument("--layers", type=_count(),
+                   help="decoder blocks (the LM head comes on top)")
+    g.add_argument("--fwd-ms", type=_real(), help="forward of one block")
+    g.add_argument("--bwd-ms", type=_real(), help="backward of one block (no recompute)")
+    g.add_argument("--recompute-ms", type=_real(low_open=False), default=None,
                    help="recompute of one block (default: --fwd-ms)")
-    g.add_argument("--head-fwd-ms", type=float, help="forward of the LM head with the loss")
-    g.add_argument("--head-bwd-ms", type=float, help="backward of the LM head")
-    g.add_argument("--hop-ms", type=float, default=0.0,
+    g.add_argument("--head-fwd-ms", type=_real(),
+                   help="forward of the LM head with the loss")
+    g.add_argument("--head-bwd-ms", type=_real(), help="backward of the LM head")
+    g.add_argument("--hop-ms", type=_real(low_open=False), default=0.0,
                    help="one activation or gradient transfer over one host link "
                         "(device-to-device costs two: down, then up; default: 0)")
-    g.add_argument("--upload-ms", type=float, default=0.0,
+    g.add_argument("--upload-ms", type=_real(low_open=False), default=0.0,
                    help="weight upload of one block or the head (default: 0)")
     g = p.add_argument_group("a model config on a hardware profile")
     g.add_argument("--model", help="config.json path or a known name (qwen3-1.7b, "
                                    "llama-3.1-8b, qwen3-32b, qwen3-235b-a22b)")
     g.add_argument("--hardware", default="rtx4090x8",
                    help="DEVICExN: rtx4090, a100, a800, h100-pcie (default: rtx4090x8)")
-    g.add_argument("--efficiency", type=float, default=None,
+    g.add_argument("--efficiency", type=_real(0.0, 1.0), default=None,
                    help="fraction of peak TFLOPS layers reach (default: 0.6)")
     g.add_argument("--fp16-accumulate", action="store_true",
                    help="fp16 math with fp16 accumulation (2x on GeForce cards)")
-    g.add_argument("--memory-gib", type=float, default=None,
+    g.add_argument("--memory-gib", type=_real(), default=None,
                    help="device memory to check peaks against (default: the hardware's)")
-    a("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
-    a("--global-batch", type=int, default=None,
+    a("--seq", type=_count(), default=2048, help="tokens per sequence (default: 2048)")
+    a("--global-batch", type=_count(), default=None,
       help="sequences per step (default: one per microbatch)")
-    a("--virtual-stages", type=int, default=2,
+    a("--virtual-stages", type=_count(), default=2,
       help="chunks per device of interleaved 1F1B and looped BFS (default: 2)")
     a("--recompute", action="store_true",
       help="baselines recompute activations in the backward (default: keep them on "
            "the device); RoundPipe always recomputes all but the fused tail")
-    a("--calls", type=int, default=4,
+    a("--calls", type=_count(2), default=4,
       help="overlapping calls simulated for roundpipe-stale (default: 4)")
     a("--out", default=None, help="write a timeline PNG and a Chrome trace per schedule here")
 
@@ -116,22 +181,24 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
 def simulate(args: argparse.Namespace) -> int:
     """Simulate the chosen schedules on explicit times or a model + hardware profile;
     print the table (and the picture and trace paths with ``--out``)."""
-    from .errors import ConfigError
     from .plan import ModelCosts, hardware, model_costs
     from .sim import SimConfig, compare, schedule_names, table
 
     names = schedule_names(args.schedules)
     M = args.microbatches
-    batch = args.global_batch or M
+    batch = args.global_batch if args.global_batch is not None else M
     if batch % M:
         raise ConfigError(f"--global-batch {batch} is not a multiple of --microbatches {M}: "
                           "every microbatch gets the same number of sequences")
-    limit = int(args.memory_gib * 2**30) if args.memory_gib else None
+    if args.out is not None:
+        _check_out_folder(args.out)
+    limit = int(args.memory_gib * 2**30) if args.memory_gib is not None else None
     if args.model:
         hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
-                      **({"efficiency": args.efficiency} if args.efficiency else {}))
+                      **({"efficiency": args.efficiency} if args.efficiency is not None
+                         else {}))
         costs = model_costs(args.model, hw, seq=args.seq, microbatch_size=batch // M)
-        devices = args.devices or hw.count
+        devices = args.devices if args.devices is not None else hw.count
         limit = limit or hw.device.memory_bytes
         what = (f"{args.model} on {hw.name} ({hw.flops / 1e12:.0f} TFLOPS sustained, "
                 f"{hw.device.pcie_gbps:g} GB/s per link direction)")
@@ -146,7 +213,7 @@ def simulate(args: argparse.Namespace) -> int:
                                     head_backward_ms=args.head_bwd_ms,
                                     recompute_ms=args.recompute_ms, hop_ms=args.hop_ms,
                                     upload_ms=args.upload_ms, tokens=args.seq * batch // M)
-        devices = args.devices or 8
+        devices = args.devices if args.devices is not None else 8
         what = f"{args.layers} blocks + LM head, explicit times"
     config = SimConfig(devices, M, virtual_stages=args.virtual_stages, recompute=args.recompute,
                        calls=args.calls, memory_limit=limit)
@@ -172,34 +239,52 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_out_folder(path: str) -> None:
+    """``--out`` must be a folder, or a path where one can be made (checked before the
+    simulation runs)."""
+    import os
+    import pathlib
+
+    out = pathlib.Path(path)
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        what = "is a file" if base == out else f"cannot be made: {str(base)!r} is a file"
+        raise ConfigError(f"--out {path!r} {what}: pass a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {path!r} cannot be written: no write permission on "
+                          f"{str(base)!r}")
+
+
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("model", help="config.json path, a Hugging Face model folder, or a known name "
                     "(qwen3-1.7b, llama-3.1-8b, qwen3-32b, qwen3-235b-a22b)")
     a("--hardware", default="rtx4090x8",
       help="DEVICExN: rtx4090, a100, a800, h100-pcie (default: rtx4090x8)")
-    a("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
-    a("--global-batch", type=int, default=16, help="sequences per step (default: 16)")
-    a("--microbatches", type=int, default=None,
+    a("--seq", type=_count(), default=2048, help="tokens per sequence (default: 2048)")
+    a("--global-batch", type=_count(), default=16, help="sequences per step (default: 16)")
+    a("--microbatches", type=_count(), default=None,
       help="microbatches per step (default: the planner tries every divisor of the "
            "global batch up to 64)")
     a("--lora", action="store_true", help="LoRA fine-tuning instead of full fine-tuning")
-    a("--lora-rank", type=int, default=16, help="LoRA rank (default: 16)")
-    a("--host-ram", type=float, default=None,
+    a("--lora-rank", type=_count(), default=16, help="LoRA rank (default: 16)")
+    a("--host-ram", type=_real(), default=None,
       help="host RAM in GB (default: 64 GB per device, at least 128)")
     a("--stale", action="store_true",
       help="plan for the one-step-stale optimizer (overlapping steps)")
-    a("--efficiency", type=float, default=None,
+    a("--efficiency", type=_real(0.0, 1.0), default=None,
       help="fraction of peak TFLOPS layers reach (default: 0.6)")
     a("--fp16-accumulate", action="store_true",
       help="fp16 math with fp16 accumulation (2x on GeForce cards)")
-    a("--memory-fraction", type=float, default=0.9,
+    a("--memory-fraction", type=_real(0.0, 1.0), default=0.9,
       help="share of device memory the plan may use (default: 0.9)")
     a("--pin", choices=("copy", "register", "off"), default="register",
       help="host memory mode of the weights, as PipeConfig.pin: page-locked by a copy, "
            "page-locked in place, or pageable behind bounce buffers (default: register, "
            "the CUDA default)")
-    a("--copy-chunk-mb", type=float, default=32.0,
+    a("--copy-chunk-mb", type=_real(), default=32.0,
       help="bounce-buffer chunk in MiB with --pin off, as PipeConfig.copy_chunk_mb "
            "(default: 32)")
     a("--json", action="store_true", help="print one JSON object instead of text")
@@ -207,7 +292,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan(args: argparse.Namespace) -> int:
     """Plan a model on a hardware profile; print the verdict, partition and prediction.
-    Exit code 0 when it fits, 2 when it does not."""
+    Exit code 0 when it fits, :data:`EXIT_NO_FIT` (3) when it does not."""
     import json
 
     from .plan import hardware
@@ -215,15 +300,15 @@ def plan(args: argparse.Namespace) -> int:
     from .sim.advise import analyze
 
     hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
-                  **({"efficiency": args.efficiency} if args.efficiency else {}))
+                  **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     result = analyze(args.model, hw, seq=args.seq, global_batch=args.global_batch,
                      lora_rank=args.lora_rank if args.lora else None,
-                     host_ram=int(args.host_ram * GB) if args.host_ram else None,
+                     host_ram=int(args.host_ram * GB) if args.host_ram is not None else None,
                      microbatches=args.microbatches, stale=args.stale,
                      memory_fraction=args.memory_fraction, pin=args.pin,
                      chunk_mb=args.copy_chunk_mb)
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.to_text())
-    return 0 if result.fits else 2
+    return EXIT_OK if result.fits else EXIT_NO_FIT
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
@@ -241,23 +326,50 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``rotapipe`` command; returns the exit code."""
+    """Entry point of the ``rotapipe`` command; returns the exit code (argparse's own
+    usage errors and ``--help`` raise ``SystemExit``, with code 2 and 0)."""
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error")
     parser = argparse.ArgumentParser(
-        prog="rotapipe", description="RoundPipe pipeline training on stateless workers.")
+        prog="rotapipe", description="RoundPipe pipeline training on stateless workers.",
+        parents=[debug], epilog="exit codes: 0 success, 1 the run failed, 2 a flag or "
+        "setting is wrong, 3 (plan) does not fit, 130 interrupted")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (add_arguments, run, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
         add_arguments(p)
         p.set_defaults(run=run)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except RotapipeError as exc:
-        print(f"rotapipe {args.command}: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print(f"rotapipe {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if getattr(args, "debug", False):
+            raise
+        code, message = _error_line(exc)
+        print(f"rotapipe {args.command}: error: {message}", file=sys.stderr)
+        return code
+
+
+def _error_line(exc: Exception) -> tuple[int, str]:
+    """``(exit code, message)`` of an error that ends a command: the library's own
+    messages as they are; an OS error as its reason and path; anything else, which is a
+    bug, as one line that points to ``--debug``."""
+    if isinstance(exc, ConfigError):
+        return EXIT_USAGE, str(exc)
+    if isinstance(exc, RotapipeError):
+        return EXIT_FAILED, str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return EXIT_FAILED, f"{exc.strerror}{where}"
+    if isinstance(exc, MemoryError):
+        return EXIT_FAILED, "out of host memory: use a smaller model, batch or sequence"
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    return EXIT_FAILED, (f"unexpected {type(exc).__name__}{': ' + first if first else ''} "
+                         "(run with --debug for the traceback)")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _validate as check
 from .errors import ConfigError
 
 __all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "OptimizerMode",
@@ -116,14 +117,17 @@ class PrecisionConfig:
     def __post_init__(self):
         object.__setattr__(self, "compute_dtype", resolve_dtype(self.compute_dtype))
         ls = self.loss_scale
+        if isinstance(ls, str) and ls.strip().lower() == "dynamic":
+            ls = "dynamic"
+        elif ls is not None:
+            ls = check.number("loss_scale", ls, low=0, low_open=True,
+                              allowed="'dynamic', a finite number > 0, or None")
         if ls is None and self.compute_dtype == torch.float16:
-            object.__setattr__(self, "loss_scale", "dynamic")
-        elif ls is not None and ls != "dynamic" and not (
-                isinstance(ls, (int, float)) and ls > 0):
-            raise ConfigError(f"loss_scale={ls!r} is invalid: use 'dynamic', a positive "
-                              "number, or None")
-        if self.init_scale <= 0 or self.growth_interval < 1:
-            raise ConfigError("init_scale must be > 0 and growth_interval >= 1")
+            ls = "dynamic"
+        object.__setattr__(self, "loss_scale", ls)
+        check.number("init_scale", self.init_scale, low=0, low_open=True)
+        check.integer("growth_interval", self.growth_interval,
+                      allowed="a positive int (steps)")
 
 
 @dataclass(frozen=True)
@@ -150,11 +154,12 @@ class DataParallelConfig:
         if self.enabled not in (None, True, False):
             raise ConfigError(f"data_parallel.enabled={self.enabled!r}: use None (auto), "
                               "True or False")
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"data_parallel.bucket_mb={self.bucket_mb!r}: use MiB > 0")
-        if not self.timeout_s > 0 or not self.heartbeat_s > 0:
-            raise ConfigError("data_parallel.timeout_s and heartbeat_s must be > 0 "
-                              f"(got {self.timeout_s!r}, {self.heartbeat_s!r})")
+        check.number("data_parallel.bucket_mb", self.bucket_mb, low=0, low_open=True,
+                     unit="MiB")
+        check.number("data_parallel.timeout_s", self.timeout_s, low=0, low_open=True,
+                     unit="seconds")
+        check.number("data_parallel.heartbeat_s", self.heartbeat_s, low=0, low_open=True,
+                     unit="seconds")
 
 
 @dataclass(frozen=True)
@@ -193,8 +198,9 @@ class PipeConfig:
     stream that has not waited for the event that produced it."""
     seed: int = 0
     """Base of the per-(call, microbatch, layer) random streams (dropout)."""
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    """Compute dtype and loss scaling."""
+    precision: PrecisionConfig | torch.dtype | str = field(default_factory=PrecisionConfig)
+    """Compute dtype and loss scaling (:class:`PrecisionConfig`; a dtype such as
+    ``"bf16"`` is shorthand for its ``compute_dtype``)."""
     data_parallel: DataParallelConfig | bool | None = None
     """Data parallelism across ``torch.distributed`` ranks (:class:`DataParallelConfig`;
     a bool or ``None`` is shorthand for its ``enabled``). Default: on exactly when a
@@ -234,46 +240,42 @@ class PipeConfig:
     backend. ``None``: they run as fast as the CPU does."""
 
     def __post_init__(self):
-        object.__setattr__(self, "grain", _enum(RecomputeGrain, self.grain, "grain"))
-        object.__setattr__(self, "backend", _enum(BackendKind, self.backend, "backend"))
-        object.__setattr__(self, "optimizer",
-                           _enum(OptimizerMode, self.optimizer, "optimizer"))
-        clip = self.clip_grad_norm
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
-                                 or not 0 < clip < float("inf")):
-            raise ConfigError(f"clip_grad_norm={clip!r}: use a finite norm > 0, or None "
-                              "to turn clipping off")
-        if self.workers is not None and (not isinstance(self.workers, int)
-                                         or self.workers < 1):
-            raise ConfigError(f"workers={self.workers!r}: use a positive int or None")
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
-            raise ConfigError(f"microbatches={self.microbatches!r}: use a positive int")
-        for name in ("forward_stages", "backward_stages"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name}={v!r}: use a positive int or None")
-        object.__setattr__(self, "partition",
-                           _enum(PartitionMode, self.partition, "partition"))
-        if not isinstance(self.tail_layers, int) or self.tail_layers < 1:
-            raise ConfigError(f"tail_layers={self.tail_layers!r}: the fused tail needs "
-                              "at least one layer")
-        if self.device_memory is not None and self.device_memory <= 0:
-            raise ConfigError(f"device_memory={self.device_memory!r}: use bytes > 0 "
-                              "or None")
-        if self.timeout_s <= 0:
-            raise ConfigError("timeout_s must be > 0")
-        if not isinstance(self.prefetch, int) or self.prefetch < 1:
-            raise ConfigError(f"prefetch={self.prefetch!r}: use an int >= 1 (stage jobs a "
-                              "worker's weight upload may run ahead)")
+        enums = {"grain": RecomputeGrain, "backend": BackendKind, "optimizer": OptimizerMode,
+                 "partition": PartitionMode}
+        for name, kind in enums.items():
+            object.__setattr__(self, name, check.choice(kind, name, getattr(self, name)))
         if self.pin is not None:
-            object.__setattr__(self, "pin", _enum(PinMode, self.pin, "pin"))
-        chunk = self.copy_chunk_mb
-        if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) \
-                or not 0 < chunk < float("inf"):
-            raise ConfigError(f"copy_chunk_mb={chunk!r}: use a chunk size in MiB > 0 "
-                              "(e.g. 32)")
-        if self.gate_copies not in (True, False):
-            raise ConfigError(f"gate_copies={self.gate_copies!r}: use True or False")
+            object.__setattr__(self, "pin", check.choice(PinMode, "pin", self.pin))
+        check.integer("workers", self.workers, optional=True)
+        check.integer("microbatches", self.microbatches)
+        check.integer("forward_stages", self.forward_stages, optional=True)
+        check.integer("backward_stages", self.backward_stages, optional=True)
+        check.integer("tail_layers", self.tail_layers,
+                      allowed="a positive int: the fused tail needs at least one layer")
+        check.integer("prefetch", self.prefetch, allowed="an int >= 1 (stage jobs a "
+                      "worker's weight upload may run ahead)")
+        check.integer("seed", self.seed, minimum=0)
+        mem = check.number("device_memory", self.device_memory, low=0, low_open=True,
+                           optional=True, allowed="a whole number of bytes > 0 "
+                           "(e.g. 8 * 2**30)")
+        if mem is not None:
+            if mem != int(mem):
+                raise ConfigError(f"device_memory={mem!r}: use a whole number of bytes")
+            object.__setattr__(self, "device_memory", int(mem))
+        check.number("timeout_s", self.timeout_s, low=0, low_open=True, unit="seconds")
+        check.number("clip_grad_norm", self.clip_grad_norm, low=0, low_open=True,
+                     optional=True, allowed="a finite norm > 0, or None to turn "
+                     "clipping off")
+        check.number("copy_chunk_mb", self.copy_chunk_mb, low=0, low_open=True,
+                     allowed="a chunk size in MiB > 0 (e.g. 32)")
+        check.boolean("check_races", self.check_races)
+        check.boolean("gate_copies", self.gate_copies)
+        prec = self.precision
+        if isinstance(prec, (str, torch.dtype)):      # shorthand for its compute_dtype
+            object.__setattr__(self, "precision", PrecisionConfig(compute_dtype=prec))
+        elif not isinstance(prec, PrecisionConfig):
+            raise ConfigError(f"precision={prec!r}: use a PrecisionConfig, or a compute "
+                              "dtype ('float32', 'bfloat16', 'float16') as shorthand")
         if self.emulation is not None:
             from .sim.timing import TimedEmulation
             if not isinstance(self.emulation, TimedEmulation):
@@ -288,11 +290,3 @@ class PipeConfig:
                 raise ConfigError(f"data_parallel={dp!r}: use a DataParallelConfig, "
                                   "True, False or None (auto)")
             object.__setattr__(self, "data_parallel", DataParallelConfig(enabled=dp))
-
-
-def _enum(kind, value, name):
-    try:
-        return kind(value)
-    except ValueError:
-        choices = ", ".join(repr(k.value) for k in kind)
-        raise ConfigError(f"{name}={value!r} is invalid: use one of {choices}") from None

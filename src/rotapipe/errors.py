@@ -14,6 +14,7 @@ __all__ = [
     "DeviceOutOfMemoryError",
     "RaceError",
     "DistributedError",
+    "CheckpointError",
     "worker_error_type",
 ]
 
@@ -36,6 +37,11 @@ class ScheduleError(RotapipeError, ValueError):
 
 class InputError(RotapipeError, ValueError):
     """Inputs, labels or the loss do not fit what the pipeline expects."""
+
+
+class CheckpointError(RotapipeError, RuntimeError):
+    """A training checkpoint is damaged (a file missing, truncated or unreadable), or no
+    checkpoint can be resumed; the message names the checkpoint and the file."""
 
 
 class DeviceOutOfMemoryError(RotapipeError, MemoryError):

@@ -134,9 +134,12 @@ def load_config(model: str | pathlib.Path | Mapping | object) -> dict:
     ``config.json`` (or to a folder holding one), a dict, or a ``transformers``
     config object."""
     if isinstance(model, Mapping):
+        check_architecture(model)
         return dict(model)
     if hasattr(model, "to_dict"):
-        return model.to_dict()
+        cfg = model.to_dict()
+        check_architecture(cfg)
+        return cfg
     name = str(model)
     path = pathlib.Path(name)
     if name.lower() in KNOWN_MODELS:
@@ -147,9 +150,37 @@ def load_config(model: str | pathlib.Path | Mapping | object) -> dict:
         raise ConfigError(f"no model config at {name!r}: give a config.json path or one "
                           f"of {', '.join(KNOWN_MODELS)}")
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a JSON text file") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not an object: a "
+                          "model config.json is an object of settings (hidden_size, ...)")
+    check_architecture(cfg, str(path))
+    return cfg
+
+
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "vocab_size", "intermediate_size", "moe_intermediate_size",
+          "num_experts_per_tok")
+
+
+def check_architecture(cfg: Mapping, where: str = "model config") -> None:
+    """Fail with :class:`ConfigError` when a size the cost model reads is not a positive
+    int (``num_attention_heads: 0``, a string, ...) or the heads do not group (absent
+    sizes are reported where they are needed)."""
+    merged = {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), Mapping) \
+        else cfg
+    for key in _SIZES:
+        v = merged.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{where}: {key}={v!r}: use a positive int")
+    heads, kv = merged.get("num_attention_heads"), merged.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv}")
 
 
 def _get(cfg: Mapping, key: str, default=None):

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from ..config import PinMode
 from ..errors import ConfigError
-from .costs import ModelCosts, load_config
+from .costs import ModelCosts, _get, load_config
 from .partition import Plan
 
 __all__ = ["HostMemory", "host_memory", "lora_params", "GB"]
@@ -127,7 +127,7 @@ def lora_params(config, rank: int = 16,
     cfg = load_config(config)
     if isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg, **cfg["text_config"]}
-    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    h, nh = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
     hd = cfg.get("head_dim") or h // nh
     q, kv = nh * hd, (cfg.get("num_key_value_heads") or nh) * hd
     shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h)}
@@ -135,7 +135,7 @@ def lora_params(config, rank: int = 16,
     moe_every = cfg.get("decoder_sparse_step") or 1
     dense_only = set(cfg.get("mlp_only_layers") or ())
     out = [0]
-    for i in range(cfg["num_hidden_layers"]):
+    for i in range(_get(cfg, "num_hidden_layers")):
         moe = experts and i not in dense_only and (i + 1) % moe_every == 0
         inter = cfg.get("intermediate_size") or 0
         mlp = {} if moe else {"gate": (h, inter), "up": (h, inter), "down": (inter, h)}

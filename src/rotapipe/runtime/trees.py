@@ -28,7 +28,11 @@ def batch_size(tree, what: str) -> int:
         detail = ", ".join(f"leaf {i}: {n}" for i, n in sizes.items())
         raise InputError(f"{what} tensors disagree on the batch size ({detail}): give "
                          "every tensor the same dimension 0")
-    return next(iter(sizes.values()))
+    n = next(iter(sizes.values()))
+    if n == 0:
+        raise InputError(f"{what} hold an empty batch (dimension 0 has size 0): pass at "
+                         "least one sample")
+    return n
 
 
 def split(tree, parts: int) -> list:

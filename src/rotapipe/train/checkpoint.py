@@ -9,6 +9,9 @@ Layout of ``out_dir/checkpoints/step-00000050/``:
 - ``meta.json``: step, plan, the model fingerprint (parameter names and shapes,
   architecture) and the config
 - ``tokenizer/``: the tokenizer the run uses
+- ``manifest.json``: the size in bytes of every other file (written last): a file
+  truncated or deleted later marks the checkpoint as damaged, and resuming falls back
+  to the newest checkpoint that is whole (:func:`resume_from`)
 
 A save writes everything into ``checkpoints/.tmp-step-...``, fsyncs each file and the
 directory, then renames the directory into place (``os.replace`` of a directory is
@@ -20,6 +23,7 @@ by the next save. Only then are checkpoints beyond the last ``keep`` deleted.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import re
@@ -27,9 +31,14 @@ import shutil
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoints"]
+__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoints",
+           "resume_from", "check_out_dir"]
+
+log = logging.getLogger("rotapipe.train")
+
+MANIFEST = "manifest.json"
 
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -86,6 +95,7 @@ def save_checkpoint(ckpt_dir: pathlib.Path, step: int, *, masters: dict[str, tor
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    (tmp / MANIFEST).write_text(json.dumps(_sizes(tmp), indent=1))
     _fsync_tree(tmp)
     if final.exists():                 # re-saving a step (resumed, then stopped at once)
         old = ckpt_dir / f".tmp-old-{final.name}-{os.getpid()}"
@@ -100,19 +110,116 @@ def save_checkpoint(ckpt_dir: pathlib.Path, step: int, *, masters: dict[str, tor
     return final
 
 
+def _sizes(path: pathlib.Path) -> dict[str, int]:
+    """``{relative file path: bytes}`` of every file of a checkpoint but the manifest."""
+    return {f.relative_to(path).as_posix(): f.stat().st_size
+            for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST}
+
+
+def verify_checkpoint(path: pathlib.Path) -> None:
+    """Raise :class:`CheckpointError` naming the first file of ``path`` that is missing
+    or not the size its manifest says (checkpoints written before manifests existed
+    are only checked by reading them)."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return
+    try:
+        want = json.loads(manifest.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable "
+                              f"({type(exc).__name__})") from None
+    for name, size in want.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path}: {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path}: {name} has {f.stat().st_size} bytes, "
+                                  f"{size} were written (truncated or overwritten)")
+
+
 def load_checkpoint(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """``(masters, state, meta)`` of a checkpoint directory."""
+    """``(masters, state, meta)`` of a checkpoint directory; :class:`CheckpointError`
+    (naming the file) when it is damaged."""
     from safetensors.torch import load_file
 
+    verify_checkpoint(path)
     try:
         meta = json.loads((path / "meta.json").read_text())
         masters = load_file(str(path / "masters.safetensors"))
         state = torch.load(path / "state.pt", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"checkpoint {path} cannot be read ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}): delete it to "
-                          "resume from the one before") from None
+    except Exception as exc:   # noqa: BLE001 - safetensors, pickle, zip, json errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = first.split(". ")[0][:200]              # torch's reasons run on
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: "
+                              f"{first})") from None
     return masters, state, meta
+
+
+_STATE_KEYS = ("step", "tokens", "optimizer", "scheduler", "pipe", "rng", "data")
+
+
+def resume_from(ckpt_dir: pathlib.Path, resume: bool | str
+                ) -> tuple[pathlib.Path, dict, dict, dict] | None:
+    """The checkpoint a training run continues from, as ``(path, masters, state, meta)``,
+    or ``None`` to start at step 0.
+
+    ``resume=False``: ``None``, and an error when ``ckpt_dir`` already holds checkpoints
+    (a fresh run would mix with them). ``True``: the newest checkpoint that is whole; a
+    damaged one is skipped with a warning naming it; an error when there is none.
+    ``"auto"``: as ``True``, but ``None`` when the directory holds no checkpoint."""
+    found = list_checkpoints(ckpt_dir)
+    if not resume:
+        if found:
+            raise ConfigError(f"{ckpt_dir} already holds checkpoints: pass --resume to "
+                              "continue that run, or a new --out-dir")
+        return None
+    damaged = []
+    for path in reversed(found):
+        try:
+            masters, state, meta = load_checkpoint(path)
+            missing = [k for k in _STATE_KEYS if k not in state] + \
+                [k for k in ("config", "fingerprint") if k not in meta]
+            if missing:
+                raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: it was "
+                                      "not written by rotapipe train")
+        except CheckpointError as exc:
+            log.warning("%s: skipping it", exc)
+            damaged.append(path.name)
+            continue
+        if damaged:
+            log.warning("resuming from %s, the newest whole checkpoint (damaged: %s)", path,
+                        ", ".join(damaged))
+        return path, masters, state, meta
+    if damaged:
+        raise CheckpointError(f"every checkpoint in {ckpt_dir} is damaged ({', '.join(damaged)}"
+                              "): nothing to resume; use a new --out-dir to start over")
+    if resume == "auto":
+        return None
+    raise ConfigError(f"--resume: {ckpt_dir} holds no checkpoint to resume: check --out-dir,"
+                      " or pass --resume auto to start from step 0 when there is none")
+
+
+def check_out_dir(out: pathlib.Path) -> None:
+    """Fail (one line, before any work) when ``out`` cannot be the output directory:
+    it or a parent is a file, it is not writable, or what the job writes there
+    (``checkpoints/``, ``final/``, ``metrics.jsonl``) exists with the wrong kind."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out_dir {str(out)!r} is a file, not a directory: pass a new "
+                          "--out-dir")
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ConfigError(f"out_dir {str(out)!r} cannot be created: {str(base)!r} is a file")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"out_dir {str(out)!r} cannot be written: no write permission on "
+                          f"{str(base)!r}")
+    for name, is_dir in (("checkpoints", True), ("final", True), ("metrics.jsonl", False)):
+        p = out / name
+        if p.exists() and p.is_dir() != is_dir:
+            kind = "a directory" if is_dir else "a file"
+            raise ConfigError(f"out_dir {str(out)!r}: {name} exists but is not {kind}: move "
+                              "it away or pass a new --out-dir")
 
 
 def check_compatible(path: pathlib.Path, meta: dict, fingerprint: dict) -> None:

@@ -19,7 +19,8 @@ import typing
 from dataclasses import dataclass, fields
 
 from ..config import (BackendKind, DataParallelConfig, PipeConfig, PrecisionConfig,
-                      RecomputeGrain)
+                      RecomputeGrain, resolve_dtype)
+from .. import _validate as check
 from ..errors import ConfigError
 
 __all__ = ["TrainConfig", "load_config", "field_docs"]
@@ -120,8 +121,10 @@ class TrainConfig:
     trace: bool = False
     """Write ``trace.json`` (Chrome/Perfetto) and ``timeline.png`` of one real step (the
     third, after warm-up, or the last of a shorter run) to ``out_dir``."""
-    resume: bool = False
-    """Continue from the latest checkpoint in ``out_dir``."""
+    resume: bool | str = False
+    """Continue from the latest complete checkpoint in ``out_dir`` (``True``; an error
+    when there is none); ``"auto"``: continue it if there is one, else start at step 0;
+    ``False``: start at step 0 (an ``out_dir`` holding checkpoints is refused)."""
     export: bool = True
     """Write the final model (or LoRA adapter) with ``save_pretrained`` to out_dir/final."""
     sample_tokens: int = 60
@@ -146,41 +149,68 @@ class TrainConfig:
     peer in any collective before failing with an error naming it."""
 
     def __post_init__(self):
-        def positive(*names, zero_ok=False):
-            for n in names:
-                v = getattr(self, n)
-                if v is not None and (not isinstance(v, int) or isinstance(v, bool)
-                                      or v < (0 if zero_ok else 1)):
-                    want = ">= 0" if zero_ok else ">= 1"
-                    raise ConfigError(f"{n}={v!r}: use an integer {want}")
-        positive("layers", "dim", "heads", "kv_heads", "ffn", "vocab", "seq",
-                 "eval_sequences", "batch", "microbatches", "steps", "epochs", "keep",
-                 "lora_rank", "tokenizer_bytes", "log_every")
-        positive("warmup", "eval_interval", "save_interval", "sample_tokens", "seed",
-                 zero_ok=True)
+        for n in ("layers", "dim", "heads", "vocab", "seq", "eval_sequences", "batch",
+                  "microbatches", "steps", "keep", "lora_rank", "tokenizer_bytes",
+                  "log_every"):
+            check.integer(n, getattr(self, n))
+        for n in ("kv_heads", "ffn", "epochs"):
+            check.integer(n, getattr(self, n), optional=True)
+        for n in ("warmup", "eval_interval", "save_interval", "sample_tokens", "seed"):
+            check.integer(n, getattr(self, n), minimum=0)
+        check.text("model", self.model, optional=True,
+                   allowed="a Hugging Face model directory")
+        for n in ("data", "lora_targets", "text_field", "prompt_field", "response_field",
+                  "out_dir"):
+            check.text(n, getattr(self, n))
+        check.text("sample_prompt", self.sample_prompt, empty=not self.sample_tokens,
+                   allowed="a non-empty prompt (or sample_tokens=0)")
+        for n in ("lora", "trace", "export", "progress"):
+            check.boolean(n, getattr(self, n))
+        if self.resume not in (True, False, "auto"):
+            raise ConfigError(f"resume={self.resume!r}: use True (continue the latest "
+                              "checkpoint, which must exist), 'auto' (continue it if there "
+                              "is one, else start) or False")
+        positive = dict(low=0, low_open=True)
+        check.number("lr", self.lr, **positive)
+        check.number("lora_alpha", self.lora_alpha, **positive)
+        check.number("holdout", self.holdout, low=0, high=1, low_open=True, high_open=True,
+                     allowed="a fraction in (0, 1)")
+        check.number("min_lr_ratio", self.min_lr_ratio, low=0, high=1)
+        check.number("weight_decay", self.weight_decay, low=0)
+        check.number("beta1", self.beta1, low=0, high=1, high_open=True)
+        check.number("beta2", self.beta2, low=0, high=1, high_open=True)
+        check.number("grad_clip", self.grad_clip, low=0,
+                     allowed="a finite norm > 0, or 0 for no clipping")
+        check.number("time_limit", self.time_limit, unit="seconds", optional=True,
+                     **positive)
+        check.number("dist_timeout", self.dist_timeout, unit="seconds", **positive)
         if self.model is None and self.dim % self.heads:
             raise ConfigError(f"dim={self.dim} is not a multiple of heads={self.heads}")
+        if self.model is None and self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ConfigError(f"heads={self.heads} is not a multiple of kv_heads="
+                              f"{self.kv_heads}: each key/value head serves the same number "
+                              "of query heads")
         if self.vocab < 260:
             raise ConfigError(f"vocab={self.vocab}: a byte-level BPE needs at least 260 "
                               "tokens (256 bytes + specials)")
-        if not 0.0 < self.holdout < 1.0:
-            raise ConfigError(f"holdout={self.holdout}: use a fraction in (0, 1)")
         if self.batch % self.microbatches:
             raise ConfigError(f"batch={self.batch} is not a multiple of microbatches="
                               f"{self.microbatches}: every microbatch gets the same "
                               "number of sequences")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.grad_clip < 0:
-            raise ConfigError("lr must be > 0, min_lr_ratio in [0, 1], grad_clip >= 0")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"optimizer={self.optimizer!r}: use 'adamw' or 'sgd'")
-        if self.optimizer_mode not in ("sync", "overlap", "stale"):
-            raise ConfigError(f"optimizer_mode={self.optimizer_mode!r}: use 'sync', "
-                              "'overlap' or 'stale'")
-        if not self.dist_timeout > 0:
-            raise ConfigError(f"dist_timeout={self.dist_timeout}: use seconds > 0")
-        if self.time_limit is not None and self.time_limit <= 0:
-            raise ConfigError(f"time_limit={self.time_limit}: use seconds > 0 or None")
-        self.pipe_config()          # dtype, backend, grain, workers checked there
+        for n, allowed in (("optimizer", ("adamw", "sgd")),
+                           ("optimizer_mode", ("sync", "overlap", "stale"))):
+            value = getattr(self, n)
+            key = value.strip().lower() if isinstance(value, str) else value
+            if key not in allowed:
+                raise ConfigError(f"{n}={value!r}: use " + " or ".join(map(repr, allowed)))
+            object.__setattr__(self, n, key)
+        for n, kind in (("backend", BackendKind), ("grain", RecomputeGrain)):
+            check.choice(kind, n, getattr(self, n))
+        try:
+            resolve_dtype(self.dtype)
+        except ConfigError:
+            raise ConfigError(f"dtype={self.dtype!r}: use 'fp32', 'bf16' or 'fp16'") from None
+        self.pipe_config()          # workers and the rest checked there
 
     # -- each component's part ---------------------------------------------------------
     def pipe_config(self) -> PipeConfig:
@@ -237,7 +267,7 @@ def _check_names(values: dict, where: str = "") -> None:
 
 def _coerce(name: str, value):
     t = field_types()[name]
-    if value is None or isinstance(value, t):
+    if value is None or isinstance(value, t) or (name == "resume" and value == "auto"):
         return value
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -250,7 +280,11 @@ def read_file(path: str | pathlib.Path) -> dict:
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist: check the path")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start}): write the "
+                          "settings as TOML, YAML or JSON") from None
     try:
         if p.suffix == ".toml":
             import tomllib
@@ -273,7 +307,8 @@ def read_file(path: str | pathlib.Path) -> dict:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"config file {p} does not parse: {first}") from None
     if not isinstance(values, dict):
-        raise ConfigError(f"config file {p} must hold a table of settings")
+        raise ConfigError(f"config file {p} holds a {type(values).__name__}, not a table "
+                          "of settings (name = value)")
     if set(values) == {"train"} and isinstance(values["train"], dict):
         values = values["train"]
     return values

@@ -26,8 +26,8 @@ import torch
 
 from ..errors import ConfigError, InputError
 
-__all__ = ["PackedStream", "TextFields", "TrainBatches", "eval_batch", "source_files",
-           "stdlib_files", "train_tokenizer"]
+__all__ = ["PackedStream", "TextFields", "TrainBatches", "check_text", "eval_batch",
+           "source_files", "stdlib_files", "train_tokenizer"]
 
 IGNORE = -100
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -75,17 +75,52 @@ def source_files(spec: str) -> list[pathlib.Path]:
                               "(data is a comma-separated list of files or directories)")
     if not files:
         raise ConfigError("data is empty: pass files or directories (or 'stdlib')")
+    for f in files:
+        check_text(f)
+    if all(f.stat().st_size == 0 for f in files):
+        raise ConfigError(f"data files {', '.join(map(str, files[:3]))} are empty: pass "
+                          "files that hold text")
     return files
+
+
+# Bytes that do not occur in text (C0 controls other than tab, newlines, form feed,
+# vertical tab and escape). Random or compressed bytes hold about 11% of them.
+_CONTROL = bytes(c for c in range(32) if c not in (9, 10, 11, 12, 13, 27))
+SNIFF_BYTES = 8192
+
+
+def check_text(path: pathlib.Path) -> None:
+    """Refuse a file that is not text: a NUL byte, or more than 1% of control bytes, in
+    its first :data:`SNIFF_BYTES` bytes (text in another 8-bit encoding passes, with
+    replacement characters for the bytes that are not UTF-8)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except OSError as exc:
+        raise ConfigError(f"data file {str(path)!r} cannot be read ({exc.strerror})") \
+            from None
+    control = len(head) - len(head.translate(None, _CONTROL))
+    if b"\0" in head or control > len(head) // 100:
+        at = next(i for i, c in enumerate(head) if c in _CONTROL)
+        raise InputError(f"data file {str(path)!r} is not text ({control} control bytes "
+                         f"in its first {len(head)} bytes, the first at offset {at}): pass "
+                         "UTF-8 text (.txt .md .py .rst) or JSONL files")
 
 
 def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, object]]:
     """``(record index, record)`` of one file from record ``start`` on: a parsed JSONL
     line (dict), or a text chunk (str)."""
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i < start or not line.strip():
+        with open(path, "rb") as f:
+            for i, raw in enumerate(f):
+                if i < start or not raw.strip():
                     continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise InputError(f"{path}:{i + 1}: not UTF-8 text (byte {exc.start} of "
+                                     "the line): a JSONL file holds one UTF-8 JSON object "
+                                     "per line") from None
                 try:
                     yield i, json.loads(line)
                 except json.JSONDecodeError as exc:

@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from .. import distributed
 from ..errors import ConfigError, DistributedError, RotapipeError
 from ..sim.report import report
-from .checkpoint import (check_compatible, latest_checkpoint, load_checkpoint,
-                         save_checkpoint)
+from .checkpoint import check_compatible, check_out_dir, resume_from, save_checkpoint
 from .config import TrainConfig
 from .data import (IGNORE, TextFields, TrainBatches, eval_batch, iter_records,
                    record_text, source_files)
@@ -122,17 +121,14 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         echo = _quiet                  # rank 0 prints, logs, checkpoints and exports
 
     # -- checks before any work ------------------------------------------------------
+    check_out_dir(out)
     files = source_files(cfg.data)
     check_data(files, fields)
     check_sequence_length(cfg)
-    resume = latest_checkpoint(ckdir) if cfg.resume else None
+    # the newest whole checkpoint (damaged ones skipped with a warning), or None
+    resume, masters, state, meta = resume_from(ckdir, cfg.resume) or (None,) * 4
     _check_same_resume(dinfo, resume)
-    if not cfg.resume and latest_checkpoint(ckdir) is not None:
-        raise ConfigError(f"{ckdir} already holds checkpoints: pass --resume to continue "
-                          "that run, or a new --out-dir")
-    masters = state = None
     if resume is not None:
-        masters, state, meta = load_checkpoint(resume)
         _check_resume_config(resume, meta["config"], cfg)
     elif cfg.resume:
         echo(f"no checkpoint in {ckdir}: starting from step 0")

@@ -35,7 +35,14 @@ def check_sequence_length(cfg: TrainConfig) -> None:
         return
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(_model_dir(cfg))
+    try:
+        config = AutoConfig.from_pretrained(_model_dir(cfg))
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError...
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise ConfigError(f"model directory {cfg.model!r}: config.json cannot be read "
+                          f"({type(exc).__name__}: {first})") from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
     if limit is not None and cfg.seq > limit:

@@ -1,0 +1,101 @@
+"""Field checks shared by the config dataclasses: type, range, finiteness, enums.
+
+Each check returns the value (normalized: an enum member, an ``int`` for an integral
+float of bytes) or raises :class:`~rotapipe.errors.ConfigError` whose message names the
+field, the value and what is allowed, e.g. ``timeout_s=nan: use a finite number of
+seconds > 0``. ``bool`` is never accepted as a number (``True`` is an ``int`` in
+Python, but ``microbatches=True`` is a mistake, not 1).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from numbers import Integral, Real
+
+from .errors import ConfigError
+
+__all__ = ["integer", "number", "boolean", "text", "choice"]
+
+
+def _fail(name: str, value, allowed: str, optional: bool, wrong_type: bool):
+    got = f" (got {type(value).__name__})" if wrong_type else ""
+    raise ConfigError(f"{name}={value!r}: use {allowed}{' or None' if optional else ''}"
+                      f"{got}")
+
+
+def integer(name: str, value, *, minimum: int = 1, optional: bool = False,
+            allowed: str | None = None) -> int | None:
+    """An ``int`` (not a ``bool``) of at least ``minimum``; ``None`` when ``optional``."""
+    if value is None and optional:
+        return None
+    wrong_type = isinstance(value, bool) or not isinstance(value, Integral)
+    if wrong_type or value < minimum:
+        _fail(name, value, allowed or ("a positive int" if minimum == 1
+                                       else f"an int >= {minimum}"), optional,
+              wrong_type and not isinstance(value, float))
+    return value
+
+
+def _range(low, high, low_open, high_open) -> str:
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return ""
+
+
+def number(name: str, value, *, low: float | None = None, high: float | None = None,
+           low_open: bool = False, high_open: bool = False, optional: bool = False,
+           unit: str = "", allowed: str | None = None) -> float | int | None:
+    """A finite real number (``int`` or ``float``, not ``bool``, never NaN or inf) in
+    the range ``low``..``high`` (each bound open or closed); ``None`` when ``optional``.
+    ``unit`` goes into the message ("a finite number of seconds > 0")."""
+    if value is None and optional:
+        return None
+    wrong_type = isinstance(value, bool) or not isinstance(value, Real)
+    ok = not wrong_type and math.isfinite(value)
+    if ok:
+        ok = (low is None or (value > low if low_open else value >= low)) and \
+             (high is None or (value < high if high_open else value <= high))
+    if not ok:
+        what = f"a finite number{' of ' + unit if unit else ''}"
+        rng = _range(low, high, low_open, high_open)
+        _fail(name, value, allowed or (f"{what} {rng}" if rng else what), optional,
+              wrong_type)
+    return value
+
+
+def boolean(name: str, value) -> bool:
+    """``True`` or ``False`` (not ``"no"``, not ``0``)."""
+    if value is not True and value is not False:
+        _fail(name, value, "True or False", False, True)
+    return value
+
+
+def text(name: str, value, *, optional: bool = False, empty: bool = False,
+         allowed: str | None = None) -> str | None:
+    """A ``str`` (non-empty unless ``empty``); ``None`` when ``optional``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or (not empty and not value.strip()):
+        _fail(name, value, allowed or ("a string" if empty else "a non-empty string"),
+              optional, not isinstance(value, str))
+    return value
+
+
+def choice(kind: type[enum.Enum], name: str, value) -> enum.Enum:
+    """A member of ``kind``, given as the member or its value as a string (any case,
+    surrounding spaces ignored): ``grain="Layer"`` is ``RecomputeGrain.LAYER``."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower()
+        for member in kind:
+            if str(member.value).lower() == key or member.name.lower() == key:
+                return member
+    choices = ", ".join(repr(k.value) for k in kind)
+    got = "" if isinstance(value, str) else f" (got {type(value).__name__})"
+    raise ConfigError(f"{name}={value!r} is invalid: use one of {choices}{got}")

@@ -1,0 +1,423 @@
+"""Bad input to ``rotapipe train``, ``plan`` and ``simulate``: an exit code, one line
+that names the problem, no traceback, nothing written, in bounded time; a clean run
+afterwards gives the reference result. Issue 15, items 2 and 3.
+
+Cases run in-process (``rotapipe.cli.main``) except two that check the real process.
+Exit codes (docs/training.md, "Exit codes"): 2 a flag or setting is wrong, 1 the run
+failed, 3 ``plan``: does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rotapipe.cli import main
+from train_util import env, flags, text_jsonl
+
+EXPLICIT = ["--layers", "16", "--fwd-ms", "1", "--bwd-ms", "2", "--head-fwd-ms", "3",
+            "--head-bwd-ms", "6", "--schedules", "1f1b,roundpipe"]
+
+
+@pytest.fixture(autouse=True)
+def deadline():
+    """Every case ends within 60 s: a hang fails the test instead of the run."""
+    def expired(signum, frame):
+        raise TimeoutError("bad-input case still running after 60 s")
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, 60.0)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    """``(exit code, stdout, stderr)`` of ``rotapipe *argv`` in this process."""
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:                    # argparse: usage errors and --help
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def fails(capsys, code, argv, *fragments, limit_s: float = 10.0) -> str:
+    """``rotapipe *argv`` exits ``code`` within ``limit_s`` with an error line holding
+    every fragment, and no traceback."""
+    t = time.perf_counter()
+    rc, out, err = cli(capsys, *argv)
+    elapsed = time.perf_counter() - t
+    assert rc == code, (rc, out, err)
+    assert "Traceback" not in err and "Traceback" not in out, err
+    errors = [l for l in err.splitlines() if l.startswith(f"rotapipe {argv[0]}: error:")]
+    assert len(errors) == 1, err
+    for f in fragments:
+        assert f in errors[0], f"{f!r} not in {errors[0]!r}"
+    assert elapsed < limit_s, f"took {elapsed:.1f} s"
+    return errors[0]
+
+
+# -- simulate ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, fragments", [
+    (["--microbatches", "0"], ["--microbatches", "0: use an integer >= 1"]),
+    (["--microbatches", "four"], ["--microbatches", "'four' is not an integer"]),
+    (["--fwd-ms", "nan"], ["--fwd-ms", "nan: use a finite number > 0"]),
+    (["--bwd-ms", "inf"], ["--bwd-ms", "inf: use a finite number > 0"]),
+    (["--head-fwd-ms", "0"], ["--head-fwd-ms", "> 0"]),
+    (["--devices", "0"], ["--devices", "0: use an integer >= 1"]),
+    (["--devices", "-3"], ["--devices", "-3"]),
+    (["--global-batch", "0"], ["--global-batch", "0: use an integer >= 1"]),
+    (["--global-batch", "24"], ["--global-batch 24 is not a multiple of --microbatches 16"]),
+    (["--hop-ms", "nan"], ["--hop-ms", "nan: use a finite number >= 0"]),
+    (["--upload-ms", "-1"], ["--upload-ms", ">= 0"]),
+    (["--recompute-ms", "inf"], ["--recompute-ms", "inf"]),
+    (["--layers", "0"], ["--layers", "0: use an integer >= 1"]),
+    (["--seq", "0"], ["--seq", "0"]),
+    (["--virtual-stages", "0"], ["--virtual-stages", "0"]),
+    (["--calls", "1"], ["--calls", "1: use an integer >= 2"]),
+    (["--memory-gib", "nan"], ["--memory-gib", "nan"]),
+    (["--schedules", "zigzag"], ["unknown schedule 'zigzag'"]),
+])
+def test_simulate_bad_flag(capsys, change, fragments):
+    fails(capsys, 2, ["simulate", *EXPLICIT, *change], *fragments)
+
+
+def test_simulate_needs_times_or_a_model(capsys):
+    fails(capsys, 2, ["simulate", "--layers", "4"], "missing --fwd-ms, --bwd-ms")
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "nan"])
+def test_simulate_efficiency_out_of_range(capsys, value):
+    fails(capsys, 2, ["simulate", "--model", "qwen3-1.7b", "--efficiency", value],
+          "--efficiency", f"{value}: use a finite number in (0, 1]")
+
+
+def test_simulate_out_naming_a_file_fails_before_simulating(capsys, tmp_path):
+    f = tmp_path / "report.png"
+    f.write_text("keep me")
+    fails(capsys, 2, ["simulate", *EXPLICIT, "--out", str(f)], str(f), "is a file")
+    fails(capsys, 2, ["simulate", *EXPLICIT, "--out", str(f / "sub")],
+          "cannot be made", str(f))
+    assert f.read_text() == "keep me"
+
+
+def test_simulate_after_bad_input_matches_the_reference(capsys):
+    rc, reference, _ = cli(capsys, "simulate", *EXPLICIT)
+    assert rc == 0 and "roundpipe" in reference
+    fails(capsys, 2, ["simulate", *EXPLICIT, "--devices", "0"], "--devices")
+    rc, again, _ = cli(capsys, "simulate", *EXPLICIT)
+    assert rc == 0 and again == reference
+    # --devices 8 is what the default simulates; 0 no longer silently means 8
+    rc, eight, _ = cli(capsys, "simulate", *EXPLICIT, "--devices", "8")
+    assert eight == reference
+
+
+# -- plan ------------------------------------------------------------------------------------
+
+def _config(tmp_path, **changes) -> str:
+    from rotapipe.plan.costs import load_config
+    cfg = {**load_config("qwen3-1.7b"), **changes}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("content, fragments", [
+    ("[1, 2]", ["holds a JSON list, not an object"]),
+    ('"qwen3"', ["holds a JSON str, not an object"]),
+    ("{oops", ["is not valid JSON"]),
+])
+def test_plan_config_not_an_object(capsys, tmp_path, content, fragments):
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    fails(capsys, 2, ["plan", str(path)], str(path), *fragments)
+
+
+@pytest.mark.parametrize("changes, fragments", [
+    ({"num_attention_heads": 0}, ["num_attention_heads=0: use a positive int"]),
+    ({"num_attention_heads": "16"}, ["num_attention_heads='16'"]),
+    ({"hidden_size": -1}, ["hidden_size=-1"]),
+    ({"num_hidden_layers": 0}, ["num_hidden_layers=0"]),
+    ({"num_key_value_heads": 5}, ["num_attention_heads=16 is not a multiple of "
+                                  "num_key_value_heads=5"]),
+])
+def test_plan_config_bad_sizes(capsys, tmp_path, changes, fragments):
+    fails(capsys, 2, ["plan", _config(tmp_path, **changes)], *fragments)
+
+
+def test_plan_config_of_random_bytes(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(bytes(range(256)) * 4)
+    fails(capsys, 2, ["plan", str(path)], str(path), "not a JSON text file")
+
+
+@pytest.mark.parametrize("change, fragments", [
+    (["--host-ram", "nan"], ["--host-ram", "nan: use a finite number > 0"]),
+    (["--host-ram", "0"], ["--host-ram", "0: use a finite number > 0"]),
+    (["--efficiency", "0"], ["--efficiency", "(0, 1]"]),
+    (["--memory-fraction", "nan"], ["--memory-fraction", "nan"]),
+    (["--memory-fraction", "1.5"], ["--memory-fraction", "(0, 1]"]),
+    (["--copy-chunk-mb", "inf"], ["--copy-chunk-mb", "inf"]),
+    (["--microbatches", "0"], ["--microbatches", "0: use an integer >= 1"]),
+    (["--seq", "-1"], ["--seq", "-1"]),
+    (["--global-batch", "0"], ["--global-batch", "0"]),
+    (["--lora", "--lora-rank", "0"], ["--lora-rank", "0"]),
+    (["--pin", "pinned"], ["--pin", "invalid choice"]),
+    (["--hardware", "tpu"], ["unknown hardware 'tpu'"]),
+])
+def test_plan_bad_flag(capsys, change, fragments):
+    fails(capsys, 2, ["plan", "qwen3-1.7b", *change], *fragments)
+
+
+def test_plan_exit_codes_fit_and_no_fit(capsys):
+    rc, out, err = cli(capsys, "plan", "qwen3-1.7b", "--microbatches", "16")
+    assert rc == 0 and "verdict: fits" in out and err == ""
+    rc, out, err = cli(capsys, "plan", "qwen3-32b", "--hardware", "rtx4090x8", "--seq",
+                       "131072", "--global-batch", "1")
+    assert rc == 3 and "does NOT fit" in out and "Traceback" not in err
+
+
+# -- train: settings (all fail before any setup: nothing is written) -------------------------
+
+@pytest.fixture
+def data(tmp_path) -> pathlib.Path:
+    return text_jsonl(tmp_path / "d.jsonl", 200)
+
+
+@pytest.mark.parametrize("setting, fragments", [
+    ({"lr": "nan"}, ["lr=nan: use a finite number > 0"]),
+    ({"lr": "inf"}, ["lr=inf"]),
+    ({"holdout": "inf"}, ["holdout=inf", "fraction in (0, 1)"]),
+    ({"beta2": "nan"}, ["beta2=nan"]),
+    ({"grad_clip": "inf"}, ["grad_clip=inf"]),
+    ({"time_limit": "nan"}, ["time_limit=nan"]),
+    ({"dist_timeout": "inf"}, ["dist_timeout=inf"]),
+    ({"weight_decay": "-1"}, ["weight_decay=-1.0", ">= 0"]),
+    ({"dtype": "int8"}, ["dtype='int8'", "'fp32', 'bf16' or 'fp16'"]),
+    ({"backend": "tpu"}, ["backend='tpu'"]),
+    ({"optimizer": "adam"}, ["optimizer='adam'"]),
+    ({"heads": "3"}, ["dim=32 is not a multiple of heads=3"]),
+    ({"kv_heads": "3", "heads": "4"}, ["heads=4 is not a multiple of kv_heads=3"]),
+    ({"batch": "5"}, ["batch=5 is not a multiple of microbatches=2"]),
+])
+def test_train_bad_setting(capsys, tmp_path, data, setting, fragments):
+    out = tmp_path / "o"
+    argv = ["train", *flags(data=str(data), out_dir=str(out))]
+    for k, v in setting.items():
+        argv += ["--" + k.replace("_", "-"), v]
+    fails(capsys, 2, argv, *fragments, limit_s=5)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--lr", "fast"], ["argument --lr", "'fast'"]),
+    (["--steps", "1.5"], ["argument --steps", "'1.5'"]),
+    (["--resume", "yes"], ["argument --resume", "--resume auto"]),
+])
+def test_train_flag_that_does_not_parse(capsys, tmp_path, argv, fragments):
+    fails(capsys, 2, ["train", "--out-dir", str(tmp_path / "o"), *argv], *fragments)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("content, fragments", [
+    ("[1, 2]", ["holds a list, not a table"]),
+    ('{"lr": NaN}', ["lr=nan"]),
+    ('{"steps": "10"}', ["'steps'", "'10'"]),
+])
+def test_train_config_file_refused(capsys, tmp_path, content, fragments):
+    path = tmp_path / "run.json"
+    path.write_text(content)
+    fails(capsys, 2, ["train", "--config", str(path)], *fragments)
+
+
+# -- train: output directory (found before any setup) ----------------------------------------
+
+def test_out_dir_naming_a_file(capsys, tmp_path, data):
+    f = tmp_path / "results.txt"
+    f.write_text("keep me")
+    fails(capsys, 2, ["train", *flags(data=str(data), out_dir=str(f))], str(f), "is a file",
+          limit_s=3)
+    fails(capsys, 2, ["train", *flags(data=str(data), out_dir=str(f / "run"))],
+          "cannot be created", str(f), limit_s=3)
+    assert f.read_text() == "keep me"
+
+
+def test_out_dir_whose_checkpoints_entry_is_a_file(capsys, tmp_path, data):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "checkpoints").write_text("")
+    fails(capsys, 2, ["train", *flags(data=str(data), out_dir=str(out))],
+          "checkpoints exists but is not a directory", limit_s=3)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]
+
+
+# -- train: data that is not text ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["noise.txt", "noise.jsonl", "noise.md"])
+def test_random_bytes_are_refused_with_the_file_name(capsys, tmp_path, name):
+    import random
+    f = tmp_path / name
+    f.write_bytes(random.Random(0).randbytes(4096))
+    fails(capsys, 1, ["train", *flags(data=str(f), out_dir=str(tmp_path / "o"))],
+          str(f), "is not text", limit_s=3)
+    assert not (tmp_path / "o").exists()
+
+
+def test_jsonl_line_that_is_not_utf8(capsys, tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    fails(capsys, 1, ["train", *flags(data=str(f), out_dir=str(tmp_path / "o"))],
+          f"{f}:2", "not UTF-8", limit_s=3)
+
+
+def test_data_files_that_are_all_empty(capsys, tmp_path):
+    (tmp_path / "a.txt").write_text("")
+    fails(capsys, 2, ["train", *flags(data=str(tmp_path / "a.txt"),
+                                      out_dir=str(tmp_path / "o"))], "are empty", limit_s=3)
+
+
+def test_text_in_another_encoding_is_still_text(tmp_path):
+    from rotapipe.train.data import check_text
+    f = tmp_path / "koi8.txt"
+    f.write_bytes("Привет, мир! Это текст в KOI8-R.\n".encode("koi8_r") * 50)
+    check_text(f)                                  # no error
+
+
+# -- train: resume -----------------------------------------------------------------------------
+
+def test_resume_with_nothing_to_resume_is_an_error(capsys, tmp_path, data):
+    out = tmp_path / "typo"
+    fails(capsys, 2, ["train", *flags(data=str(data), out_dir=str(out), resume=True)],
+          "holds no checkpoint", "--resume auto", limit_s=5)
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> pathlib.Path:
+    """A run of 4 steps with checkpoints at steps 2 and 4 (copy it before changing it)."""
+    root = tmp_path_factory.mktemp("trained")
+    data = text_jsonl(root / "d.jsonl", 200)
+    rc = main(["train", *flags(data=str(data), out_dir=str(root / "o"), steps=4,
+                               save_interval=2, eval_interval=0, export=False)])
+    assert rc == 0
+    return root
+
+
+def _copy(trained, tmp_path) -> tuple[pathlib.Path, list[str]]:
+    out = tmp_path / "o"
+    shutil.copytree(trained / "o", out)
+    return out, flags(data=str(trained / "d.jsonl"), out_dir=str(out), steps=6,
+                      save_interval=2, eval_interval=0, export=False)
+
+
+def _masters(out, step):
+    from rotapipe.train import load_checkpoint
+    return load_checkpoint(out / "checkpoints" / f"step-{step:08d}")[0]
+
+
+@pytest.mark.parametrize("damage", ["truncate state.pt", "truncate masters.safetensors",
+                                    "delete meta.json", "truncate tokenizer",
+                                    "truncate state.pt, no manifest"])
+def test_damaged_latest_checkpoint_falls_back_with_a_warning(capsys, caplog, tmp_path,
+                                                               trained, damage):
+    out, argv = _copy(trained, tmp_path)
+    latest = out / "checkpoints" / "step-00000004"
+    if "no manifest" in damage:                # a checkpoint from before manifests
+        (latest / "manifest.json").unlink()
+    if "tokenizer" in damage:
+        f = latest / "tokenizer" / "tokenizer.json"
+    else:
+        f = latest / damage.split()[1].rstrip(",")
+    if damage.startswith("delete"):
+        f.unlink()
+    else:
+        f.write_bytes(f.read_bytes()[:64])
+    rc, stdout, err = cli(capsys, "train", *argv, "--resume")
+    assert rc == 0 and "Traceback" not in err, err
+    warned = caplog.text              # the CLI's logging shows it on stderr
+    assert "checkpoint " + str(latest) in warned and "skipping it" in warned, warned
+    assert "damaged: step-00000004" in warned
+    assert "resumed from " + str(out / "checkpoints" / "step-00000002") in stdout
+    # the resumed run continued from step 2 (steps 3..6), as a clean resume would
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
+    clean, _ = _copy(trained, tmp_path / "clean")
+    shutil.rmtree(clean / "checkpoints" / "step-00000004")
+    rc, _, _ = cli(capsys, "train", *flags(data=str(trained / "d.jsonl"), out_dir=str(clean),
+                                           steps=6, save_interval=2, eval_interval=0,
+                                           export=False), "--resume")
+    a, b = _masters(out, 6), _masters(clean, 6)
+    assert rc == 0 and all((a[k] == b[k]).all() for k in a)
+
+
+def test_every_checkpoint_damaged_is_a_runtime_error(capsys, tmp_path, trained):
+    out, argv = _copy(trained, tmp_path)
+    for step in (2, 4):
+        f = out / "checkpoints" / f"step-{step:08d}" / "masters.safetensors"
+        f.write_bytes(b"")
+    fails(capsys, 1, ["train", *argv, "--resume"], "every checkpoint", "step-00000002",
+          "step-00000004", "damaged")
+    assert (out / "checkpoints" / "step-00000004").is_dir()       # nothing deleted
+
+
+def test_resume_auto_starts_when_there_is_nothing(capsys, tmp_path, data):
+    rc, stdout, err = cli(capsys, "train", *flags(data=str(data), out_dir=str(tmp_path / "o"),
+                                                  steps=1, eval_interval=0, export=False),
+                          "--resume", "auto")
+    assert rc == 0 and "starting from step 0" in stdout, err
+
+
+def test_fresh_run_into_checkpoints_is_refused(capsys, tmp_path, trained):
+    out, argv = _copy(trained, tmp_path)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    fails(capsys, 2, ["train", *argv], "already holds checkpoints", "--resume")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
+# -- the top-level handler -----------------------------------------------------------------------
+
+def test_unexpected_error_is_one_line_that_points_to_debug(capsys, monkeypatch):
+    import rotapipe.cli as cli_module
+
+    def broken(args):
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+    run = cli_module.COMMANDS["simulate"]
+    monkeypatch.setitem(cli_module.COMMANDS, "simulate", (run[0], broken, run[2]))
+    fails(capsys, 1, ["simulate", *EXPLICIT], "unexpected TypeError",
+          "run with --debug for the traceback")
+    with pytest.raises(TypeError):
+        main(["simulate", *EXPLICIT, "--debug"])
+
+
+def test_os_error_is_one_line(capsys, monkeypatch):
+    import rotapipe.cli as cli_module
+
+    def full(args):
+        raise OSError(28, "No space left on device", "/data/run/metrics.jsonl")
+    run = cli_module.COMMANDS["plan"]
+    monkeypatch.setitem(cli_module.COMMANDS, "plan", (run[0], full, run[2]))
+    fails(capsys, 1, ["plan", "qwen3-1.7b"], "No space left on device",
+          "/data/run/metrics.jsonl")
+
+
+@pytest.mark.parametrize("argv, code, fragment", [
+    (["simulate", *EXPLICIT, "--fwd-ms", "nan"], 2, "--fwd-ms"),
+    (["train", "--out-dir", "{file}"], 2, "is a file"),
+])
+def test_real_process_exit_code_and_no_traceback(tmp_path, argv, code, fragment):
+    f = tmp_path / "f"
+    f.write_text("")
+    argv = [a.replace("{file}", str(f)) for a in argv]
+    r = subprocess.run([sys.executable, "-m", "rotapipe", *argv], env=env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, r.stderr
+    assert "Traceback" not in r.stderr and fragment in r.stderr, r.stderr
