@@ -105,9 +105,13 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
       help="sequences per step (default: one per microbatch)")
     a("--virtual-stages", type=int, default=2,
       help="chunks per device of interleaved 1F1B and looped BFS (default: 2)")
-    a("--recompute", action="store_true",
-      help="baselines recompute activations in the backward (default: keep them on "
-           "the device); RoundPipe always recomputes all but the fused tail")
+    a("--recompute", nargs="?", const="ahead", default="off", metavar="MODE",
+      choices=("off", "ahead", "after-grad"),
+      help="baselines recompute activations in the backward instead of keeping them "
+           "on the device: 'ahead' (ours, the value when MODE is left out: a recompute "
+           "may run before its gradient arrives) or 'after-grad' (the paper's "
+           "baselines: it waits for the gradient); default off. RoundPipe always "
+           "recomputes all but the fused tail")
     a("--calls", type=int, default=4,
       help="overlapping calls simulated for roundpipe-stale (default: 4)")
     a("--out", default=None, help="write a timeline PNG and a Chrome trace per schedule here")
@@ -151,8 +155,9 @@ def simulate(args: argparse.Namespace) -> int:
     config = SimConfig(devices, M, virtual_stages=args.virtual_stages, recompute=args.recompute,
                        calls=args.calls, memory_limit=limit)
     results = compare(costs, config, names)
+    keep = "keep activations" if args.recompute == "off" else f"recompute {args.recompute}"
     print(f"{what}; {devices} devices, {M} microbatches of {costs.tokens} tokens; "
-          f"baselines {'recompute' if args.recompute else 'keep activations'}")
+          f"baselines {keep}")
     print(table([r.report for r in results]))
     for r in results:
         plan = r.schedule.plan

@@ -2,7 +2,7 @@
 model they are balanced with (analytic or measured), hardware profiles, the
 memory-aware partitioner and host-memory accounting."""
 
-from .balance import bound_plan, greedy_compute_plan, roundpipe_plan, split_balanced
+from .balance import Recompute, bound_plan, greedy_compute_plan, roundpipe_plan, split_balanced
 from .costs import LayerCost, LayerWork, ModelCosts, load_config, model_costs, model_work
 from .hardware import DEVICES, DeviceProfile, Hardware, hardware
 from .hostmem import HostMemory, host_memory, lora_params
@@ -12,6 +12,6 @@ from .partitioner import Footprint, candidate_plans, min_max_cut
 
 __all__ = ["DEVICES", "DeviceProfile", "Footprint", "Hardware", "HostMemory", "LayerCost",
            "LayerWork", "MeasuredCosts", "ModelCosts", "Pass", "Plan", "PlanRefiner",
-           "Stage", "StageKind", "bound_plan", "candidate_plans", "even_plan",
+           "Recompute", "Stage", "StageKind", "bound_plan", "candidate_plans", "even_plan",
            "greedy_compute_plan", "hardware", "host_memory", "load_config", "lora_params",
            "min_max_cut", "model_costs", "model_work", "roundpipe_plan", "split_balanced"]

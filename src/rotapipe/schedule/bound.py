@@ -18,7 +18,9 @@ one lowering pass (:func:`_lower`) then turns them into actions and adds the tra
 - without recompute (the default) a forward keeps its autograd graph (``FK``) and the
   backward runs through it (``BK``); with ``recompute=True`` a forward keeps only its
   input on the device (``F``) and the backward re-runs it (``R``, then ``B``). The tail
-  (last chunk, with the loss) is never recomputed: ``FK:T`` then ``BK:T``.
+  (last chunk, with the loss) is never recomputed: ``FK:T`` then ``BK:T``. The
+  recompute may run ahead of the gradient (``"ahead"``, ours) or wait for it
+  (``"after-grad"``, the paper's baselines); see :class:`~rotapipe.plan.balance.Recompute`.
 - a boundary between chunks on different devices is a download to the host and an
   upload to the next device (``DA``/``UA`` forward, ``DG``/``UG`` backward): consumer
   GPUs have no peer-to-peer copies. Chunks on the same device hand over directly.
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 
 from ..errors import ScheduleError
 from ..plan import Plan
+from ..plan.balance import Recompute
 from .actions import HOST, Action, ActionKind as K, Schedule, action_key
 
 __all__ = ["gpipe_schedule", "one_f_one_b_schedule", "interleaved_1f1b_schedule",
@@ -69,7 +72,8 @@ Op = tuple[Pass, int, int]   # (pass, chunk, microbatch)
 
 
 def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
-                   recompute: bool = False, offload_optimizer: bool = False,
+                   recompute: Recompute | str | bool = False,
+                   offload_optimizer: bool = False,
                    side_inputs: bool = False,
                    buffer_layers: Collection[int] = ()) -> Schedule:
     """GPipe: every device runs all its forwards, then all its backwards (one chunk
@@ -78,7 +82,11 @@ def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
     Options (the same for every generator of this module):
 
     - ``recompute``: forwards keep only their input (``F``); the backward re-runs
-      them (``R``, ``B``). The tail is never recomputed.
+      them (``R``, ``B``). The tail is never recomputed. ``True`` or ``"ahead"``
+      (ours): a recompute may run before its output gradient arrives;
+      ``"after-grad"`` (the paper's baselines): it waits for the gradient
+      (:class:`~rotapipe.plan.balance.Recompute`). Build the plan with the same
+      ``recompute`` so that :func:`~rotapipe.plan.bound_plan` prices it.
     - ``offload_optimizer``: master weights and optimizer state live in host memory
       (ZeRO-Offload; what :class:`rotapipe.RoundPipe` runs): each chunk's weights are
       uploaded at the start of the call (``UW:Bc``), its weight gradients downloaded
@@ -101,7 +109,8 @@ def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
 
 
 def one_f_one_b_schedule(plan: Plan, devices: int, microbatches: int, *,
-                         recompute: bool = False, offload_optimizer: bool = False,
+                         recompute: Recompute | str | bool = False,
+                         offload_optimizer: bool = False,
                          side_inputs: bool = False,
                          buffer_layers: Collection[int] = ()) -> Schedule:
     """1F1B (PipeDream-flush): device ``d`` runs ``devices - 1 - d`` warm-up forwards,
@@ -122,7 +131,8 @@ def one_f_one_b_schedule(plan: Plan, devices: int, microbatches: int, *,
 
 
 def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
-                              recompute: bool = False, offload_optimizer: bool = False,
+                              recompute: Recompute | str | bool = False,
+                              offload_optimizer: bool = False,
                               side_inputs: bool = False,
                               buffer_layers: Collection[int] = ()) -> Schedule:
     """Interleaved 1F1B (Megatron-LM): each device holds ``v = chunks / devices``
@@ -156,7 +166,8 @@ def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
 
 
 def looped_bfs_schedule(plan: Plan, devices: int, microbatches: int, *,
-                        recompute: bool = False, offload_optimizer: bool = False,
+                        recompute: Recompute | str | bool = False,
+                        offload_optimizer: bool = False,
                         side_inputs: bool = False,
                         buffer_layers: Collection[int] = (), swap: bool = False) -> Schedule:
     """Looped BFS (breadth-first pipeline): chunks placed as in interleaved 1F1B, but
@@ -189,6 +200,7 @@ def looped_bfs_schedule(plan: Plan, devices: int, microbatches: int, *,
 
 
 def mobius_schedule(plan: Plan, devices: int, microbatches: int, *,
+                    recompute: Recompute | str | bool = Recompute.AHEAD,
                     side_inputs: bool = False,
                     buffer_layers: Collection[int] = ()) -> Schedule:
     """Mobius: the model in host memory, more chunks than devices (``v`` per device,
@@ -199,8 +211,13 @@ def mobius_schedule(plan: Plan, devices: int, microbatches: int, *,
     microbatch's forward and backward back to back (one graph alive), and backwards
     go in microbatch order. The same as ``looped_bfs_schedule(..., recompute=True,
     offload_optimizer=True, swap=True)``; build the plan with
-    ``bound_plan(..., devices * v, devices=devices)``."""
-    return looped_bfs_schedule(plan, devices, microbatches, recompute=True,
+    ``bound_plan(..., devices * v, devices=devices, recompute=True)``. ``recompute``:
+    ``"ahead"`` (default) or ``"after-grad"``, as for :func:`gpipe_schedule`; it
+    cannot be off."""
+    if Recompute.of(recompute) is Recompute.OFF:
+        raise ScheduleError("Mobius recomputes every chunk but the tail: use "
+                            "recompute='ahead' or 'after-grad'")
+    return looped_bfs_schedule(plan, devices, microbatches, recompute=recompute,
                                offload_optimizer=True, side_inputs=side_inputs,
                                buffer_layers=buffer_layers, swap=True)
 
@@ -305,8 +322,11 @@ class Routes:
 
 
 def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
-           recompute: bool, name: str, opts: _Options = _Options()) -> Schedule:
+           recompute: Recompute | str | bool, name: str,
+           opts: _Options = _Options()) -> Schedule:
     """Turn per-device compute orders into actions with transfers (module docstring)."""
+    mode = Recompute.of(recompute)
+    recompute = mode is not Recompute.OFF
     fwd_stages = plan.forward + (plan.tail,)
     bwd_stages = plan.backward + (plan.tail,)
     last = len(fwd_stages) - 1
@@ -391,8 +411,10 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
                         inp = action_key(K.UPLOAD_ACT, fwd_stages[c].name, m, s.start)
                     else:
                         inp = fwd_key(c - 1, m)
+                    # Ours may recompute ahead of the gradient; the paper's waits for it.
+                    wait = grad if mode is Recompute.AFTER_GRAD else ()
                     out.append(Action(K.RECOMPUTE, d, s.name, m,
-                                      deps=(inp, fwd_key(c, m)) + extra))
+                                      deps=(inp, fwd_key(c, m)) + wait + extra))
                     out.append(Action(K.BACKWARD, d, s.name, m, deps=(out[-1].key,) + grad))
                 else:
                     out.append(Action(K.BACKWARD_KEPT, d, s.name, m,
