@@ -56,8 +56,8 @@ class Plan:
     tail: Stage
     backward: tuple[Stage, ...]
     tail_jobs: int = 1
-    """Jobs the fused tail is split into, each on its own worker for a contiguous share
-    of the microbatches (the tail is the heaviest stage of models with a large
+    """Jobs the fused tail is split into, each on its own worker for a share of the
+    microbatches (dealt in turn: microbatch ``m`` goes to job ``m % tail_jobs``) (the tail is the heaviest stage of models with a large
     vocabulary; splitting it is data parallelism inside the pipeline)."""
 
     def __post_init__(self):
@@ -92,13 +92,16 @@ class Plan:
         return tuple(Stage(StageKind.TAIL, i, t.start, t.stop) for i in range(self.tail_jobs))
 
     def tail_microbatches(self, index: int, microbatches: int) -> range:
-        """The microbatches tail job ``index`` runs: a contiguous, near-equal share."""
+        """The microbatches tail job ``index`` runs: every ``tail_jobs``-th from
+        ``index`` on. Dealt in turn, the first microbatches out of the forward stages
+        start on every tail job at once, and the first gradients back reach the
+        backward stages a tail job's microbatch apart, not a whole share apart."""
         k = self.tail_jobs
         if microbatches < k:
             raise PlanError(f"the tail is split into {k} jobs but a call has only "
                             f"{microbatches} microbatches: use at least {k} microbatches "
                             "or fewer tail jobs")
-        return range(microbatches * index // k, microbatches * (index + 1) // k)
+        return range(index, microbatches, k)
 
     def tail_for(self, mb: int, microbatches: int) -> Stage:
         """The tail job that runs microbatch ``mb``."""
