@@ -128,8 +128,6 @@ class _Generator:
         self.checkpoints = plan.checkpoint_boundaries()
         self.out: list[Action] = []
         self.call = 0
-        self.dispatch: tuple[int, ...] | None = None     # worker of each job (one call)
-        self.held: dict[int, list[tuple[int, str]]] = {}  # worker -> its jobs (call, stage)
         self.start_call(0)
 
     def start_call(self, call: int) -> None:
@@ -150,14 +148,12 @@ class _Generator:
 
     def job(self, j: int, s: Stage, weight_deps=()) -> None:
         g = self.call * len(self.jobs) + j          # job index over all calls
-        w = g % self.W if self.dispatch is None else self.dispatch[j]
+        w = g % self.W
         host_deps = list(weight_deps)
-        # Room for the weights: the free of this worker's job prefetch + 1 back.
-        mine = self.held.setdefault(w, [])
-        if len(mine) > self.prefetch:
-            call2, name2 = mine[-1 - self.prefetch]
-            host_deps.append(self.key(K.FREE, name2, call=call2))
-        mine.append((self.call, s.name))
+        back = (self.prefetch + 1) * self.W     # the job whose free makes room
+        if g >= back:
+            call2, j2 = divmod(g - back, len(self.jobs))
+            host_deps.append(self.key(K.FREE, self.jobs[j2].name, call=call2))
         up_deps = sorted({self.buffer_dl[l] for l in s.layers if l in self.buffer_dl}) \
             if s.kind is StageKind.BACKWARD else []
         uw = self.emit(K.UPLOAD_WEIGHTS, w, s, deps=up_deps, host_deps=host_deps)
