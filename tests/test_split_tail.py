@@ -81,7 +81,7 @@ def test_split_tail_is_exact(workers, jobs):
 
 def test_planner_splits_a_heavy_tail_and_only_then():
     from rotapipe.plan import LayerCost
-    from rotapipe.sim.autoplan import PlannerConfig, choose_plan
+    from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 
     def costs(head_ms):
         blocks = [LayerCost(f"b{i}", 1.0, 2.0, 1.0, 0.2, 0.05, weight_bytes=100)
@@ -162,7 +162,7 @@ def test_the_planner_weighs_a_split_tails_extra_head_uploads():
     less, by the planner's job-grain estimate and by the simulator alike."""
     from rotapipe.plan import Footprint, LayerCost
     from rotapipe.plan.partitioner import estimate_step_ms
-    from rotapipe.sim.autoplan import simulate_plan
+    from rotapipe.planner.autoplan import simulate_plan
 
     def costs(head_upload_ms):
         blocks = [LayerCost(f"b{i}", 1.0, 2.0, 1.0, 2.0, 0.05, weight_bytes=100)

@@ -5,7 +5,7 @@ takes the parsed arguments and returns the exit code. ``train`` is the training 
 (:mod:`rotapipe.train`: a config file and a flag per :class:`TrainConfig` field; with
 no arguments, the demo). ``simulate`` runs pipeline schedules side by side on a cost model
 (:mod:`rotapipe.sim`); ``plan`` says whether a run fits, with which partition and how
-fast (:mod:`rotapipe.sim.advise`).
+fast (:mod:`rotapipe.planner.advise`).
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def plan(args: argparse.Namespace) -> int:
 
     from .plan import hardware
     from .plan.hostmem import GB
-    from .sim.advise import analyze
+    from .planner.advise import analyze
 
     hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
                   **({"efficiency": args.efficiency} if args.efficiency else {}))

@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from ..errors import PlanError
 
 
+INPUT_DEPTH = 2
+"""Microbatch inputs a worker may hold on the device ahead of the compute that consumes
+them. The schedule generators (:mod:`rotapipe.schedule`) bound their input uploads by
+it and the partitioner's memory bound (:mod:`rotapipe.plan.partitioner`) counts it;
+it lives here, below both."""
+
+
 class StageKind(str, enum.Enum):
     """Forward stage, fused tail stage, or backward stage; the value is the name prefix."""
 

@@ -5,7 +5,7 @@
 loss weights, builds and caches the schedule of each call kind, makes the call's
 :class:`~rotapipe.runtime.kernels.CallContext` and host store, and runs a schedule on
 the workers with the executor (``executor.py``) and the action bodies (``kernels.py``).
-Timed emulation (:class:`rotapipe.sim.TimedEmulation`) hooks in here: the action
+Timed emulation (:class:`rotapipe.runtime.emulation.TimedEmulation`) hooks in here: the action
 durations of the current plan, and the modelled host optimizer time.
 """
 
@@ -21,6 +21,7 @@ from ..errors import ConfigError, InputError
 from ..model import LayerSet
 from ..plan import Plan
 from ..schedule import Schedule, roundpipe_schedule, validate
+from ..schedule.actions import stage_map
 from .backend import Device
 from .executor import Executor
 from .host import CallGrads, HostState
@@ -198,13 +199,13 @@ class CallRunner:
     def last_timeline(self):
         """The last call's actions as a :class:`rotapipe.sim.Timeline` (ms from its
         first action), or ``None`` before the first call."""
-        from ..sim.engine import Span, Timeline, _RESOURCE
+        from ..schedule.timeline import RESOURCE, Span, Timeline
         spans = list(self.executor.last_spans)
         schedule = self.last_schedule
         if not spans or schedule is None:
             return None
         t0 = min(s for _, s, _ in spans)
-        out = tuple(Span(a, _RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
+        out = tuple(Span(a, RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
                     for a, s, e in sorted(spans, key=lambda x: x[1]))
         start: dict[str, float] = {}
         end: dict[str, float] = {}
@@ -249,4 +250,4 @@ class CallRunner:
 
 
 def _stages(plan: Plan) -> dict:
-    return {s.name: s for s in plan.eval_jobs() + plan.jobs()}
+    return stage_map(plan)

@@ -13,7 +13,8 @@ from ..plan.partitioner import Footprint, candidate_plans
 from ..schedule import (Schedule, gpipe_schedule, interleaved_1f1b_schedule,
                         looped_bfs_schedule, mobius_schedule, one_f_one_b_schedule,
                         roundpipe_schedule, roundpipe_stale_schedule)
-from .engine import Timeline, run
+from ..schedule.timeline import Timeline
+from .engine import run
 from .report import Report, report
 from .timing import ActionTimes, memory_sizes
 
