@@ -64,8 +64,9 @@ class Plan:
     backward: tuple[Stage, ...]
     tail_jobs: int = 1
     """Jobs the fused tail is split into, each on its own worker for a share of the
-    microbatches (dealt in turn: microbatch ``m`` goes to job ``m % tail_jobs``) (the tail is the heaviest stage of models with a large
-    vocabulary; splitting it is data parallelism inside the pipeline)."""
+    microbatches (dealt in turn: microbatch ``m`` goes to job ``m % tail_jobs``). The
+    tail is the heaviest stage of models with a large vocabulary; splitting it is data
+    parallelism inside the pipeline."""
 
     def __post_init__(self):
         n = self.num_layers

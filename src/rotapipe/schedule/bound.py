@@ -31,8 +31,9 @@ one lowering pass (:func:`_lower`) then turns them into actions and adds the tra
   chunk's last backward, a free ``X`` at the end. A chunk's weights are uploaded once,
   under its backward stage's name (``UW:Bc``, ``UW:T``): ``FK:Fc`` computes with them
   (:func:`rotapipe.schedule.routes.weight_stages`). The tail always downloads its loss
-  (``DG:T``), and the options ``side_inputs`` (``UZ`` once per device and microbatch) and ``buffer_layers``
-  (``DB`` after a chunk's last forward) give the runtime what RoundPipe's schedule gives it.
+  (``DG:T``), and the options ``side_inputs`` (``UZ`` once per device and microbatch)
+  and ``buffer_layers`` (``DB`` after a chunk's last forward) give the runtime what
+  RoundPipe's schedule gives it.
   The tail's input always goes through host memory then (its upload brings the labels),
   also from a chunk on the same device.
 - with ``swap=True`` (looped BFS only, with ``offload_optimizer`` and ``recompute``), a

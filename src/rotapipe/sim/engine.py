@@ -2,8 +2,9 @@
 
 Each device has three resources: its compute engine, its upload link (host to device)
 and its download link (device to host); the host lane is a fourth, on the host. Lanes
-map onto them (``rotapipe.schedule.timeline.RESOURCE``): ``compute`` -> compute, ``weights`` and ``upload`` -> the upload link,
-``download`` and ``grads`` -> the download link. An action starts when it heads its
+map onto them (``rotapipe.schedule.timeline.RESOURCE``): ``compute`` -> compute,
+``weights`` and ``upload`` -> the upload link, ``download`` and ``grads`` -> the
+download link. An action starts when it heads its
 lane (lanes run in list order, one action at a time), every dependency has finished,
 and its resource is free. The links are the devices' copy engines
 (``rotapipe.runtime.transfer``): with gating on (the runtime's default), weight uploads
