@@ -47,7 +47,7 @@ import torch.distributed as dist
 import rotapipe
 from rotapipe import distributed
 from rotapipe.model.tiny import lm_loss, stride_batch, tiny_gpt
-from rotapipe.sim import TimedEmulation
+from rotapipe.runtime.emulation import TimedEmulation
 
 
 def rank_main(args) -> None:

@@ -21,8 +21,9 @@ from dataclasses import replace
 import torch
 
 import rotapipe
-from rotapipe.sim import ActionTimes, TimedEmulation, run
-from rotapipe.sim.autoplan import PlannerConfig, choose_plan
+from rotapipe.runtime.emulation import TimedEmulation
+from rotapipe.sim import ActionTimes, run
+from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 
 from timed_emulation import DEVICES, USABLE, measure
 

@@ -55,7 +55,8 @@ import torch
 import rotapipe
 from rotapipe.model.tiny import lm_loss, stride_batch, tiny_gpt
 from rotapipe.plan import DeviceProfile, Hardware, hardware
-from rotapipe.sim import ActionTimes, TimedEmulation, run as simulate
+from rotapipe.runtime.emulation import TimedEmulation
+from rotapipe.sim import ActionTimes, run as simulate
 
 TOLERANCE = {"emulated": (1e-5, 1e-6), "cuda": (1e-4, 1e-5)}     # rtol, atol
 OPTIMIZER = dict(lr=1e-2, eps=1e-3)   # eps: see OPTIMIZERS in tests/test_exactness.py

@@ -51,8 +51,9 @@ import rotapipe
 from rotapipe.runtime.backend import Device, HostStream
 from rotapipe.runtime.executor import Chunk, Executor
 from rotapipe.schedule import HOST, ActionKind as K, Lane
-from rotapipe.sim import ActionTimes, TimedEmulation, run as simulate
-from rotapipe.sim.autoplan import PlannerConfig, choose_plan
+from rotapipe.runtime.emulation import TimedEmulation
+from rotapipe.sim import ActionTimes, run as simulate
+from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 
 DEVICES = 8
 GIB, MIB = 2**30, 2**20

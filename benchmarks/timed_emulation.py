@@ -1,6 +1,6 @@
 """RoundPipe against 1F1B and GPipe in one runtime, on emulated 8x RTX 4090.
 
-Timed emulation (``rotapipe.sim.TimedEmulation``) makes every kernel and copy of the
+Timed emulation (``rotapipe.runtime.emulation.TimedEmulation``) makes every kernel and copy of the
 emulated workers take the time an RTX 4090 and its PCIe link would take for the model's
 real shapes (Qwen3-1.7B, Llama-3.1-8B, Qwen3-32B at sequence 2048, one sequence per
 microbatch), dilated so that Python overhead stays small against it; the layers that
@@ -15,7 +15,9 @@ the same runtime on the same hardware model:
   resident, gradients downloaded, masters and optimizer on the host: the same
   offloaded optimizer, stepped after the call; 1F1B also with the ``overlap`` step, for
   reference). Activations are kept on the device when they fit in 24 GiB, else
-  recomputed (marked ``+R``); a schedule that fits neither way is marked;
+  recomputed (marked ``+R``: our recompute, which may run ahead of the gradient, on a
+  cut that prices it, the stronger of the two baselines ``bound_plan`` documents); a
+  schedule that fits neither way is marked;
 - Mobius (``mobius_schedule``): looped BFS over ``v`` chunks per device, each chunk's
   weights swapped in from host memory for its forwards and again for its backwards,
   recompute; the smallest ``v`` in 2..4 whose simulated peak fits.
@@ -52,9 +54,10 @@ from rotapipe.model.tiny import lm_loss, stride_batch
 from rotapipe.plan import bound_plan
 from rotapipe.schedule import (gpipe_schedule, mobius_schedule, one_f_one_b_schedule,
                                roundpipe_stale_schedule)
-from rotapipe.sim import ActionTimes, TimedEmulation, memory_sizes, report, run
-from rotapipe.sim.autoplan import PlannerConfig, choose_plan
-from rotapipe.sim.engine import Timeline
+from rotapipe.runtime.emulation import TimedEmulation
+from rotapipe.sim import ActionTimes, memory_sizes, report, run
+from rotapipe.planner.autoplan import PlannerConfig, choose_plan
+from rotapipe.sim import Timeline
 
 DEVICES = 8
 GIB = 2**30
@@ -72,7 +75,7 @@ def baseline(costs, name: str, microbatches: int):
     """The bound schedule, keeping activations if they fit, else recomputing."""
     make = {"1f1b": one_f_one_b_schedule, "gpipe": gpipe_schedule}[name]
     for recompute in (False, True):
-        plan = bound_plan(costs, DEVICES, devices=DEVICES, recompute=recompute)
+        plan = bound_plan(costs, DEVICES, devices=DEVICES, recompute=recompute)  # "ahead"
         s = make(plan, DEVICES, microbatches, recompute=recompute, offload_optimizer=True)
         tl = run(s, ActionTimes(plan, costs))
         rep = report(tl, costs.tokens * microbatches, memory_sizes(costs), USABLE)

@@ -8,7 +8,8 @@ import torch
 
 import rotapipe
 from rotapipe.model.tiny import lm_loss, stride_batch
-from rotapipe.sim import ActionTimes, TimedEmulation, run
+from rotapipe.runtime.emulation import TimedEmulation
+from rotapipe.sim import ActionTimes, run
 
 em = TimedEmulation.of("qwen3-1.7b", "rtx4090x8", seq=2048, dilation=3)
 torch.manual_seed(0)

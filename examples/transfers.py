@@ -15,7 +15,7 @@ import torch
 import rotapipe
 from rotapipe.model.tiny import lm_loss, stride_batch, tiny_gpt
 from rotapipe.plan import LayerCost, ModelCosts, even_plan
-from rotapipe.sim import TimedEmulation
+from rotapipe.runtime.emulation import TimedEmulation
 
 x, y = stride_batch(8, 16, vocab=64)
 for pin in ("copy", "register", "off"):

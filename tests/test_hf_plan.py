@@ -6,11 +6,11 @@ import pytest
 
 import rotapipe
 import rotapipe.adapters
-from rotapipe import pipe_plan
+from rotapipe.planner import pipeline as pipe_plan
 from rotapipe.config import RecomputeGrain
 from rotapipe.model import layer_work
 from rotapipe.plan import model_work
-from rotapipe.sim.autoplan import PlannerConfig, choose_plan
+from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 
 transformers = pytest.importorskip("transformers")
 

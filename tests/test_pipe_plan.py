@@ -1,4 +1,4 @@
-"""The runtime's plan (rotapipe.pipe_plan): the planner by default, explicit plans kept
+"""The runtime's plan (rotapipe.planner.pipeline): the planner by default, explicit plans kept
 or rejected with the fix, explicit stage counts honoured, and measured refinement that
 converges, freezes, and never changes the numbers."""
 
@@ -11,14 +11,14 @@ from torch import nn
 
 import rotapipe
 from models import emulated, lm_loss, reference_forward_backward, tiny_transformer, token_batch
-from rotapipe import pipe_plan
+from rotapipe.planner import pipeline as pipe_plan
 from rotapipe.config import PartitionMode, RecomputeGrain
 from rotapipe.model import LayerSet, estimate_work, set_work
 from rotapipe.model.work import MIN_FLOPS
 from rotapipe.plan import Plan, even_plan
-from rotapipe.plan.measured import Pass
+from rotapipe.planner.measured import Pass
 from rotapipe.schedule import Action, ActionKind as K
-from rotapipe.sim.autoplan import PlannerConfig, choose_plan
+from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 
 
 def _layer_params(model):

@@ -14,12 +14,12 @@ from rotapipe.errors import PlanError
 from rotapipe.plan import (LayerCost, ModelCosts, Plan, Stage, StageKind, hardware,
                            model_costs)
 from rotapipe.plan.hostmem import host_memory, lora_params
-from rotapipe.plan.measured import MeasuredCosts, Pass, PlanRefiner
+from rotapipe.planner.measured import MeasuredCosts, Pass, PlanRefiner
 from rotapipe.plan.balance import greedy_compute_plan
 from rotapipe.plan.partitioner import Direction, Footprint, candidate_plans, min_max_cut
-from rotapipe.sim.autoplan import (PlannerConfig, all_plans, choose_plan, device_need,
+from rotapipe.planner.autoplan import (PlannerConfig, all_plans, choose_plan, device_need,
                                    simulate_plan)
-from rotapipe.sim.exact import step_lower_bound
+from rotapipe.planner.exact import step_lower_bound
 
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -24,7 +24,8 @@ from rotapipe.runtime.emulated import EmulatedDevice
 from rotapipe.runtime.transfer import UP, CopyEngine
 from rotapipe.schedule import Lane
 from rotapipe.schedule import prefetch_depth, roundpipe_schedule, validate
-from rotapipe.sim import ActionTimes, TimedEmulation, run
+from rotapipe.runtime.emulation import TimedEmulation
+from rotapipe.sim import ActionTimes, run
 
 
 def test_copy_engine_serves_in_arrival_order_without_priority():

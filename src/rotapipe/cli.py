@@ -5,7 +5,7 @@ takes the parsed arguments and returns the exit code. ``train`` is the training 
 (:mod:`rotapipe.train`: a config file and a flag per :class:`TrainConfig` field; with
 no arguments, the demo). ``simulate`` runs pipeline schedules side by side on a cost model
 (:mod:`rotapipe.sim`); ``plan`` says whether a run fits, with which partition and how
-fast (:mod:`rotapipe.sim.advise`).
+fast (:mod:`rotapipe.planner.advise`).
 
 Exit codes (docs/training.md, "Exit codes"): 0 success; 1 the run failed (bad data,
 a damaged checkpoint, a worker error, an I/O error); 2 usage: a flag or setting is
@@ -170,9 +170,13 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
       help="sequences per step (default: one per microbatch)")
     a("--virtual-stages", type=_count(), default=2,
       help="chunks per device of interleaved 1F1B and looped BFS (default: 2)")
-    a("--recompute", action="store_true",
-      help="baselines recompute activations in the backward (default: keep them on "
-           "the device); RoundPipe always recomputes all but the fused tail")
+    a("--recompute", nargs="?", const="ahead", default="off", metavar="MODE",
+      choices=("off", "ahead", "after-grad"),
+      help="baselines recompute activations in the backward instead of keeping them "
+           "on the device: 'ahead' (ours, the value when MODE is left out: a recompute "
+           "may run before its gradient arrives) or 'after-grad' (the paper's "
+           "baselines: it waits for the gradient); default off. RoundPipe always "
+           "recomputes all but the fused tail")
     a("--calls", type=_count(2), default=4,
       help="overlapping calls simulated for roundpipe-stale (default: 4)")
     a("--out", default=None, help="write a timeline PNG and a Chrome trace per schedule here")
@@ -218,8 +222,9 @@ def simulate(args: argparse.Namespace) -> int:
     config = SimConfig(devices, M, virtual_stages=args.virtual_stages, recompute=args.recompute,
                        calls=args.calls, memory_limit=limit)
     results = compare(costs, config, names)
+    keep = "keep activations" if args.recompute == "off" else f"recompute {args.recompute}"
     print(f"{what}; {devices} devices, {M} microbatches of {costs.tokens} tokens; "
-          f"baselines {'recompute' if args.recompute else 'keep activations'}")
+          f"baselines {keep}")
     print(table([r.report for r in results]))
     for r in results:
         plan = r.schedule.plan
@@ -297,7 +302,7 @@ def plan(args: argparse.Namespace) -> int:
 
     from .plan import hardware
     from .plan.hostmem import GB
-    from .sim.advise import analyze
+    from .planner.advise import analyze
 
     hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
                   **({"efficiency": args.efficiency} if args.efficiency is not None else {}))

@@ -235,7 +235,7 @@ class PipeConfig:
     ``False`` (an ablation): issue every chunk at once, as a plain copy would; a critical
     copy issued during a weight prefetch then waits for all of it."""
     emulation: object = None
-    """Timed emulation (:class:`rotapipe.sim.TimedEmulation`): emulated workers whose
+    """Timed emulation (:class:`rotapipe.runtime.emulation.TimedEmulation`): emulated workers whose
     kernels and copies take the time a hardware profile says. Needs the emulated
     backend. ``None``: they run as fast as the CPU does."""
 
@@ -277,10 +277,12 @@ class PipeConfig:
             raise ConfigError(f"precision={prec!r}: use a PrecisionConfig, or a compute "
                               "dtype ('float32', 'bfloat16', 'float16') as shorthand")
         if self.emulation is not None:
-            from .sim.timing import TimedEmulation
-            if not isinstance(self.emulation, TimedEmulation):
+            # Checked by what the runtime calls (config sits below the runtime).
+            if not all(callable(getattr(self.emulation, m, None))
+                       for m in ("action_seconds", "optimizer_seconds")) \
+                    or not hasattr(self.emulation, "costs"):
                 raise ConfigError(f"emulation={self.emulation!r}: use a "
-                                  "rotapipe.sim.TimedEmulation or None")
+                                  "rotapipe.runtime.emulation.TimedEmulation or None")
             if self.backend is BackendKind.CUDA:
                 raise ConfigError("emulation (timed emulation) runs on emulated workers, "
                                   "but backend='cuda': use backend='emulated'")

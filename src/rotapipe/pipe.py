@@ -21,7 +21,7 @@ from torch import nn
 from .config import OptimizerMode, PinMode, PipeConfig
 from .errors import ConfigError, DistributedError, InputError, ScheduleError, WorkerError
 from .model import LayerSet
-from .pipe_plan import PipePlanner
+from .planner.pipeline import PipePlanner
 from .plan import Plan
 from .schedule import Schedule, roundpipe_call, validate
 from .schedule.validate import check_runnable
@@ -65,7 +65,7 @@ class RoundPipe:
             labels; ``loss_fn(output, labels, context)`` then receives it. The tail
             waits until every microbatch's input has reached host memory.
         plan: an explicit :class:`rotapipe.plan.Plan`, validated and kept. Default: the
-            planner's (``config.partition``; the rule is in :mod:`rotapipe.pipe_plan`).
+            planner's (``config.partition``; the rule is in :mod:`rotapipe.planner.pipeline`).
         devices: explicit device objects (tests); default from ``config.backend``.
         process_group: the ``torch.distributed`` group to be data parallel over
             (default: the default group, when ``config.data_parallel`` turns it on).

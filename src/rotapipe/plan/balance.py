@@ -10,6 +10,7 @@ planner with memory limits (issue 4) supersedes it.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 
@@ -17,7 +18,7 @@ from ..errors import PlanError
 from .costs import ModelCosts
 from .partition import Plan, Stage, StageKind
 
-__all__ = ["split_balanced", "bound_plan", "roundpipe_plan", "roundpipe_plans",
+__all__ = ["split_balanced", "Recompute", "bound_plan", "roundpipe_plan", "roundpipe_plans",
            "estimate_roundpipe_ms", "greedy_compute_plan"]
 
 
@@ -74,38 +75,137 @@ def _plan(num_layers: int, fwd, tail: tuple[int, int], bwd) -> Plan:
                 tuple(Stage(StageKind.BACKWARD, i, a, b) for i, (a, b) in enumerate(bwd)))
 
 
+class Recompute(str, enum.Enum):
+    """Whether a bound (baseline) schedule recomputes its forwards in the backward, and
+    when. The fused tail (the last chunk, with the loss) is never recomputed."""
+
+    OFF = "off"
+    """Forwards keep their autograd graph on the device until the backward (``FK``/``BK``)."""
+    AHEAD = "ahead"
+    """Ours: forwards keep only their input; a chunk's recompute (``R``) may run as soon as
+    the compute before it is done, ahead of the output gradient its backward (``B``)
+    waits for. Stronger than the paper's baselines: a device waiting for a gradient
+    recomputes meanwhile."""
+    AFTER_GRAD = "after-grad"
+    """The paper's baselines (the artifact's runs): a chunk's recompute starts only once
+    its output gradient has arrived, so recompute and backward run back to back."""
+
+    @classmethod
+    def of(cls, value: Recompute | str | bool | None) -> Recompute:
+        """``True`` is :attr:`AHEAD`, ``False``/``None`` :attr:`OFF`; strings by value."""
+        if isinstance(value, cls):
+            return value
+        if value is True:
+            return cls.AHEAD
+        if value is False or value is None:
+            return cls.OFF
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise PlanError(f"recompute={value!r}: use one of "
+                            f"{', '.join(m.value for m in cls)} (or True / False)") from None
+
+
 def bound_plan(costs: ModelCosts | Sequence[float], chunks: int, *, devices: int | None = None,
-               recompute: bool = False) -> Plan:
-    """A plan for the baselines: ``chunks`` contiguous chunks of forward + backward
-    (+ recompute) time; the last chunk is the tail and backward stage ``Bi`` covers the
-    same layers as forward stage ``Fi``. ``costs`` may be a list of per-layer weights.
+               recompute: Recompute | str | bool = False) -> Plan:
+    """A plan for the baselines: ``chunks`` contiguous chunks; the last chunk is the tail
+    and backward stage ``Bi`` covers the same layers as forward stage ``Fi``.
 
-    The cut minimises the heaviest chunk (the pipeline moves at the pace of its
-    slowest stage), then, among such cuts, the most loaded device when chunk ``c``
-    runs on device ``c % devices`` (``devices`` defaults to ``chunks``): from the
-    min-max cut it moves single boundaries while that helps."""
+    A chunk is priced as the baseline schedules run it: forward + backward, plus the
+    recompute when ``recompute`` is on (:class:`Recompute`), except for the last chunk,
+    which no schedule recomputes. ``costs`` may also be a list of per-layer weights
+    (each chunk costs its sum, whatever ``recompute``).
+
+    The cut minimises the heaviest chunk (the pipeline moves at the pace of its slowest
+    stage; exact, checked against brute force), then, among such cuts, the most loaded
+    device when chunk ``c`` runs on device ``c % devices`` (``devices`` defaults to
+    ``chunks``): from the min-max cut it moves single boundaries while that helps."""
+    redo = Recompute.of(recompute) is not Recompute.OFF
     if isinstance(costs, ModelCosts):
-        weights = [l.forward_ms + l.backward_ms + (l.recompute_ms if recompute else 0.0)
-                   for l in costs.layers]
+        body = [l.forward_ms + l.backward_ms + (l.recompute_ms if redo else 0.0)
+                for l in costs.layers]
+        tail = [l.forward_ms + l.backward_ms for l in costs.layers]
     else:
-        weights = list(costs)
-    p = devices or chunks
-    runs = split_balanced(weights, chunks)
+        body = tail = [float(c) for c in costs]
+    n, p = len(body), devices or chunks
+    if not 1 <= chunks <= n:
+        raise PlanError(f"cannot cut {n} layers into {chunks} non-empty chunks: use 1..{n}")
+    price = _ChunkPrice(body, tail)
+    runs = _min_max_chunks(price, chunks)
     if p < chunks:
-        runs = _balance_devices(weights, runs, p)
-    return _plan(len(weights), runs[:-1], runs[-1], runs[:-1])
+        runs = _balance_devices(price, runs, p)
+    return _plan(n, runs[:-1], runs[-1], runs[:-1])
 
 
-def _balance_devices(weights: Sequence[float], runs, p: int):
+class _ChunkPrice:
+    """Cost of chunk ``[a, b)``: ``body`` prices for every chunk but the last, ``tail``
+    prices for the last (the one ending at the model's last layer)."""
+
+    def __init__(self, body: Sequence[float], tail: Sequence[float]):
+        self.n = len(body)
+        self.pb, self.pt = [0.0], [0.0]
+        for x, y in zip(body, tail):
+            self.pb.append(self.pb[-1] + x)
+            self.pt.append(self.pt[-1] + y)
+        self.eps = 1e-9 * max(self.pb[-1], self.pt[-1], 1.0)
+
+    def __call__(self, a: int, b: int) -> float:
+        pre = self.pt if b == self.n else self.pb
+        return pre[b] - pre[a]
+
+
+def _min_max_chunks(price: _ChunkPrice, k: int) -> list[tuple[int, int]]:
+    """The cut into exactly ``k`` chunks with the lightest heaviest chunk.
+
+    For a threshold ``T``, runs of body price ``<= T`` filled greedily from the front
+    use the fewest runs for any prefix, so the last chunk starts as late as ``k - 1``
+    such runs allow (the greedy run ``k``'s start, or the first layer over ``T``); a
+    later start only lightens the tail-priced last chunk. ``T`` is reachable iff that
+    last chunk is within it; a binary search over every chunk price finds the smallest
+    reachable ``T``. Equal prices give runs of one size first, the remainder last (see
+    :func:`split_balanced`)."""
+    n, eps = price.n, price.eps
+    if k == 1:
+        return [(0, n)]
+
+    def cut(limit: float) -> list[tuple[int, int]] | None:
+        starts, start, stop = [0], 0, n - 1
+        for i in range(n - 1):
+            if price(i, i + 1) > limit + eps:
+                stop = i
+                break
+            if price(start, i + 1) > limit + eps:
+                start = i
+                starts.append(i)
+        s = starts[k - 1] if len(starts) >= k else stop
+        if s < k - 1 or price(s, n) > limit + eps:
+            return None
+        starts = [x for x in starts if x < s]
+        runs = list(zip(starts, starts[1:] + [s]))
+        while len(runs) < k - 1:     # split the longest run: no run gets heavier
+            i = max(range(len(runs)), key=lambda r: runs[r][1] - runs[r][0])
+            a, b = runs[i]
+            runs[i:i + 1] = [(a, a + 1), (a + 1, b)]
+        return runs + [(s, n)]
+
+    values = sorted({price(a, b) for a in range(n) for b in range(a + 1, n + 1)})
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut(values[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return cut(values[lo])
+
+
+def _balance_devices(price: _ChunkPrice, runs, p: int):
     cuts = [b for _, b in runs[:-1]]
-    n = len(weights)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
+    n = price.n
 
     def score(cuts):
         bounds = [0] + cuts + [n]
-        chunk = [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
+        chunk = [price(a, b) for a, b in zip(bounds, bounds[1:])]
         load = [sum(chunk[d::p]) for d in range(p)]
         return (round(max(chunk), 9), round(max(load), 9))
 

@@ -124,7 +124,7 @@ class LayerWork:
     memory_bytes: float = 0.0
     """Bytes a memory-bound layer moves per token in its forward, priced by bandwidth
     rather than FLOPs (an embedding lookup reads one row and writes it; the backward
-    moves twice as many). The runtime's planner reads it (:mod:`rotapipe.pipe_plan`);
+    moves twice as many). The runtime's planner reads it (:mod:`rotapipe.planner.pipeline`);
     :func:`model_costs` leaves it out (a hardware profile's memory bandwidth is
     informational)."""
 

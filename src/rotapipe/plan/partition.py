@@ -8,6 +8,13 @@ from dataclasses import dataclass
 from ..errors import PlanError
 
 
+INPUT_DEPTH = 2
+"""Microbatch inputs a worker may hold on the device ahead of the compute that consumes
+them. The schedule generators (:mod:`rotapipe.schedule`) bound their input uploads by
+it and the partitioner's memory bound (:mod:`rotapipe.plan.partitioner`) counts it;
+it lives here, below both."""
+
+
 class StageKind(str, enum.Enum):
     """Forward stage, fused tail stage, or backward stage; the value is the name prefix."""
 
@@ -56,9 +63,10 @@ class Plan:
     tail: Stage
     backward: tuple[Stage, ...]
     tail_jobs: int = 1
-    """Jobs the fused tail is split into, each on its own worker for a contiguous share
-    of the microbatches (the tail is the heaviest stage of models with a large
-    vocabulary; splitting it is data parallelism inside the pipeline)."""
+    """Jobs the fused tail is split into, each on its own worker for a share of the
+    microbatches (dealt in turn: microbatch ``m`` goes to job ``m % tail_jobs``). The
+    tail is the heaviest stage of models with a large vocabulary; splitting it is data
+    parallelism inside the pipeline."""
 
     def __post_init__(self):
         n = self.num_layers
@@ -92,13 +100,16 @@ class Plan:
         return tuple(Stage(StageKind.TAIL, i, t.start, t.stop) for i in range(self.tail_jobs))
 
     def tail_microbatches(self, index: int, microbatches: int) -> range:
-        """The microbatches tail job ``index`` runs: a contiguous, near-equal share."""
+        """The microbatches tail job ``index`` runs: every ``tail_jobs``-th from
+        ``index`` on. Dealt in turn, the first microbatches out of the forward stages
+        start on every tail job at once, and the first gradients back reach the
+        backward stages a tail job's microbatch apart, not a whole share apart."""
         k = self.tail_jobs
         if microbatches < k:
             raise PlanError(f"the tail is split into {k} jobs but a call has only "
                             f"{microbatches} microbatches: use at least {k} microbatches "
                             "or fewer tail jobs")
-        return range(microbatches * index // k, microbatches * (index + 1) // k)
+        return range(index, microbatches, k)
 
     def tail_for(self, mb: int, microbatches: int) -> Stage:
         """The tail job that runs microbatch ``mb``."""

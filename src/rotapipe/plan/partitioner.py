@@ -22,7 +22,7 @@ binary search over the O(n^2) possible stage costs finds the smallest threshold 
 ``k`` stages reach (a split of a fitting stage still fits, so fewer stages can always be
 split up to ``k``). The tests check it against brute force. Which ``k``, tail size and
 grain are best is decided by step time: :func:`candidate_plans` ranks them with
-:func:`estimate_step_ms`; :mod:`rotapipe.sim.autoplan` simulates the best.
+:func:`estimate_step_ms`; :mod:`rotapipe.planner.autoplan` simulates the best.
 """
 
 from __future__ import annotations
@@ -34,14 +34,11 @@ from dataclasses import dataclass
 from ..config import RecomputeGrain
 from ..errors import PlanError
 from .costs import ModelCosts
-from .partition import Plan, Stage, StageKind
+from .partition import INPUT_DEPTH, Plan, Stage, StageKind
 
 __all__ = ["Footprint", "Direction", "min_max_cut", "candidate_plans", "estimate_step_ms",
            "assemble_plan", "check_layers_fit",
            "INPUT_DEPTH"]
-
-INPUT_DEPTH = 2
-"""Microbatch inputs a worker holds ahead of its compute (the schedule's bound)."""
 
 
 class Direction:

@@ -5,7 +5,7 @@
 loss weights, builds and caches the schedule of each call kind, makes the call's
 :class:`~rotapipe.runtime.kernels.CallContext` and host store, and runs a schedule on
 the workers with the executor (``executor.py``) and the action bodies (``kernels.py``).
-Timed emulation (:class:`rotapipe.sim.TimedEmulation`) hooks in here: the action
+Timed emulation (:class:`rotapipe.runtime.emulation.TimedEmulation`) hooks in here: the action
 durations of the current plan, and the modelled host optimizer time.
 """
 
@@ -23,7 +23,8 @@ from ..errors import ConfigError, InputError
 from ..model import LayerSet
 from ..plan import Plan, StageKind
 from ..schedule import ActionKind as K, Schedule, roundpipe_schedule, validate
-from ..schedule.bound import Routes
+from ..schedule.actions import stage_map
+from ..schedule.routes import Routes
 from .backend import Device
 from .executor import Executor
 from .host import CallGrads, HostState
@@ -255,7 +256,7 @@ class CallRunner:
 
 
 def _stages(plan: Plan) -> dict:
-    return {s.name: s for s in plan.eval_jobs() + plan.jobs()}
+    return stage_map(plan)
 
 
 @dataclass(frozen=True)
@@ -441,7 +442,7 @@ class CallStream:
 def timeline(history: Sequence[tuple[Schedule, list]]):
     """Calls' actions as one :class:`rotapipe.sim.Timeline` (ms from the first action;
     a chunked copy has a span per chunk), or ``None`` without calls."""
-    from ..sim.engine import Span, Timeline, _RESOURCE
+    from ..schedule.timeline import RESOURCE, Span, Timeline
     spans = [s for _, sp in history for s in sp]
     if not spans:
         return None
@@ -450,7 +451,7 @@ def timeline(history: Sequence[tuple[Schedule, list]]):
     schedule = first if len(history) == 1 else \
         Schedule(first.plan, first.workers, first.microbatches, actions, first.name)
     t0 = min(s for _, s, _ in spans)
-    out = tuple(Span(a, _RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
+    out = tuple(Span(a, RESOURCE[a.lane], (s - t0) * 1e3, (e - t0) * 1e3)
                 for a, s, e in sorted(spans, key=lambda x: x[1]))
     start: dict[str, float] = {}
     end: dict[str, float] = {}

@@ -15,7 +15,7 @@ Bound schedules (``schedule/bound.py``) upload a chunk's weights once, under its
 stage's name: ``FK:Fc`` binds ``("w", Bc)`` and keeps its graph as ``("graph", Bc, mb)``
 for ``BK:Bc``. Chunks on one device hand over on the device: a forward puts its output
 as the next stage's ``("in", ...)``, a backward its input gradient as the shallower
-stage's ``("gout", ...)`` (:class:`rotapipe.schedule.bound.Routes`).
+stage's ``("gout", ...)`` (:class:`rotapipe.schedule.routes.Routes`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..model import LayerSet, call_layer
 from ..plan import Stage, StageKind
 from ..schedule import Action, ActionKind as K
-from ..schedule.bound import Routes
+from ..schedule.routes import Routes
 from .backend import Device
 from .host import CallGrads, HostState
 from .rng import layer_seed
@@ -131,7 +131,7 @@ class ActionRunner:
         return run
 
     timing: Callable[[Action], tuple[float, ...]] | None = None
-    """Timed emulation (:class:`rotapipe.sim.TimedEmulation`): an action's duration in
+    """Timed emulation (:class:`rotapipe.runtime.emulation.TimedEmulation`): an action's duration in
     seconds, as chunks (weight uploads and weight-gradient downloads: the chunks of
     ``chunks.py``). Actions then last at least their duration: a copy holds its copy
     engine that long, compute sleeps outside the random-generator lock."""

@@ -27,7 +27,8 @@ import time
 from collections.abc import Sequence
 
 from ..plan.hardware import layer_chunks
-from ..schedule import ActionKind as K, Lane
+from ..schedule import Lane
+from ..schedule.actions import CHUNKED, CRITICAL
 
 __all__ = ["CRITICAL", "CHUNKED", "UP", "DOWN", "CopyEngine", "CopyGate", "direction",
            "layer_chunks", "split_bytes", "sleep_until"]
@@ -35,12 +36,6 @@ __all__ = ["CRITICAL", "CHUNKED", "UP", "DOWN", "CopyEngine", "CopyGate", "direc
 UP, DOWN = "host->device", "device->host"
 """The two copy-engine directions of a device."""
 
-CRITICAL = frozenset({K.UPLOAD_ACT, K.UPLOAD_GRAD, K.UPLOAD_SIDE, K.DOWNLOAD_ACT,
-                      K.DOWNLOAD_GRAD, K.DOWNLOAD_BUFFERS})
-"""Copies on the critical path: weight chunks yield the engine to them."""
-
-CHUNKED = frozenset({K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD})
-"""Copies issued in gated chunks."""
 
 _DIRECTION = {Lane.WEIGHTS: UP, Lane.UPLOAD: UP, Lane.DOWNLOAD: DOWN, Lane.GRADS: DOWN}
 

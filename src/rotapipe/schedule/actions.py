@@ -86,7 +86,30 @@ _LANES = {
     ActionKind.DOWNLOAD_BUFFERS: Lane.DOWNLOAD, ActionKind.DOWNLOAD_WGRAD: Lane.GRADS,
     ActionKind.OPTIMIZER: Lane.HOST,
 }
-COMPUTE_KINDS = frozenset(k for k, lane in _LANES.items() if lane is Lane.COMPUTE)
+COMPUTE_PASSES = frozenset({ActionKind.FORWARD, ActionKind.FORWARD_KEEP, ActionKind.FUSED,
+                            ActionKind.RECOMPUTE, ActionKind.BACKWARD,
+                            ActionKind.BACKWARD_KEPT})
+"""Action kinds that do model math (a device's busy time; ``X`` is on the compute lane
+but takes none)."""
+
+CHUNKED = frozenset({ActionKind.UPLOAD_WEIGHTS, ActionKind.DOWNLOAD_WGRAD})
+"""Copies that move in gated chunks (``rotapipe.runtime.transfer``) and yield their link
+to the critical copies between chunks."""
+
+CRITICAL = frozenset({ActionKind.UPLOAD_ACT, ActionKind.UPLOAD_GRAD, ActionKind.UPLOAD_SIDE,
+                      ActionKind.DOWNLOAD_ACT, ActionKind.DOWNLOAD_GRAD,
+                      ActionKind.DOWNLOAD_BUFFERS})
+"""Copies on the critical path: chunked copies yield the link to them."""
+
+LINK_PRIORITY = {Lane.UPLOAD: 0, Lane.WEIGHTS: 1, Lane.DOWNLOAD: 0, Lane.GRADS: 1}
+"""Order of the lanes that share a link (lower first): activations and gradients
+before weights, activations and input gradients before weight gradients."""
+
+
+def stage_map(plan: Plan) -> dict:
+    """``{stage name: Stage}`` of every stage a schedule of ``plan`` may name: the
+    training jobs (tail jobs included) and the evaluation call's stages."""
+    return {s.name: s for s in plan.jobs() + plan.eval_jobs()}
 
 
 @dataclass(frozen=True)

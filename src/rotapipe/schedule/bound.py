@@ -18,7 +18,9 @@ one lowering pass (:func:`_lower`) then turns them into actions and adds the tra
 - without recompute (the default) a forward keeps its autograd graph (``FK``) and the
   backward runs through it (``BK``); with ``recompute=True`` a forward keeps only its
   input on the device (``F``) and the backward re-runs it (``R``, then ``B``). The tail
-  (last chunk, with the loss) is never recomputed: ``FK:T`` then ``BK:T``.
+  (last chunk, with the loss) is never recomputed: ``FK:T`` then ``BK:T``. The
+  recompute may run ahead of the gradient (``"ahead"``, ours) or wait for it
+  (``"after-grad"``, the paper's baselines); see :class:`~rotapipe.plan.balance.Recompute`.
 - a boundary between chunks on different devices is a download to the host and an
   upload to the next device (``DA``/``UA`` forward, ``DG``/``UG`` backward): consumer
   GPUs have no peer-to-peer copies. Chunks on the same device hand over directly.
@@ -28,9 +30,10 @@ one lowering pass (:func:`_lower`) then turns them into actions and adds the tra
   weights lane, a weight-gradient download ``DW`` and the host hand-off ``O`` after the
   chunk's last backward, a free ``X`` at the end. A chunk's weights are uploaded once,
   under its backward stage's name (``UW:Bc``, ``UW:T``): ``FK:Fc`` computes with them
-  (:func:`weight_stages`). The tail always downloads its loss (``DG:T``), and the
-  options ``side_inputs`` (``UZ`` once per device and microbatch) and ``buffer_layers``
-  (``DB`` after a chunk's last forward) give the runtime what RoundPipe's schedule gives it.
+  (:func:`rotapipe.schedule.routes.weight_stages`). The tail always downloads its loss
+  (``DG:T``), and the options ``side_inputs`` (``UZ`` once per device and microbatch)
+  and ``buffer_layers`` (``DB`` after a chunk's last forward) give the runtime what
+  RoundPipe's schedule gives it.
   The tail's input always goes through host memory then (its upload brings the labels),
   also from a chunk on the same device.
 - with ``swap=True`` (looped BFS only, with ``offload_optimizer`` and ``recompute``), a
@@ -49,14 +52,12 @@ from dataclasses import dataclass
 
 from ..errors import ScheduleError
 from ..plan import Plan
+from ..plan.balance import Recompute
+from ..plan.partition import INPUT_DEPTH
 from .actions import HOST, Action, ActionKind as K, Schedule, action_key
 
 __all__ = ["gpipe_schedule", "one_f_one_b_schedule", "interleaved_1f1b_schedule",
-           "looped_bfs_schedule", "mobius_schedule", "weight_stages", "Routes", "Pass"]
-
-INPUT_DEPTH = 2
-"""Compute passes a device's upload lane may run ahead of its compute lane."""
-
+           "looped_bfs_schedule", "mobius_schedule", "Pass"]
 
 class Pass(str, enum.Enum):
     """One microbatch through one chunk, forward or backward."""
@@ -69,7 +70,8 @@ Op = tuple[Pass, int, int]   # (pass, chunk, microbatch)
 
 
 def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
-                   recompute: bool = False, offload_optimizer: bool = False,
+                   recompute: Recompute | str | bool = False,
+                   offload_optimizer: bool = False,
                    side_inputs: bool = False,
                    buffer_layers: Collection[int] = ()) -> Schedule:
     """GPipe: every device runs all its forwards, then all its backwards (one chunk
@@ -78,7 +80,11 @@ def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
     Options (the same for every generator of this module):
 
     - ``recompute``: forwards keep only their input (``F``); the backward re-runs
-      them (``R``, ``B``). The tail is never recomputed.
+      them (``R``, ``B``). The tail is never recomputed. ``True`` or ``"ahead"``
+      (ours): a recompute may run before its output gradient arrives;
+      ``"after-grad"`` (the paper's baselines): it waits for the gradient
+      (:class:`~rotapipe.plan.balance.Recompute`). Build the plan with the same
+      ``recompute`` so that :func:`~rotapipe.plan.bound_plan` prices it.
     - ``offload_optimizer``: master weights and optimizer state live in host memory
       (ZeRO-Offload; what :class:`rotapipe.RoundPipe` runs): each chunk's weights are
       uploaded at the start of the call (``UW:Bc``), its weight gradients downloaded
@@ -101,7 +107,8 @@ def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
 
 
 def one_f_one_b_schedule(plan: Plan, devices: int, microbatches: int, *,
-                         recompute: bool = False, offload_optimizer: bool = False,
+                         recompute: Recompute | str | bool = False,
+                         offload_optimizer: bool = False,
                          side_inputs: bool = False,
                          buffer_layers: Collection[int] = ()) -> Schedule:
     """1F1B (PipeDream-flush): device ``d`` runs ``devices - 1 - d`` warm-up forwards,
@@ -122,7 +129,8 @@ def one_f_one_b_schedule(plan: Plan, devices: int, microbatches: int, *,
 
 
 def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
-                              recompute: bool = False, offload_optimizer: bool = False,
+                              recompute: Recompute | str | bool = False,
+                              offload_optimizer: bool = False,
                               side_inputs: bool = False,
                               buffer_layers: Collection[int] = ()) -> Schedule:
     """Interleaved 1F1B (Megatron-LM): each device holds ``v = chunks / devices``
@@ -156,7 +164,8 @@ def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
 
 
 def looped_bfs_schedule(plan: Plan, devices: int, microbatches: int, *,
-                        recompute: bool = False, offload_optimizer: bool = False,
+                        recompute: Recompute | str | bool = False,
+                        offload_optimizer: bool = False,
                         side_inputs: bool = False,
                         buffer_layers: Collection[int] = (), swap: bool = False) -> Schedule:
     """Looped BFS (breadth-first pipeline): chunks placed as in interleaved 1F1B, but
@@ -189,6 +198,7 @@ def looped_bfs_schedule(plan: Plan, devices: int, microbatches: int, *,
 
 
 def mobius_schedule(plan: Plan, devices: int, microbatches: int, *,
+                    recompute: Recompute | str | bool = Recompute.AHEAD,
                     side_inputs: bool = False,
                     buffer_layers: Collection[int] = ()) -> Schedule:
     """Mobius: the model in host memory, more chunks than devices (``v`` per device,
@@ -199,8 +209,13 @@ def mobius_schedule(plan: Plan, devices: int, microbatches: int, *,
     microbatch's forward and backward back to back (one graph alive), and backwards
     go in microbatch order. The same as ``looped_bfs_schedule(..., recompute=True,
     offload_optimizer=True, swap=True)``; build the plan with
-    ``bound_plan(..., devices * v, devices=devices)``."""
-    return looped_bfs_schedule(plan, devices, microbatches, recompute=True,
+    ``bound_plan(..., devices * v, devices=devices, recompute=True)``. ``recompute``:
+    ``"ahead"`` (default) or ``"after-grad"``, as for :func:`gpipe_schedule`; it
+    cannot be off."""
+    if Recompute.of(recompute) is Recompute.OFF:
+        raise ScheduleError("Mobius recomputes every chunk but the tail: use "
+                            "recompute='ahead' or 'after-grad'")
+    return looped_bfs_schedule(plan, devices, microbatches, recompute=recompute,
                                offload_optimizer=True, side_inputs=side_inputs,
                                buffer_layers=buffer_layers, swap=True)
 
@@ -232,81 +247,12 @@ class _Options:
     swap: bool = False
 
 
-def weight_stages(schedule: Schedule) -> dict[str, str]:
-    """``{forward stage: stage whose weight upload it computes with}`` for forward stages
-    without a ``UW`` of their own: a bound schedule with ``offload_optimizer=True``
-    uploads chunk ``c`` once, as ``UW:Bc``, and ``FK:Fc`` (or ``F:Fc``) uses those
-    weights (the same device tensors, so ``BK:Bc`` backpropagates into them)."""
-    uploaded = {a.stage for a in schedule.actions if a.kind is K.UPLOAD_WEIGHTS}
-    twins = {}
-    for f in schedule.plan.forward:
-        if f.name in uploaded:
-            continue
-        for b in schedule.plan.backward:
-            if (b.start, b.stop) == (f.start, f.stop) and b.name in uploaded:
-                twins[f.name] = b.name
-                break
-    return twins
-
-
-@dataclass(frozen=True)
-class Routes:
-    """Where the runtime routes each action's data in one schedule (the runtime builds
-    it once per schedule; ``runtime/kernels.py`` reads it):
-
-    - ``downloads[(stage, mb)]``: the boundaries a forward keeps for ``DA`` downloads;
-    - ``weights_of``: :func:`weight_stages`;
-    - bound schedules hand over on one device: ``act_to[key]`` the stages that read a
-      forward's output as their input (the next chunk's forward or recompute);
-      ``also_input[(stage, mb)]`` the stages that also read an uploaded input (a
-      recompute of the same layers); ``grad_to[key]`` the shallower stage that reads a
-      backward's input gradient;
-    - ``last_pass``: the keys of each stage's last forward and last backward (in list
-      order), which keep buffers and weight gradients.
-    """
-
-    downloads: dict
-    weights_of: dict
-    act_to: dict
-    also_input: dict
-    grad_to: dict
-    last_pass: frozenset
-
-    @classmethod
-    def of(cls, schedule: Schedule, stages: dict) -> Routes:
-        """The routes of ``schedule``; ``stages``: stage name -> Stage of its plan."""
-        downloads: dict[tuple[str, int], set[int]] = {}
-        for act in schedule.actions:
-            if act.kind is K.DOWNLOAD_ACT:
-                downloads.setdefault((act.stage, act.mb), set()).add(act.at)
-        last: dict[tuple, str] = {}
-        act_to: dict[str, list[str]] = {}
-        also_input: dict[tuple[str, int], list[str]] = {}
-        grad_to: dict[str, str] = {}
-        by_key = schedule.by_key()
-        for act in schedule.actions:
-            s = stages.get(act.stage)
-            if act.kind in (K.FORWARD, K.FORWARD_KEEP, K.RECOMPUTE):
-                last[("f", act.stage, act.call)] = act.key
-                for p in (by_key[d] for d in act.deps if d in by_key):
-                    if p.kind is K.UPLOAD_ACT and p.at == s.start and p.stage != act.stage:
-                        also_input.setdefault((p.stage, act.mb), []).append(act.stage)
-                    elif p.kind in (K.FORWARD, K.FORWARD_KEEP) and \
-                            stages[p.stage].stop == s.start:
-                        act_to.setdefault(p.key, []).append(act.stage)
-            elif act.kind in (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED):
-                last[("b", act.stage, act.call)] = act.key
-                for p in (by_key[d] for d in act.deps if d in by_key):
-                    if p.kind in (K.BACKWARD, K.BACKWARD_KEPT) and \
-                            stages[p.stage].start == s.stop:
-                        grad_to[p.key] = act.stage
-        return cls(downloads, weight_stages(schedule), act_to, also_input, grad_to,
-                   frozenset(last.values()))
-
-
 def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
-           recompute: bool, name: str, opts: _Options = _Options()) -> Schedule:
+           recompute: Recompute | str | bool, name: str,
+           opts: _Options = _Options()) -> Schedule:
     """Turn per-device compute orders into actions with transfers (module docstring)."""
+    mode = Recompute.of(recompute)
+    recompute = mode is not Recompute.OFF
     fwd_stages = plan.forward + (plan.tail,)
     bwd_stages = plan.backward + (plan.tail,)
     last = len(fwd_stages) - 1
@@ -391,8 +337,10 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
                         inp = action_key(K.UPLOAD_ACT, fwd_stages[c].name, m, s.start)
                     else:
                         inp = fwd_key(c - 1, m)
+                    # Ours may recompute ahead of the gradient; the paper's waits for it.
+                    wait = grad if mode is Recompute.AFTER_GRAD else ()
                     out.append(Action(K.RECOMPUTE, d, s.name, m,
-                                      deps=(inp, fwd_key(c, m)) + extra))
+                                      deps=(inp, fwd_key(c, m)) + wait + extra))
                     out.append(Action(K.BACKWARD, d, s.name, m, deps=(out[-1].key,) + grad))
                 else:
                     out.append(Action(K.BACKWARD_KEPT, d, s.name, m,

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from ..errors import ScheduleError
 from ..plan import Stage
-from .actions import HOST, ActionKind as K, Lane, Schedule
-from .bound import weight_stages
+from .actions import HOST, ActionKind as K, Lane, Schedule, stage_map
+from .routes import weight_stages
 
 __all__ = ["Buffer", "MemorySizes", "MemoryPeak", "buffers", "check_limit", "format_bytes",
            "peak_memory"]
@@ -108,7 +108,7 @@ def buffers(schedule: Schedule, sizes: MemorySizes) -> list[Buffer]:
     if len(sizes.weights) != plan.num_layers:
         raise ScheduleError(f"memory sizes cover {len(sizes.weights)} layers, the plan "
                             f"has {plan.num_layers}")
-    stages = {s.name: s for s in plan.jobs() + plan.eval_jobs()}
+    stages = stage_map(plan)
     users: dict[str, list[str]] = defaultdict(list)   # key -> same-worker dependents
     by_key = schedule.by_key()
     for a in schedule.actions:

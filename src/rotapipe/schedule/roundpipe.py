@@ -19,11 +19,8 @@ from collections.abc import Collection, Mapping
 
 from ..errors import ScheduleError
 from ..plan import Plan, Stage, StageKind
+from ..plan.partition import INPUT_DEPTH
 from .actions import HOST, Action, ActionKind as K, Schedule, action_key
-
-INPUT_DEPTH = 2
-"""Inputs a worker may hold on the device ahead of the compute that consumes them."""
-
 
 def roundpipe_schedule(plan: Plan, workers: int, microbatches: int, *,
                        side_inputs: bool = False,

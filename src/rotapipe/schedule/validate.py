@@ -8,7 +8,7 @@ from collections.abc import Collection
 from ..errors import ScheduleError
 from ..plan import Stage, StageKind
 from .actions import Action, ActionKind as K, Lane, Schedule, action_key
-from .bound import weight_stages
+from .routes import weight_stages
 from .memory import MemorySizes, check_limit, peak_memory
 
 _FORWARD_KINDS = (K.FORWARD, K.FORWARD_KEEP, K.FUSED, K.RECOMPUTE)

@@ -2,12 +2,13 @@
 time, tokens/s, bubbles, exposed communication and peak device memory; draws timelines
 (PNG) and writes Chrome/Perfetto traces. Pure: no threads, no devices."""
 
+from ..schedule.timeline import Span, Timeline
 from .compare import (SCHEDULES, SimConfig, SimResult, build_schedule, compare,
                       schedule_names, simulate)
-from .engine import Span, Timeline, run
+from .engine import run
 from .report import Bubble, Report, report, table
-from .timing import ActionTimes, TimedEmulation, memory_sizes
+from .timing import ActionTimes, memory_sizes
 
 __all__ = ["SCHEDULES", "ActionTimes", "Bubble", "Report", "SimConfig", "SimResult", "Span",
-           "TimedEmulation", "Timeline", "build_schedule", "compare", "memory_sizes", "report", "run",
+           "Timeline", "build_schedule", "compare", "memory_sizes", "report", "run",
            "schedule_names", "simulate", "table"]

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ..errors import ConfigError, PlanError
-from ..plan import ModelCosts, Plan, bound_plan
+from ..plan import ModelCosts, Plan, Recompute, bound_plan
 from ..plan.balance import roundpipe_plans
 from ..plan.partitioner import Footprint, candidate_plans
 from ..schedule import (Schedule, gpipe_schedule, interleaved_1f1b_schedule,
                         looped_bfs_schedule, mobius_schedule, one_f_one_b_schedule,
                         roundpipe_schedule, roundpipe_stale_schedule)
-from .engine import Timeline, run
+from ..schedule.timeline import Timeline
+from .engine import run
 from .report import Report, report
 from .timing import ActionTimes, memory_sizes
 
@@ -37,9 +38,12 @@ class SimConfig:
     microbatches: int
     virtual_stages: int = 2
     """Chunks per device of interleaved 1F1B, looped BFS and Mobius."""
-    recompute: bool = False
-    """Baselines recompute their forward in the backward instead of keeping activations
-    on the device (RoundPipe always recomputes every backward stage but the tail)."""
+    recompute: Recompute | str | bool = Recompute.OFF
+    """Whether and how the baselines recompute their forward in the backward instead of
+    keeping activations on the device (:class:`~rotapipe.plan.Recompute`: ``"off"``,
+    ``"ahead"`` ours, ``"after-grad"`` the paper's; ``True`` is ``"ahead"``). Mobius
+    always recomputes (``"ahead"`` when this is off). RoundPipe always recomputes every
+    backward stage but the tail, ahead of the gradient."""
     calls: int = 4
     """Overlapping calls simulated for RoundPipe with the stale optimizer."""
     refine: int = 4
@@ -50,6 +54,10 @@ class SimConfig:
     """Device memory in bytes, to flag schedules that do not fit (None: no check)."""
 
     def __post_init__(self):
+        try:
+            object.__setattr__(self, "recompute", Recompute.of(self.recompute))
+        except PlanError as exc:
+            raise ConfigError(str(exc)) from None
         if self.devices < 1 or self.microbatches < 1:
             raise ConfigError(f"devices={self.devices} and microbatches={self.microbatches} "
                               "must be >= 1")
@@ -100,15 +108,16 @@ def build_schedule(name: str, costs: ModelCosts, config: SimConfig,
         if chunks > L:
             raise ConfigError(f"{name} needs {chunks} chunks of at least one layer but the "
                               f"model has {L} layers: use fewer devices or virtual stages")
-        mobius = name == "mobius"       # always recomputes; weights swapped from the host
-        plan = plan or bound_plan(costs, chunks, devices=p,
-                                  recompute=config.recompute or mobius)
-        if mobius:
-            return mobius_schedule(plan, p, M)
+        recompute = config.recompute
+        if name == "mobius" and recompute is Recompute.OFF:
+            recompute = Recompute.AHEAD     # always recomputes; weights swapped from the host
+        plan = plan or bound_plan(costs, chunks, devices=p, recompute=recompute)
+        if name == "mobius":
+            return mobius_schedule(plan, p, M, recompute=recompute)
         make = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule,
                 "interleaved-1f1b": interleaved_1f1b_schedule,
                 "looped-bfs": looped_bfs_schedule}[name]
-        return make(plan, p, M, recompute=config.recompute)
+        return make(plan, p, M, recompute=recompute)
     if name not in ("roundpipe", "roundpipe-stale"):
         raise ConfigError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
     stale = name == "roundpipe-stale"

@@ -2,8 +2,9 @@
 
 Each device has three resources: its compute engine, its upload link (host to device)
 and its download link (device to host); the host lane is a fourth, on the host. Lanes
-map onto them: ``compute`` -> compute, ``weights`` and ``upload`` -> the upload link,
-``download`` and ``grads`` -> the download link. An action starts when it heads its
+map onto them (``rotapipe.schedule.timeline.RESOURCE``): ``compute`` -> compute,
+``weights`` and ``upload`` -> the upload link, ``download`` and ``grads`` -> the
+download link. An action starts when it heads its
 lane (lanes run in list order, one action at a time), every dependency has finished,
 and its resource is free. The links are the devices' copy engines
 (``rotapipe.runtime.transfer``): with gating on (the runtime's default), weight uploads
@@ -18,61 +19,14 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 from ..errors import ScheduleError
-from ..schedule import Action, ActionKind as K, Lane, Schedule
+from ..schedule import Action, Lane, Schedule
+from ..schedule.actions import CHUNKED, LINK_PRIORITY
+from ..schedule.timeline import RESOURCE, Span, Timeline
 
-__all__ = ["Resource", "Span", "Timeline", "run"]
-
-
-class Resource:
-    """Resource names (plain strings, used in spans and traces)."""
-
-    COMPUTE = "compute"
-    UP = "upload link"
-    DOWN = "download link"
-    HOST = "host"
-
-
-_RESOURCE = {Lane.COMPUTE: Resource.COMPUTE, Lane.WEIGHTS: Resource.UP,
-             Lane.UPLOAD: Resource.UP, Lane.DOWNLOAD: Resource.DOWN, Lane.GRADS: Resource.DOWN,
-             Lane.HOST: Resource.HOST}
-_PRIORITY = {Lane.UPLOAD: 0, Lane.WEIGHTS: 1, Lane.DOWNLOAD: 0, Lane.GRADS: 1}
-"""Lower runs first on a shared link (as ``rotapipe.runtime.transfer.PRIORITY``)."""
-
-COMPUTE_PASSES = frozenset({K.FORWARD, K.FORWARD_KEEP, K.FUSED, K.RECOMPUTE, K.BACKWARD,
-                            K.BACKWARD_KEPT})
-"""Action kinds that do model math (busy time of a device)."""
-
-
-@dataclass(frozen=True)
-class Span:
-    """One stretch of time an action held a resource (a chunk of it, for weights)."""
-
-    action: Action
-    resource: str
-    start: float
-    end: float
-
-    @property
-    def worker(self) -> int:
-        return self.action.worker
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """When every action of a schedule ran (milliseconds from the call's start)."""
-
-    schedule: Schedule
-    spans: tuple[Span, ...]
-    start: Mapping[str, float]
-    end: Mapping[str, float]
-
-    @property
-    def makespan(self) -> float:
-        return max(self.end.values(), default=0.0)
+__all__ = ["run"]
 
 
 def run(schedule: Schedule, durations: Callable[[Action], Sequence[float]], *,
@@ -83,9 +37,6 @@ def run(schedule: Schedule, durations: Callable[[Action], Sequence[float]], *,
     ``PipeConfig.gate_copies``). Raise :class:`ScheduleError` if the schedule cannot
     finish (a deadlock)."""
     return _Engine(schedule, durations, gate).run()
-
-
-_CHUNKED = frozenset({K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD})
 
 
 class _Engine:
@@ -99,8 +50,8 @@ class _Engine:
             self.lanes.setdefault((a.worker, a.lane), deque()).append(a)
         # resource -> its lanes, highest priority first
         self.by_resource: dict[tuple[int, str], list[tuple[int, Lane]]] = {}
-        for lane in sorted(self.lanes, key=lambda wl: _PRIORITY.get(wl[1], 0)):
-            self.by_resource.setdefault((lane[0], _RESOURCE[lane[1]]), []).append(lane)
+        for lane in sorted(self.lanes, key=lambda wl: LINK_PRIORITY.get(wl[1], 0)):
+            self.by_resource.setdefault((lane[0], RESOURCE[lane[1]]), []).append(lane)
         self.missing: dict[str, int] = {}
         self.users: dict[str, list[str]] = {}
         for a in schedule.actions:
@@ -143,13 +94,13 @@ class _Engine:
     def finish(self, lane: tuple[int, Lane], t: float) -> None:
         a = self.lanes[lane].popleft()
         self.end[a.key] = t
-        self.dirty.add((lane[0], _RESOURCE[lane[1]]))
+        self.dirty.add((lane[0], RESOURCE[lane[1]]))
         for u in self.users.get(a.key, ()):
             self.missing[u] -= 1
             if self.missing[u] == 0:
                 self.deps_done[u] = t
                 b = self.by_key[u]
-                self.dirty.add((b.worker, _RESOURCE[b.lane]))
+                self.dirty.add((b.worker, RESOURCE[b.lane]))
 
     def dispatch(self, t: float) -> None:
         """Start every action that can start at ``t``."""
@@ -169,7 +120,7 @@ class _Engine:
                 chunks = self.chunks.get(a.key)
                 if chunks is None:
                     pieces = [d for d in self.durations(a) if d > 0]
-                    if not self.gate and a.kind in _CHUNKED and pieces:
+                    if not self.gate and a.kind in CHUNKED and pieces:
                         pieces = [sum(pieces)]      # issued at once: one unit
                     chunks = self.chunks[a.key] = deque(pieces)
                 if not chunks:              # zero time: done at once; look again

@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from ..errors import ConfigError
 from ..schedule import ActionKind as K
-from .engine import Resource, Timeline
+from ..schedule.timeline import Resource, Timeline
 from .report import Report
 
 __all__ = ["COLORS", "draw_gantt"]

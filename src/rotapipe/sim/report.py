@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from ..schedule import ActionKind as K
 from ..schedule.memory import MemoryPeak, MemorySizes, format_bytes, peak_memory
-from .engine import COMPUTE_PASSES, Resource, Span, Timeline
+from ..schedule.actions import COMPUTE_PASSES
+from ..schedule.timeline import Resource, Span, Timeline
 
 __all__ = ["Bubble", "Report", "report", "table"]
 

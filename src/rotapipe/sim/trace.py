@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from .engine import Resource, Timeline
+from ..schedule.timeline import Resource, Timeline
 
 __all__ = ["chrome_trace", "write_trace"]
 

@@ -6,7 +6,7 @@ The exact cuts and the candidate ranking are in :mod:`rotapipe.plan.partitioner`
 models what the ranking leaves out (link contention, the priority transfer queue,
 chunked weight uploads), and keeps the fastest. Small models (up to 10 layers by
 default) are searched exactly instead: every plan bounded below, the promising ones
-simulated (:mod:`rotapipe.sim.exact`).
+simulated (:mod:`rotapipe.planner.exact`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from ..plan.hostmem import HostMemory, host_memory
 from ..plan.partitioner import (Direction, Footprint, assemble_plan, candidate_plans,
                                 estimate_step_ms)
 from ..schedule import roundpipe_schedule, roundpipe_stale_schedule
-from .engine import run
+from ..sim.engine import run
 from .exact import exact_search
-from .report import Report, report
-from .timing import ActionTimes
+from ..sim.report import Report, report
+from ..sim.timing import ActionTimes
 
 __all__ = ["PlannerConfig", "PlanChoice", "choose_plan", "simulate_plan", "device_need",
            "plan_space", "all_plans", "host_need"]
@@ -53,7 +53,7 @@ class PlannerConfig:
     exhaustive: int = 100_000
     """Plan-space size (all tails x all forward cuts x all backward cuts,
     :func:`plan_space`) up to which the search is exact: every fitting plan is bounded
-    below and simulated best-first (:mod:`rotapipe.sim.exact`), so the result is the
+    below and simulated best-first (:mod:`rotapipe.planner.exact`), so the result is the
     optimum, not a ranking's best guess. The default covers models of up to 10 layers
     (87,381 plans, about a second); with ``stale`` every fitting plan is simulated, so
     keep it small there."""

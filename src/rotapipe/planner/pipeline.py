@@ -9,7 +9,7 @@ The rule (docs/planning.md, "The runtime's plan"):
    weights fit the worker budget, checked by the pipeline) and kept as given.
 2. ``partition="even"``, or ``forward_stages`` / ``backward_stages`` set: the even
    partition with those counts (the defaults of :class:`~rotapipe.PipeConfig`).
-3. Otherwise the planner (:func:`rotapipe.sim.autoplan.choose_plan`) on
+3. Otherwise the planner (:func:`rotapipe.planner.choose_plan`) on
    :func:`work_costs` of each layer's per-token arithmetic (the FLOP model of the
    Hugging Face config when the adapter attached it, else the estimate of
    :mod:`rotapipe.model.work`; the timed emulation's costs when set), at the
@@ -31,14 +31,14 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from .config import PartitionMode, PipeConfig
-from .errors import ConfigError, PlanError
-from .model.work import estimate_work
-from .plan import LayerCost, ModelCosts, Plan, Stage, even_plan
-from .plan.costs import LayerWork
-from .plan.measured import MeasuredCosts, Pass, PlanRefiner
-from .schedule import ActionKind as K
-from .sim.autoplan import PlannerConfig, choose_plan
+from ..config import PartitionMode, PipeConfig
+from ..errors import ConfigError, PlanError
+from ..model.work import estimate_work
+from ..plan import LayerCost, ModelCosts, Plan, Stage, even_plan
+from ..plan.costs import LayerWork
+from .measured import MeasuredCosts, Pass, PlanRefiner
+from ..schedule import ActionKind as K
+from .autoplan import PlannerConfig, choose_plan
 
 __all__ = ["work_costs", "parameter_costs", "emulation_costs", "stage_samples",
            "may_be_data_parallel", "PipePlanner", "RUNTIME_EXHAUSTIVE",

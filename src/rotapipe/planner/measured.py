@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..errors import ConfigError
-from .costs import ModelCosts
-from .partition import Plan
+from ..plan.costs import ModelCosts
+from ..plan.partition import Plan
 
 __all__ = ["Pass", "MeasuredCosts", "PlanRefiner"]
 
@@ -82,7 +82,7 @@ class PlanRefiner:
     """Re-plans from measured costs when they moved, and freezes once they are stable.
 
     ``planner(costs) -> Plan`` is any planner (e.g. a closure over
-    :func:`rotapipe.sim.autoplan.choose_plan`)."""
+    :func:`rotapipe.planner.choose_plan`)."""
 
     planner: Callable[[ModelCosts], Plan]
     base: ModelCosts

@@ -1,7 +1,7 @@
 """Exact plan search on small models: every RoundPipe plan, bounded below, simulated
 best-first until no unsimulated plan can beat the best simulated one.
 
-A model of ``L`` layers has :func:`~rotapipe.sim.autoplan.plan_space` ``(L)`` plans
+A model of ``L`` layers has :func:`~rotapipe.planner.autoplan.plan_space` ``(L)`` plans
 (87,381 for 10 layers): too many to simulate each (about a millisecond apiece), few
 enough to bound each. :func:`step_lower_bound` bounds the simulated step of
 :func:`~rotapipe.schedule.roundpipe_schedule` from per-stage sums and never exceeds it
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from ..plan import ModelCosts, Plan, StageKind
 from ..plan.partitioner import Direction, Footprint, assemble_plan
-from .report import Report
+from ..sim.report import Report
 
 __all__ = ["step_lower_bound", "exact_search"]
 
@@ -111,7 +111,7 @@ def _bound(terms: Sequence[tuple[float, ...]], workers: int) -> float:
 
 
 def step_lower_bound(plan: Plan, costs: ModelCosts, workers: int, microbatches: int) -> float:
-    """A lower bound (ms) on :func:`~rotapipe.sim.autoplan.simulate_plan` of ``plan``
+    """A lower bound (ms) on :func:`~rotapipe.planner.autoplan.simulate_plan` of ``plan``
     (one training call, exact optimizer); see the module docstring."""
     terms = _Terms(costs, microbatches)
     return _bound([terms.of(_KIND[s.kind], s.start, s.stop) for s in plan.jobs()], workers)
@@ -138,7 +138,7 @@ def exact_search(costs: ModelCosts, fp: Footprint, workers: int, microbatches: i
                  memory: int, simulate, tail_layers: int | None = None,
                  ) -> tuple[Plan, Report, int] | None:
     """The plan with the fastest simulated step among every plan whose
-    :func:`~rotapipe.sim.autoplan.device_need` fits ``memory``; returns (plan, report,
+    :func:`~rotapipe.planner.autoplan.device_need` fits ``memory``; returns (plan, report,
     plans simulated), or None if no plan fits. ``simulate(plan) -> Report`` runs one
     call; ``costs`` must be the costs it simulates with (recompute as the grain runs
     it) and ``fp`` the footprint of the same grain. ``tail_layers`` fixes the fused

@@ -1,0 +1,17 @@
+"""The planner: chooses a RoundPipe plan (stage cuts, fused tail and its jobs, recompute
+grain, microbatch count) by simulating the best candidates of the partitioner
+(:mod:`.autoplan`, exact on small models: :mod:`.exact`), judges whether a run fits a
+machine (:mod:`.advise`, ``rotapipe plan``), gives a pipeline its plan and refines it
+from measured stage times (:mod:`.pipeline`, :mod:`.measured`).
+
+It sits above the simulator: ``plan`` (arithmetic) -> ``schedule`` -> ``sim`` ->
+``planner``; nothing below imports it."""
+
+from .advise import PlanAnalysis, analyze, longest_sequence
+from .autoplan import PlanChoice, PlannerConfig, choose_plan, simulate_plan
+from .exact import exact_search, step_lower_bound
+from .measured import MeasuredCosts, Pass, PlanRefiner
+
+__all__ = ["MeasuredCosts", "Pass", "PlanAnalysis", "PlanChoice", "PlanRefiner",
+           "PlannerConfig", "analyze", "choose_plan", "exact_search", "longest_sequence",
+           "simulate_plan", "step_lower_bound"]
