@@ -68,7 +68,7 @@ def measure(args, info, mode: str, em) -> None:
     model = em.stand_in() if em is not None else \
         tiny_gpt(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=4, seq=args.seq)
     config = rotapipe.PipeConfig(workers=args.workers, microbatches=args.microbatches,
-                                 backend="emulated", check_races=False, optimizer=mode,
+                                 backend="emulated", check_races=False, optimizer_mode=mode,
                                  emulation=em, data_parallel=rotapipe.DataParallelConfig(
                                      enabled=True, bucket_mb=args.bucket_mb))
     gen = torch.Generator().manual_seed(1)

@@ -173,7 +173,7 @@ def _grads(model):
 def train_pipe(subject: Subject, model, case: Case, backend: str, steps: int) -> Trained:
     names = {id(p): n for n, p in model.named_parameters()}
     cfg = rotapipe.PipeConfig(workers=case.workers, microbatches=case.microbatches,
-                              grain=case.grain, backend=backend, optimizer=case.optimizer,
+                              grain=case.grain, backend=backend, optimizer_mode=case.optimizer,
                               pin=case.pin)
     seen: dict[str, torch.Tensor] = {}
 

@@ -118,7 +118,7 @@ def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
     torch.manual_seed(0)
     model = em.stand_in()
     cfg = rotapipe.PipeConfig(workers=DEVICES, microbatches=microbatches,
-                              backend="emulated", emulation=em, optimizer=mode,
+                              backend="emulated", emulation=em, optimizer_mode=mode,
                               grain=grain, check_races=False, gate_copies=gate,
                               copy_chunk_mb=chunk_mb)
     pipe = rotapipe.RoundPipe(model, lm_loss, config=cfg, plan=plan)

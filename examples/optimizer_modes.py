@@ -3,7 +3,7 @@
     python examples/optimizer_modes.py
 
 Trains the same model from the same weights on the same batches with
-``PipeConfig(optimizer="sync" | "overlap" | "stale", clip_grad_norm=0.5)``:
+``PipeConfig(optimizer_mode="sync" | "overlap" | "stale", clip_grad_norm=0.5)``:
 
 - ``overlap`` steps each stage's parameters while shallower stages still run backward,
   and gives bit for bit the weights ``sync`` gives (clipping included);
@@ -49,7 +49,7 @@ def batches():
 
 def train(mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     config = rotapipe.PipeConfig(workers=2, microbatches=4, backend="emulated",
-                                 optimizer=mode, clip_grad_norm=0.5)
+                                 optimizer_mode=mode, clip_grad_norm=0.5)
     with rotapipe.RoundPipe(model(), loss_fn, config=config,
                             optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3)) as pipe:
         losses = [pipe.train_step(x, y) for x, y in batches()]

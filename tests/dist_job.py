@@ -8,7 +8,7 @@ process). Trains ``tiny_transformer(dropout, tied)`` for ``STEPS`` steps on glob
 batches of ``GLOBAL`` samples, each rank on its shard, 2 emulated workers, five times:
 without and with gradient clipping, with a token-mean loss whose ignored labels differ
 per rank (``loss_weight`` counts the rest) over two accumulated calls per step, and with
-``optimizer="overlap"`` (``train_step``) without and with clipping. Saves ``{"plain":
+``optimizer_mode="overlap"`` (``train_step``) without and with clipping. Saves ``{"plain":
 ..., "clip": ..., "tokens": ..., "overlap": ..., "overlap_clip": ...}`` (state_dict,
 losses, all-reduce stats) to ``OUT``.
 
@@ -16,7 +16,7 @@ Faults: with ``--mismatch`` rank 1 builds a different model and every rank must 
 construction (status 4). With ``--kill-at S`` rank 1 dies (``os._exit``) inside its
 tail stage at step ``S``; with ``--hang-at S`` it sleeps there instead (alive,
 heartbeat running); either way it first writes the wall-clock time to ``OUT.fault``.
-``--overlap`` runs that training with ``optimizer="overlap"``.
+``--overlap`` runs that training with ``optimizer_mode="overlap"``.
 The other ranks print the DistributedError (with ``at=<wall-clock time>``) and exit
 with status 3.
 """
@@ -62,7 +62,7 @@ def token_loss(out, labels):
 def train(info, clip: float | None, microbatches: int, fault: tuple[str, int] | None,
           timeout: float, tokens: bool = False, fault_file: str | None = None,
           widths=(24, 40, 8, 32), overlap: bool = False):
-    """``overlap``: ``optimizer="overlap"`` with ``clip_grad_norm=clip``, one
+    """``overlap``: ``optimizer_mode="overlap"`` with ``clip_grad_norm=clip``, one
     ``train_step`` per step (the reference runs ``sync``)."""
     calls = {"n": 0}
 
@@ -75,7 +75,7 @@ def train(info, clip: float | None, microbatches: int, fault: tuple[str, int] | 
             time.sleep(3600)
         return token_loss(out, labels) if tokens else lm_loss(out, labels)
 
-    mode = dict(optimizer="overlap", clip_grad_norm=clip) if overlap else {}
+    mode = dict(optimizer_mode="overlap", clip_grad_norm=clip) if overlap else {}
     config = emulated(2, microbatches, data_parallel=rotapipe.DataParallelConfig(
         timeout_s=timeout, heartbeat_s=0.25), **mode)
     losses = []
@@ -111,7 +111,7 @@ def main() -> int:
     p.add_argument("--hang-at", type=int, default=None)
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--overlap", action="store_true",
-                   help='the faulty run uses optimizer="overlap" (train_step)')
+                   help='the faulty run uses optimizer_mode="overlap" (train_step)')
     p.add_argument("--mismatch", action="store_true",
                    help="rank 1 builds a different model (construction must fail)")
     args = p.parse_args()

@@ -69,7 +69,7 @@ def refused(make, *fragments):
     ("clip_grad_norm", NAN, "finite norm > 0"),
     ("grain", 3, "'stage', 'layer'"),
     ("backend", "tpu", "'auto', 'cuda', 'emulated'"),
-    ("optimizer", "later", "'sync', 'overlap', 'stale'"),
+    ("optimizer_mode", "later", "'sync', 'overlap', 'stale'"),
     ("partition", None, "'auto', 'even', 'refine'"),
     ("pin", "locked", "'copy', 'register', 'off'"),
     ("precision", 42, "PrecisionConfig"),
@@ -79,9 +79,9 @@ def test_pipe_config_field_refused(field, value, allowed):
 
 
 def test_pipe_config_enums_by_value_in_any_case():
-    c = PipeConfig(grain="Layer", backend=" EMULATED ", optimizer="STALE", partition="even",
-                   pin="Off")
-    assert (c.grain, c.backend, c.optimizer, c.partition, c.pin) == (
+    c = PipeConfig(grain="Layer", backend=" EMULATED ", optimizer_mode="STALE",
+                   partition="even", pin="Off")
+    assert (c.grain, c.backend, c.optimizer_mode, c.partition, c.pin) == (
         RecomputeGrain.LAYER, BackendKind.EMULATED, OptimizerMode.STALE, PartitionMode.EVEN,
         PinMode.OFF)
     assert isinstance(c.grain, RecomputeGrain)      # a member, not the string
@@ -156,7 +156,7 @@ def test_precision_strings_by_value():
     ("backend", "tpu", "'auto', 'cuda', 'emulated'"),
     ("grain", "block", "'stage', 'layer'"),
     ("optimizer", "adam", "'adamw' or 'sgd'"),
-    ("optimizer_mode", "async", "'sync' or 'overlap' or 'stale'"),
+    ("optimizer_mode", "async", "'sync', 'overlap', 'stale'"),
 ])
 def test_train_config_field_refused(field, value, allowed):
     refused(lambda: TrainConfig(**{field: value}), f"{field}={value!r}", allowed)

@@ -177,7 +177,7 @@ def test_optimizer_modes(mode):
     model = tiny_transformer(dropout=0.1, tied=True)
     plan = bound_plan([1.0] * len(model), 2)
     config = rotapipe.PipeConfig(workers=2, microbatches=3, backend="emulated",
-                                 optimizer=mode)
+                                 optimizer_mode=mode)
     results = []
     for baseline in (False, True):
         with rotapipe.RoundPipe(copy.deepcopy(model), lm_loss, config=config, plan=plan,

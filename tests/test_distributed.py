@@ -4,14 +4,14 @@
   element (rtol 1e-5 / atol 1e-6) to one process with the whole batch after 3 steps,
   with and without gradient clipping, and with a token-mean loss whose token counts
   differ between the ranks (two accumulated calls per step), and with
-  ``optimizer="overlap"`` (clipping off and on); the ranks end bit-identical (dropout
+  ``optimizer_mode="overlap"`` (clipping off and on); the ranks end bit-identical (dropout
   and a tied weight included: rank r's microbatch m draws the random stream of microbatch ``r * M + m``
   of the one-process run).
 - A rank killed mid-step, or hung, makes the other exit with a DistributedError naming
   it within the timeout.
 - Ranks with different models fail at construction, all of them, naming the rank.
 - In-process: a one-rank group runs the whole reduction path (tiny buckets, tied
-  weight) bit-identical to no data parallelism, and so does ``optimizer="overlap"``
+  weight) bit-identical to no data parallelism, and so does ``optimizer_mode="overlap"``
   (each stage stepped on the optimizer thread once its all-reduce is in); config, env
   and sharding errors.
 """
@@ -80,7 +80,7 @@ def test_two_ranks_equal_one_process_with_the_whole_batch(tmp_path):
         assert rc == 0, err
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["any_rank"] for r in ranks] == [(True, False)] * 2
-    # optimizer="overlap" must give the sync reference's weights (plain and clipped).
+    # optimizer_mode="overlap" must give the sync reference's weights (plain and clipped).
     ref["overlap"], ref["overlap_clip"] = ref["plain"], ref["clip"]
     for mode in ("plain", "clip", "tokens", "overlap", "overlap_clip"):
         want = ref[mode]
@@ -191,7 +191,7 @@ def test_one_rank_group_runs_the_reduction_bit_identically(one_rank_group):
 @pytest.mark.parametrize("clip", [None, 1e3, 0.05])
 def test_one_rank_group_overlap_steps_on_reduced_gradients(one_rank_group, monkeypatch,
                                                            clip):
-    """optimizer="overlap" under data parallelism: each stage's step waits for its own
+    """optimizer_mode="overlap" under data parallelism: each stage's step waits for its own
     all-reduce on the host lane. Bit-identical to sync without data parallelism,
     with clipping off, never triggering (1e3) and triggering every step (0.05)."""
     applied = []            # (thread, buckets) of every CallReduce.apply
@@ -214,8 +214,8 @@ def test_one_rank_group_overlap_steps_on_reduced_gradients(one_rank_group, monke
                 pipe.last_grad_norm
 
     dp = rotapipe.DataParallelConfig(enabled=True, bucket_mb=0.001, timeout_s=10)
-    losses, state, steps, norm = run(optimizer="overlap", data_parallel=dp)
-    ref_losses, ref_state, _, ref_norm = run(optimizer="sync", data_parallel=False)
+    losses, state, steps, norm = run(optimizer_mode="overlap", data_parallel=dp)
+    ref_losses, ref_state, _, ref_norm = run(optimizer_mode="sync", data_parallel=False)
     assert losses == ref_losses and norm == ref_norm
     for k, v in ref_state.items():
         assert torch.equal(state[k], v), k

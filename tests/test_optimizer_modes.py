@@ -1,4 +1,4 @@
-"""Optimizer modes (``PipeConfig.optimizer``) and exact gradient clipping.
+"""Optimizer modes (``PipeConfig.optimizer_mode``) and exact gradient clipping.
 
 - ``overlap`` against plain PyTorch (``test_exactness.train_reference``): losses, the
   gradients the optimizer is given and the weights, element by element, with AdamW and
@@ -76,7 +76,7 @@ def test_overlap_matches_plain_pytorch(workers, microbatches, optimizer, clip, s
     data = step_batches(sizes)
     want = train_reference(tiny_transformer(**MODEL), sizes, microbatches, optimizer,
                            data=data, clip=CLIP[clip])
-    config = emulated(workers, microbatches, optimizer="overlap", clip_grad_norm=CLIP[clip])
+    config = emulated(workers, microbatches, optimizer_mode="overlap", clip_grad_norm=CLIP[clip])
     losses, grads, state, costs, n = train_fused(tiny_transformer(**MODEL), data, config,
                                                  optimizer)
     torch.testing.assert_close(losses, want.losses, rtol=RTOL, atol=ATOL)
@@ -101,7 +101,7 @@ def test_overlap_is_bitwise_sync():
                           emulated(2, 3, clip_grad_norm=CLIP[clip]), "adamw", data=data)
         _, _, state, _, _ = train_fused(
             tiny_transformer(**MODEL), data,
-            emulated(2, 3, optimizer="overlap", clip_grad_norm=CLIP[clip]), "adamw")
+            emulated(2, 3, optimizer_mode="overlap", clip_grad_norm=CLIP[clip]), "adamw")
         differ = [k for k in state if not torch.equal(state[k], sync.state[k])]
         assert not differ, f"clip {clip}: {differ}"
 
@@ -138,7 +138,7 @@ def test_overlap_failure_after_deeper_steps_changes_nothing(clip):
     model = faulty_model(trigger, tied=True)
     ref = copy.deepcopy(model)
     batches = [token_batch(6, 5, seed=s) for s in range(3)]
-    config = emulated(2, M, optimizer="overlap", clip_grad_norm=CLIP[clip])
+    config = emulated(2, M, optimizer_mode="overlap", clip_grad_norm=CLIP[clip])
     with rotapipe.RoundPipe(model, lm_loss, config=config) as pipe:
         opt = OPTIMIZERS["adamw"](pipe.parameters())
         ref_opt = OPTIMIZERS["adamw"](ref.parameters())
@@ -204,7 +204,7 @@ def test_stale_matches_one_step_delayed_reference(clip):
     model = faulty_model(trigger, tied=True, dropout=0.1)
     ref, shadow = copy.deepcopy(model), copy.deepcopy(model)
     batches = [token_batch(8, 6, seed=10 + s) for s in range(steps)]
-    config = emulated(2, M, optimizer="stale", clip_grad_norm=CLIP[clip])
+    config = emulated(2, M, optimizer_mode="stale", clip_grad_norm=CLIP[clip])
     with rotapipe.RoundPipe(model, lm_loss, config=config,
                             optimizer=OPTIMIZERS["adamw"]) as pipe:
         losses = []
@@ -248,11 +248,12 @@ def test_stale_matches_one_step_delayed_reference(clip):
 
 
 def test_config_is_validated():
-    for bad in ({"optimizer": "async"}, {"clip_grad_norm": 0}, {"clip_grad_norm": -1.0},
+    for bad in ({"optimizer_mode": "async"}, {"clip_grad_norm": 0}, {"clip_grad_norm": -1.0},
                 {"clip_grad_norm": float("nan")}, {"clip_grad_norm": True}):
         with pytest.raises(rotapipe.ConfigError):
             rotapipe.PipeConfig(**bad)
-    assert rotapipe.PipeConfig(optimizer="overlap").optimizer is rotapipe.OptimizerMode.OVERLAP
+    assert rotapipe.PipeConfig(optimizer_mode="overlap").optimizer_mode is \
+        rotapipe.OptimizerMode.OVERLAP
     with rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(1, 2)) as pipe:
         with pytest.raises(rotapipe.ConfigError, match="no optimizer"):
             pipe.train_step(*token_batch(4, 5))
@@ -267,7 +268,7 @@ def test_overlap_is_bitwise_sync_in_mixed_precision(dtype):
     results = {}
     for mode in ("sync", "overlap"):
         with rotapipe.RoundPipe(tiny_transformer(tied=True), lm_loss,
-                                config=emulated(2, 3, optimizer=mode, precision=precision,
+                                config=emulated(2, 3, optimizer_mode=mode, precision=precision,
                                                 clip_grad_norm=CLIP["hit"]),
                                 optimizer=OPTIMIZERS["adamw"]) as pipe:
             scales = []

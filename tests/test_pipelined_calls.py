@@ -1,4 +1,4 @@
-"""Pipelined training calls (``optimizer="stale"`` / ``"overlap"``): a call returns once
+"""Pipelined training calls (``optimizer_mode="stale"`` / ``"overlap"``): a call returns once
 its loss is in host memory and the next call's stages start on the workers its draining
 backward frees.
 
@@ -93,7 +93,7 @@ def test_pipelined_calls_match_plain_pytorch(mode, clip, workers, microbatches):
     model = tiny_transformer(tied=True, dropout=0.1)
     data = batches(size=max(8, microbatches))
     want_losses, want = reference(mode, model, data, microbatches, CLIP[clip])
-    config = emulated(workers, microbatches, optimizer=mode, clip_grad_norm=CLIP[clip])
+    config = emulated(workers, microbatches, optimizer_mode=mode, clip_grad_norm=CLIP[clip])
     with rotapipe.RoundPipe(copy.deepcopy(model), lm_loss, config=config,
                             optimizer=OPTIMIZERS["adamw"]) as pipe:
         losses = [pipe.train_step(x, y) for x, y in data]
@@ -153,7 +153,7 @@ def test_a_call_returns_while_its_backward_is_held(mode):
               for i, l in enumerate(tiny_transformer(tied=True))]
     data = batches(4)
     M = 2
-    config = emulated(2, M, optimizer=mode, tail_layers=1)
+    config = emulated(2, M, optimizer_mode=mode, tail_layers=1)
     with rotapipe.RoundPipe(nn.Sequential(*layers), lm_loss, config=config,
                             optimizer=OPTIMIZERS["adamw"]) as pipe:
         pipe.train_step(*data[0])
@@ -203,7 +203,7 @@ def test_fault_in_a_run_of_pipelined_calls(i):
     trigger = Trigger()
     model = faulty_model(trigger, tied=True, dropout=0.1)
     data = batches()
-    config = emulated(p["workers"], M, optimizer=p["mode"], clip_grad_norm=p["clip"],
+    config = emulated(p["workers"], M, optimizer_mode=p["mode"], clip_grad_norm=p["clip"],
                       grain="stage", timeout_s=60.0)
     _, want = reference(p["mode"], model, data, M, p["clip"])
     with rotapipe.RoundPipe(copy.deepcopy(model), lm_loss, config=config,

@@ -57,10 +57,11 @@ class OptimizerMode(str, enum.Enum):
     """After the call, over all gradients at once (exact)."""
     OVERLAP = "overlap"
     """During the call: each stage's parameters as soon as their gradients are in host
-    memory, on the optimizer thread, while shallower stages run backward (exact)."""
+    memory, while shallower stages run backward; the next call starts while this one
+    drains, each stage waiting for its own layers' update (exact)."""
     STALE = "stale"
-    """During the *next* call, in the background: each call runs on weights one step
-    old (the RoundPipe paper's asynchronous step; not exact)."""
+    """Once the call is complete, while the next calls run on weights one step old
+    (the RoundPipe paper's asynchronous step; not exact)."""
 
 
 class PinMode(str, enum.Enum):
@@ -205,9 +206,11 @@ class PipeConfig:
     """Data parallelism across ``torch.distributed`` ranks (:class:`DataParallelConfig`;
     a bool or ``None`` is shorthand for its ``enabled``). Default: on exactly when a
     process group with more than one rank is initialized."""
-    optimizer: OptimizerMode | str = OptimizerMode.SYNC
-    """When :meth:`~rotapipe.RoundPipe.train_step` steps the optimizer: ``"sync"``,
-    ``"overlap"`` or ``"stale"`` (:class:`OptimizerMode`, docs/optimizer.md)."""
+    optimizer_mode: OptimizerMode | str = OptimizerMode.SYNC
+    """When :meth:`~rotapipe.RoundPipe.train_step` steps the optimizer, and whether
+    training calls overlap: ``"sync"``, ``"overlap"`` or ``"stale"``
+    (:class:`OptimizerMode`, docs/optimizer.md). (The optimizer algorithm itself is the
+    ``torch.optim.Optimizer`` you attach.)"""
     clip_grad_norm: float | None = None
     """Clip gradients to this global L2 norm before every step, as
     ``torch.nn.utils.clip_grad_norm_`` over all trainable parameters (``None``: off)."""
@@ -240,7 +243,7 @@ class PipeConfig:
     backend. ``None``: they run as fast as the CPU does."""
 
     def __post_init__(self):
-        enums = {"grain": RecomputeGrain, "backend": BackendKind, "optimizer": OptimizerMode,
+        enums = {"grain": RecomputeGrain, "backend": BackendKind, "optimizer_mode": OptimizerMode,
                  "partition": PartitionMode}
         for name, kind in enums.items():
             object.__setattr__(self, name, check.choice(kind, name, getattr(self, name)))

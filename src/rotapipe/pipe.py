@@ -122,10 +122,10 @@ class RoundPipe:
         # The stale optimizer writes one step's weights while workers upload the
         # previous step's: two sets of compute copies.
         self.host = HostState(self.layerset, config.precision, self.pinning,
-                              views=2 if config.optimizer is OptimizerMode.STALE else 1)
+                              views=2 if config.optimizer_mode is OptimizerMode.STALE else 1)
         check_stage_budget(plan, self.layerset, self.host, self.devices)
         self.scaler = LossScaler(config.precision)
-        self._host_opt = HostOptimizer(self.host, self.scaler, config.optimizer,
+        self._host_opt = HostOptimizer(self.host, self.scaler, config.optimizer_mode,
                                        config.clip_grad_norm)
         self._calls = CallRunner(self.layerset, self.host, loss_fn, self.devices, config,
                                  plan, side_inputs=side_inputs,
@@ -183,7 +183,7 @@ class RoundPipe:
 
         ``scheduler``: a ``torch.optim.lr_scheduler`` over ``optimizer``, stepped by the
         pipeline right after every optimizer step it takes, on the thread that took
-        it. With ``optimizer="overlap"`` or ``"stale"`` a step is still under way when
+        it. With ``optimizer_mode="overlap"`` or ``"stale"`` a step is still under way when
         :meth:`train_step` returns, so a scheduler stepped by the caller would change
         the learning rate of that step: pass it here instead
         (:meth:`step_result` gives the learning rate each step used)."""
@@ -230,7 +230,7 @@ class RoundPipe:
         are shares of the global batch, gradients are all-reduced as each stage's land,
         and the returned loss is the global mean. Every rank must make the call.
 
-        With ``config.optimizer="overlap"`` or ``"stale"`` the call returns once its
+        With ``config.optimizer_mode="overlap"`` or ``"stale"`` the call returns once its
         loss is known, while its backward still drains (docs/optimizer.md).
         """
         with self._lock:
@@ -241,7 +241,7 @@ class RoundPipe:
         mean loss. With gradient accumulation call :meth:`forward_backward` for all but
         the last batch of the step, then ``train_step`` on the last.
 
-        ``config.optimizer`` says how the step runs (docs/optimizer.md): ``"sync"``
+        ``config.optimizer_mode`` says how the step runs (docs/optimizer.md): ``"sync"``
         after the call (exactly ``forward_backward`` then :meth:`step`); ``"overlap"``
         during the call, each stage's parameters as soon as their gradients are
         complete, and the next call starts while this one drains, each of its stages
@@ -352,7 +352,7 @@ class RoundPipe:
         weights, and clear the gradients. With dynamic loss scaling, a step whose
         gradients overflowed is skipped (and the scale lowered): returns ``False``.
         Clips to ``config.clip_grad_norm`` first when set. Always synchronous, whatever
-        ``config.optimizer`` (stale: after applying the pending step)."""
+        ``config.optimizer_mode`` (after the calls in flight completed)."""
         self._need_optimizer()
         with self._lock:
             self._flush()
@@ -503,7 +503,7 @@ class RoundPipe:
         if schedule.calls > 1:
             raise ConfigError(f"the schedule spans {schedule.calls} calls; use_schedule "
                               "takes the schedule of one call (overlapping calls are "
-                              "config.optimizer='overlap' or 'stale')")
+                              "config.optimizer_mode='overlap' or 'stale')")
         training = not schedule.name.endswith("-eval")
         with self._lock:
             self._flush()

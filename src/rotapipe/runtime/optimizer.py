@@ -1,6 +1,6 @@
 """The host optimizer: its modes, global-norm clipping, undoable steps, overlapped steps.
 
-Three ways to step (``PipeConfig.optimizer``, docs/optimizer.md): ``sync`` steps every
+Three ways to step (``PipeConfig.optimizer_mode``, docs/optimizer.md): ``sync`` steps every
 master after the call; ``overlap`` steps each stage's parameters on the host lane as
 soon as their gradients are complete (:class:`OverlapStep`), and the next call's
 weight uploads wait only for the steps of their own layers; ``stale`` steps a

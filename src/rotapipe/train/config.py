@@ -18,7 +18,8 @@ import pathlib
 import typing
 from dataclasses import dataclass, fields
 
-from ..config import (BackendKind, DataParallelConfig, PipeConfig, PrecisionConfig,
+from ..config import (BackendKind, DataParallelConfig, OptimizerMode, PipeConfig,
+                      PrecisionConfig,
                       RecomputeGrain, resolve_dtype)
 from .. import _validate as check
 from ..errors import ConfigError
@@ -83,11 +84,14 @@ class TrainConfig:
     """Compute dtype of the workers: fp32, bf16 or fp16 (fp32 masters always)."""
     # -- optimizer and schedule ------------------------------------------------------
     optimizer: str = "adamw"
-    """``adamw`` (torch fused AdamW on the CPU masters) or ``sgd``."""
-    optimizer_mode: str = "sync"
-    """``sync`` (step after the call), ``overlap`` (exact; each stage stepped as its
-    gradients land, during the backward) or ``stale`` (the authors' one-step-stale
-    step, overlapping the next call); see docs/optimizer.md."""
+    """The optimizer algorithm: ``adamw`` (torch fused AdamW on the CPU masters) or
+    ``sgd``."""
+    optimizer_mode: OptimizerMode | str = OptimizerMode.SYNC
+    """When it steps (:class:`rotapipe.OptimizerMode`, the pipeline's
+    ``PipeConfig.optimizer_mode``): ``sync`` (after the call), ``overlap`` (exact; each
+    stage stepped as its gradients land, and the next call starts while this one
+    drains) or ``stale`` (the authors' one-step-stale step, calls overlapping); see
+    docs/optimizer.md."""
     lr: float = 4e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -197,8 +201,7 @@ class TrainConfig:
             raise ConfigError(f"batch={self.batch} is not a multiple of microbatches="
                               f"{self.microbatches}: every microbatch gets the same "
                               "number of sequences")
-        for n, allowed in (("optimizer", ("adamw", "sgd")),
-                           ("optimizer_mode", ("sync", "overlap", "stale"))):
+        for n, allowed in (("optimizer", ("adamw", "sgd")),):
             value = getattr(self, n)
             key = value.strip().lower() if isinstance(value, str) else value
             if key not in allowed:
@@ -206,6 +209,8 @@ class TrainConfig:
             object.__setattr__(self, n, key)
         for n, kind in (("backend", BackendKind), ("grain", RecomputeGrain)):
             check.choice(kind, n, getattr(self, n))
+        object.__setattr__(self, "optimizer_mode",
+                           check.choice(OptimizerMode, "optimizer_mode", self.optimizer_mode))
         try:
             resolve_dtype(self.dtype)
         except ConfigError:
@@ -218,7 +223,7 @@ class TrainConfig:
         return PipeConfig(workers=self.workers, microbatches=self.microbatches,
                           grain=self.grain, backend=self.backend, seed=self.seed,
                           precision=PrecisionConfig(compute_dtype=self.dtype),
-                          optimizer=self.optimizer_mode,
+                          optimizer_mode=self.optimizer_mode,
                           clip_grad_norm=self.grad_clip or None,
                           data_parallel=DataParallelConfig(timeout_s=self.dist_timeout))
 
