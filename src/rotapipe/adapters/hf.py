@@ -368,7 +368,10 @@ def _find_norm(base, inner, inner_path, embed, blocks, norm_path):
 
 def _moe_spec(base, config, enabled: bool | None) -> MoESpec | None:
     if enabled is None:
-        enabled = bool(getattr(config, "output_router_logits", False))
+        # As the model's forward: the loss when the config asks for router logits and
+        # the family has a load-balancing loss (DeepSeek-V3 balances without one).
+        enabled = bool(getattr(config, "output_router_logits", False)) and \
+            _aux_function(base) is not None
     if not enabled:
         return None
 
@@ -391,7 +394,7 @@ def _moe_spec(base, config, enabled: bool | None) -> MoESpec | None:
 def _check_aux_formula(base, spec: MoESpec) -> None:
     """The model's ``load_balancing_loss_func`` must be the Switch formula we carry
     through the pipeline; checked on random logits with a padding mask."""
-    fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+    fn = _aux_function(base)
     if fn is None:
         raise AdapterError(f"{type(base).__name__} enables a router auxiliary loss but its "
                            "module has no load_balancing_loss_func: pass moe_aux_loss=False")
@@ -406,6 +409,10 @@ def _check_aux_formula(base, spec: MoESpec) -> None:
         raise AdapterError(f"{type(base).__name__}'s load_balancing_loss_func is not the "
                            "Switch-Transformer formula rotapipe carries through the "
                            "pipeline: pass moe_aux_loss=False")
+
+
+def _aux_function(base):
+    return getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
 
 
 def _attach_work(layers: list[nn.Module], config) -> None:
