@@ -171,6 +171,24 @@ FEATURES = {
 }
 
 
+REFUSED = {
+    # family: (builder, what the refusal says): refused at wrap time, with the reason.
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64)),
+        "GPT2Model.forward changes the input embeddings"),
+    "opt": (lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        ffn_dim=48, max_position_embeddings=64, word_embed_proj_dim=32)),
+        "OPTDecoder.forward changes the input embeddings"),
+    "bloom": (lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=3, n_head=4)),
+        "BloomModel.forward changes the input embeddings"),
+    "recurrent_gemma": (lambda: transformers.RecurrentGemmaForCausalLM(
+        transformers.RecurrentGemmaConfig(**COMMON, head_dim=8)),
+        "RecurrentGemmaModel.forward changes the input embeddings"),
+}
+
+
 def tiny(family: str, seed: int = 0):
     torch.manual_seed(seed)
     return FAMILIES[family]()

@@ -17,7 +17,7 @@ from torch import nn
 
 import rotapipe
 from rotapipe.adapters import AdapterError, wrap_hf
-from hf_models import (COMMON, assert_grads_equal, batch, clone, hf_backward,
+from hf_models import (COMMON, REFUSED, assert_grads_equal, batch, clone, hf_backward,
                        pipe_backward, transformers)
 
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -207,3 +207,11 @@ def test_tail_check_is_fast():
     t0 = time.perf_counter()
     wrap_hf(model)
     assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_unsupported_families_are_refused_with_the_reason(family):
+    build, reason = REFUSED[family]
+    torch.manual_seed(0)
+    with pytest.raises(AdapterError, match=reason):
+        wrap_hf(build())

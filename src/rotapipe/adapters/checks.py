@@ -142,7 +142,7 @@ def check_tail(run: TailRun, head_layer: nn.Module, name: str, where: str) -> No
             f"states {list(run.hidden.shape)}, the adapter's tail ({where}) "
             f"{list(ours.shape)}; after the last layer the forward ran: {ran}. {fix}")
     a, b = want.double(), ours.double()
-    scale = max(a.abs().max().item(), 1e-30)
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30)
     err = (a - b).abs().max().item()
     if err <= tolerance(ours.dtype) * scale:
         return
@@ -154,7 +154,7 @@ def check_tail(run: TailRun, head_layer: nn.Module, name: str, where: str) -> No
                 f"{ratio:.6g}) if it is a constant of the config).")
     raise AdapterError(
         f"{name}.forward's logits differ from the adapter's tail ({where}) on the same "
-        f"final hidden states: max abs error {err:.3g} (max |logit| {scale:.3g}, logits "
+        f"final hidden states: max abs error {err:.3g} (logits up to {scale:.3g}, shape "
         f"{list(want.shape)}, {ours.dtype}); after the last layer the forward ran: "
         f"{ran}.{hint} Training would use a wrong loss: {fix}")
 
@@ -187,11 +187,11 @@ def verify_full(wrapped, tokens: int = 6, seed: int = 0) -> float:
     keep = mask.bool()
     a, b = want[keep].double(), x[keep].double()
     err = (a - b).abs().max().item()
-    scale = max(a.abs().max().item(), 1e-30)
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30)
     if not err <= tolerance(x.dtype) * scale:
         raise AdapterError(
             f"verify='full': the adapter's layers give logits that differ from "
-            f"{name}.forward by up to {err:.3g} (max |logit| {scale:.3g}, {x.dtype}) on "
+            f"{name}.forward by up to {err:.3g} (logits up to {scale:.3g}, {x.dtype}) on "
             f"{tokens} tokens: rotapipe would train this model wrong. Check "
             "wrapped.parts, pass layers_path/norm_path, or build the layers yourself "
             "and pass them to rotapipe.RoundPipe")
