@@ -37,7 +37,8 @@ from .checks import check_chain, check_tail, find_tail, verify_full
 from .families import embedding_multiplier, logit_transforms
 from .layers import DecoderLayer, EmbedLayer, HeadLayer
 from .loss import TokenCount, lm_loss
-from .moe import MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class
+from .moe import (MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class,
+                  warn_eager_experts)
 from .side import SideInputs
 
 __all__ = ["AdapterError", "HFModel", "CausalLMLoss", "wrap_hf", "hf_pipe", "load_hf",
@@ -215,6 +216,8 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
     router = router_class(base)
     routers = [find_routers(b, router) for b in blocks]
     moe = _moe_spec(base, config, moe_aux_loss) if any(routers) else None
+    if any(routers):
+        warn_eager_experts(base)
 
     if compute_dtype is None:
         w = getattr(embed, "weight", None)
