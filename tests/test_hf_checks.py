@@ -215,3 +215,24 @@ def test_unsupported_families_are_refused_with_the_reason(family):
     torch.manual_seed(0)
     with pytest.raises(AdapterError, match=reason):
         wrap_hf(build())
+
+
+def test_train_verify_flag_runs_the_full_check(tmp_path, capsys, monkeypatch):
+    """``rotapipe train --verify``: the whole model is checked before training."""
+    from rotapipe.adapters import hf
+    from rotapipe.cli import main
+    from train_util import flags, text_jsonl
+
+    errors = []
+
+    def spy(wrapped, **kw):
+        errors.append(verify(wrapped, **kw))
+        return errors[-1]
+    verify = hf.verify_full
+    monkeypatch.setattr(hf, "verify_full", spy)
+    data = text_jsonl(tmp_path / "d.jsonl", 60)
+    rc = main(["train", "--verify", *flags(data=str(data), out_dir=str(tmp_path / "o"),
+                                           steps=1, eval_interval=1, sample_tokens=0,
+                                           export=False)])
+    assert rc == 0, capsys.readouterr()
+    assert len(errors) == 1 and errors[0] < 1e-5
