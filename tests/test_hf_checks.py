@@ -236,3 +236,14 @@ def test_train_verify_flag_runs_the_full_check(tmp_path, capsys, monkeypatch):
                                            export=False)])
     assert rc == 0, capsys.readouterr()
     assert len(errors) == 1 and errors[0] < 1e-5
+
+
+def test_verify_example_runs(capsys, monkeypatch):
+    import pathlib
+    import runpy
+    import sys
+    script = pathlib.Path(__file__).parent.parent / "examples" / "verify_hf.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--model-type", "olmo"])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "3. every gradient equal" in out and "'norm': 'model.norm'" in out
