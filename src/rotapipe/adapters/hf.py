@@ -9,15 +9,16 @@ layers 1..N are the decoder blocks, the last layer is the final norm + LM head w
 loss runs chunked (:mod:`.loss`). Masks, rotary tables and position ids are side inputs
 (:mod:`.side`), computed once per microbatch on the host by the model's own forward.
 
-Pieces are found from structure, not class names: the input embeddings
-(``get_input_embeddings()``), the module that owns them and the ``nn.ModuleList`` of
-``config.num_hidden_layers`` blocks next to them, the one other parameterised child of
-that module (the final norm), the output embeddings (``get_output_embeddings()``), and
-MoE routers from ``_can_record_outputs``. Per-family differences are config values the
-model's forward applies outside any block: ``embedding_multiplier`` and
-``logits_scaling`` (Granite), ``final_logit_softcapping`` (Gemma 2/3). Attention
-soft-capping and sliding windows live inside the blocks and the mask helpers, so they
-need nothing here.
+Pieces are found from structure and the model's own forward, not class names: the
+input embeddings (``get_input_embeddings()``), the module that owns them and the
+``nn.ModuleList`` of ``config.num_hidden_layers`` blocks next to them, the final norm
+(the child of that module the forward applies to the last block's output, found by
+running it with stub blocks), the output embeddings (``get_output_embeddings()``), and
+MoE routers from ``_can_record_outputs``. Per-family values the forward applies
+outside the blocks come from :mod:`.families`. Before returning, :mod:`.checks`
+compares the adapter's layers with the model's own forward (always the tail; with
+``verify="full"`` the whole model), so a family the adapter would train wrong is
+refused instead.
 """
 
 from __future__ import annotations
