@@ -48,7 +48,9 @@ def batch(n: int, t: int, g: torch.Generator):
 def train(model, args, lr: float):
     """Train ``args.steps`` steps; return the wrapped model, the losses, and an
     evaluation batch with the pipeline's logits for it."""
-    wrapped = rotapipe.adapters.wrap_hf(model)
+    # verify="full": before training, the whole model's logits on a few tokens must
+    # equal its own forward's (the tail is always checked; this also runs the blocks).
+    wrapped = rotapipe.adapters.wrap_hf(model, verify="full")
     config = rotapipe.PipeConfig(workers=args.workers, microbatches=4, backend=args.backend)
     g = torch.Generator().manual_seed(1)
     losses = []

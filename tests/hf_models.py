@@ -3,10 +3,9 @@ comparisons the adapter tests share.
 
 Every family gets 3 decoder layers of hidden size 32, fp32, dropout 0 and an explicit
 attention implementation (the same object is the reference and, deep-copied, the
-wrapped model). Family-specific features are switched on where the family has them:
-tied embeddings (Qwen3, Gemma), sliding windows (Mistral, Gemma 2/3, Phi-3 off),
-attention and final-logit soft-capping (Gemma 2/3), Granite's multipliers, and MoE
-(Qwen3-MoE with a dense layer among the sparse ones and the auxiliary loss on).
+wrapped model). :data:`FAMILIES` builds one per family, with the family's distinctive
+features switched on; :data:`FEATURES` says which families carry which feature and how
+to see it on the model (``test_hf_families.py`` checks both).
 """
 
 from __future__ import annotations
@@ -33,6 +32,20 @@ def _qwen3(attn="eager", **kw):
         **COMMON, head_dim=8, tie_word_embeddings=True, attn_implementation=attn, **kw))
 
 
+def _rope(partial: float) -> dict:
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+
+
+def _config(name: str, **kw):
+    return getattr(transformers, name)(**{**COMMON, "attn_implementation": "eager", **kw})
+
+
+def _model(cls: str, config: str, **kw):
+    return lambda: getattr(transformers, cls)(_config(config, **kw))
+
+
+MOE = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_experts_per_tok=2)
+
 FAMILIES = {
     "qwen3": lambda: _qwen3(),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
@@ -41,6 +54,7 @@ FAMILIES = {
         **COMMON, attn_implementation="sdpa")),
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
         **COMMON, sliding_window=4, attn_implementation="eager")),
+    "gemma": _model("GemmaForCausalLM", "GemmaConfig", head_dim=8),
     "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         **COMMON, head_dim=8, sliding_window=4, final_logit_softcapping=3.0,
         attn_logit_softcapping=5.0, attn_implementation="eager")),
@@ -52,10 +66,126 @@ FAMILIES = {
     "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
         **COMMON, embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5,
         attention_multiplier=0.2, attn_implementation="eager")),
+    "olmo": _model("OlmoForCausalLM", "OlmoConfig", clip_qkv=2.0),
+    "olmo2": _model("Olmo2ForCausalLM", "Olmo2Config"),
+    "cohere": _model("CohereForCausalLM", "CohereConfig", logit_scale=0.0625,
+                     use_qk_norm=True),
+    "cohere2": _model("Cohere2ForCausalLM", "Cohere2Config", logit_scale=0.125,
+                      sliding_window=4,
+                      layer_types=["sliding_attention", "sliding_attention",
+                                   "full_attention"]),
+    "gpt_neox": _model("GPTNeoXForCausalLM", "GPTNeoXConfig", use_parallel_residual=True,
+                       attention_bias=True, rope_parameters=_rope(0.25)),
+    "phi": _model("PhiForCausalLM", "PhiConfig", qk_layernorm=True,
+                  rope_parameters=_rope(0.5)),
+    "stablelm": _model("StableLmForCausalLM", "StableLmConfig", use_qkv_bias=True,
+                       use_parallel_residual=True, qk_layernorm=True,
+                       rope_parameters=_rope(0.25)),
+    "starcoder2": _model("Starcoder2ForCausalLM", "Starcoder2Config", use_bias=True,
+                         sliding_window=4),
+    "glm4": _model("Glm4ForCausalLM", "Glm4Config", head_dim=8, attention_bias=True,
+                   rope_parameters=_rope(0.5)),
+    "mpt": _model("MptForCausalLM", "MptConfig", d_model=32, n_heads=4, n_layers=3,
+                  expansion_ratio=2, max_seq_len=64, no_bias=False,
+                  attn_config={"alibi": True, "alibi_bias_max": 8}),
+    "falcon": _model("FalconForCausalLM", "FalconConfig", alibi=True, parallel_attn=True,
+                     bias=True, new_decoder_architecture=False, multi_query=False),
+    "gpt_neox_japanese": lambda: transformers.GPTNeoXJapaneseForCausalLM(
+        transformers.GPTNeoXJapaneseConfig(
+            **{k: v for k, v in COMMON.items() if k != "intermediate_size"},
+            intermediate_multiple_size=2, attention_dropout=0.0, hidden_dropout=0.0,
+            attn_implementation="eager")),
+    "codegen": lambda: transformers.CodeGenForCausalLM(transformers.CodeGenConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_positions=64,
+        n_inner=48, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, attn_implementation="eager")),
+    "smollm3": _model("SmolLM3ForCausalLM", "SmolLM3Config", no_rope_layers=[1, 0, 1]),
     "qwen3moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, mlp_only_layers=[1], output_router_logits=True,
         router_aux_loss_coef=0.5, attn_implementation="eager")),
+    "qwen2moe": _model("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_experts=4,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                       qkv_bias=True, **MOE),
+    "gpt_oss": _model("GptOssForCausalLM", "GptOssConfig", head_dim=8, num_local_experts=4,
+                      sliding_window=4, attention_bias=True,
+                      layer_types=["sliding_attention", "full_attention",
+                                   "sliding_attention"], **MOE),
+    "deepseek_v3": _model("DeepseekV3ForCausalLM", "DeepseekV3Config", n_routed_experts=4,
+                          n_shared_experts=1, moe_intermediate_size=16,
+                          first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                          qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                          n_group=1, topk_group=1, num_key_value_heads=4, **MOE),
+}
+
+
+def _any_param(model, pred) -> bool:
+    return any(pred(name) for name, _ in model.named_parameters())
+
+
+def _block0(model, wrapped):
+    return wrapped.layers[1].block
+
+
+FEATURES = {
+    # feature: (families, predicate(model, wrapped) that holds when the feature is on)
+    "parameter-free final norm": (("olmo",), lambda m, w: w.parts["norm"] and not list(
+        m.get_submodule(w.parts["norm"]).parameters())),
+    "logit scaling in forward": (("granite", "cohere", "cohere2"), lambda m, w: {
+        "divide", "multiply"} & set(w.layers[-1].transforms)),
+    "final-logit soft-capping": (("gemma2", "gemma3"),
+                                 lambda m, w: "softcap" in w.layers[-1].transforms),
+    "attention soft-capping": (("gemma2",),
+                               lambda m, w: m.config.attn_logit_softcapping is not None),
+    "embedding scaling": (("gemma", "granite"), lambda m, w: w.layers[0].multiplier or
+                          "Scaled" in type(m.get_input_embeddings()).__name__),
+    "sliding windows": (("mistral", "gemma2", "gemma3", "cohere2", "starcoder2",
+                         "gpt_oss"), lambda m, w: m.config.sliding_window),
+    "attention sinks": (("gpt_oss",), lambda m, w: _any_param(
+        m, lambda n: n.endswith("sinks"))),
+    "MoE": (("qwen3moe", "qwen2moe", "gpt_oss", "deepseek_v3"),
+            lambda m, w: w.parts["routers"]),
+    "MoE with shared experts": (("qwen2moe", "deepseek_v3"), lambda m, w: _any_param(
+        m, lambda n: "shared_expert" in n)),
+    "parallel attention + MLP": (("gpt_neox", "stablelm", "falcon"), lambda m, w: getattr(
+        m.config, "use_parallel_residual", None) or getattr(m.config, "parallel_attn",
+                                                            None)),
+    "ALiBi": (("mpt", "falcon"), lambda m, w: getattr(m.config, "alibi", None) or getattr(
+        getattr(m.config, "attn_config", None), "alibi", None)),
+    "post-norm": (("olmo2",), lambda m, w: not hasattr(_block0(m, w), "input_layernorm")
+                  and hasattr(_block0(m, w), "post_feedforward_layernorm")),
+    "partial rotary": (("gpt_neox", "phi", "stablelm", "glm4"), lambda m, w: (
+        m.config.rope_parameters or {}).get("partial_rotary_factor", 1.0) < 1.0),
+    "QK-norm": (("qwen3", "olmo2", "cohere", "phi", "stablelm"), lambda m, w: _any_param(
+        m, lambda n: "q_norm" in n or "q_layernorm" in n)),
+    "biases": (("qwen2", "gpt_neox", "starcoder2", "glm4", "gpt_oss", "falcon",
+                "stablelm"), lambda m, w: _any_param(
+        m, lambda n: n.endswith(".bias") and "norm" not in n)),
+    "blocks returning tuples": (("gpt_neox_japanese", "codegen"), lambda m, w: isinstance(
+        w.side_inputs.stubs[0].state.returns.get(type(_block0(m, w))), int)),
+    "multi-head latent attention": (("deepseek_v3",), lambda m, w: m.config.kv_lora_rank),
+    "layers without rotary (NoPE)": (("smollm3",), lambda m, w: 0 in
+                                     m.config.no_rope_layers),
+    "tied embeddings": (("qwen3", "gemma"), lambda m, w: m.get_input_embeddings().weight
+                        is m.get_output_embeddings().weight),
+}
+
+
+REFUSED = {
+    # family: (builder, what the refusal says): refused at wrap time, with the reason.
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=4, n_positions=64)),
+        "GPT2Model.forward changes the input embeddings"),
+    "opt": (lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        ffn_dim=48, max_position_embeddings=64, word_embed_proj_dim=32)),
+        "OPTDecoder.forward changes the input embeddings"),
+    "bloom": (lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=3, n_head=4)),
+        "BloomModel.forward changes the input embeddings"),
+    "recurrent_gemma": (lambda: transformers.RecurrentGemmaForCausalLM(
+        transformers.RecurrentGemmaConfig(**COMMON, head_dim=8)),
+        "RecurrentGemmaModel.forward changes the input embeddings"),
 }
 
 

@@ -9,20 +9,22 @@ layers 1..N are the decoder blocks, the last layer is the final norm + LM head w
 loss runs chunked (:mod:`.loss`). Masks, rotary tables and position ids are side inputs
 (:mod:`.side`), computed once per microbatch on the host by the model's own forward.
 
-Pieces are found from structure, not class names: the input embeddings
-(``get_input_embeddings()``), the module that owns them and the ``nn.ModuleList`` of
-``config.num_hidden_layers`` blocks next to them, the one other parameterised child of
-that module (the final norm), the output embeddings (``get_output_embeddings()``), and
-MoE routers from ``_can_record_outputs``. Per-family differences are config values the
-model's forward applies outside any block: ``embedding_multiplier`` and
-``logits_scaling`` (Granite), ``final_logit_softcapping`` (Gemma 2/3). Attention
-soft-capping and sliding windows live inside the blocks and the mask helpers, so they
-need nothing here.
+Pieces are found from structure and the model's own forward, not class names: the
+input embeddings (``get_input_embeddings()``), the module that owns them and the
+``nn.ModuleList`` of ``config.num_hidden_layers`` blocks next to them, the final norm
+(the child of that module the forward applies to the last block's output, found by
+running it with stub blocks), the output embeddings (``get_output_embeddings()``), and
+MoE routers from ``_can_record_outputs``. Per-family values the forward applies
+outside the blocks come from :mod:`.families`. Before returning, :mod:`.checks`
+compares the adapter's layers with the model's own forward (always the tail; with
+``verify="full"`` the whole model), so a family the adapter would train wrong is
+refused instead.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -32,9 +34,12 @@ from ..errors import ConfigError
 from ..model.work import set_work
 from ..plan.costs import model_work
 from .errors import AdapterError
+from .checks import check_chain, check_tail, find_tail, verify_full
+from .families import embedding_multiplier, logit_transforms
 from .layers import DecoderLayer, EmbedLayer, HeadLayer
 from .loss import TokenCount, lm_loss
-from .moe import MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class
+from .moe import (MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class,
+                  warn_eager_experts)
 from .side import SideInputs
 
 __all__ = ["AdapterError", "HFModel", "CausalLMLoss", "wrap_hf", "hf_pipe", "load_hf",
@@ -159,10 +164,17 @@ class HFModel:
         return [sum(p.numel() for p in layer.parameters()) for layer in self.layers]
 
 
+VERIFY = ("tail", "full")
+"""``wrap_hf(verify=...)``: the wrap-time check of everything but the blocks' insides
+(always), or also the whole model's logits against its own forward (opt-in)."""
+
+
 def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
             loss_chunk_tokens: int | None = None, ignore_index: int = -100,
             moe_aux_loss: bool | None = None, layers_path: str | None = None,
-            norm_path: str | None = None) -> HFModel:
+            norm_path: str | None = None,
+            logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            verify: str = "tail") -> HFModel:
     """Adapt a ``transformers`` causal LM (or a ``peft.PeftModel`` around one).
 
     Args:
@@ -176,42 +188,81 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
         layers_path / norm_path: dotted paths (from the causal-LM model, e.g.
             ``"model.layers"``, ``"model.norm"``; ``""`` for no final norm) when the
             decoder list or final norm cannot be found automatically.
+        logits_fn: an elementwise transform the model's forward applies to the logits
+            that rotapipe does not know (:mod:`.families` lists the ones it does).
+        verify: ``"tail"`` (always done): the model's forward, run with stub blocks,
+            must hand the blocks their inputs unchanged and give the adapter's logits
+            for the same final hidden states. ``"full"``: also the whole model's logits
+            on a few tokens against its own forward (a full forward pass: the way to
+            trust a new architecture). A model on the meta device is not checked.
+
+    Raises:
+        AdapterError: a piece is not found, or the checks find that the adapter would
+            not compute what the model computes (the message says what and the fix).
     """
+    if verify not in VERIFY:
+        raise AdapterError(f"verify={verify!r}: use one of {', '.join(map(repr, VERIFY))}")
     base = _unwrap_peft(model)
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") \
         else base.config
     embed = _get(base, "get_input_embeddings", "input embeddings")
     head = _get(base, "get_output_embeddings", "output embeddings (LM head)")
-    inner_path, inner, list_name, blocks = _find_decoder(base, embed, config, layers_path)
-    norm_name, norm = _find_norm(base, inner, inner_path, embed, blocks, norm_path)
-    n = int(getattr(config, "num_hidden_layers", len(blocks)) or len(blocks))
-    blocks = list(blocks)[:n]
+    inner_path, inner, list_name, block_list = _find_decoder(base, embed, config,
+                                                             layers_path)
+    n = int(getattr(config, "num_hidden_layers", len(block_list)) or len(block_list))
+    blocks = list(block_list)[:n]
 
-    multiplier = getattr(config, "embedding_multiplier", None)
-    softcap = getattr(config, "final_logit_softcapping", None)
-    divide = getattr(config, "logits_scaling", None)
+    multiplier = embedding_multiplier(config)
+    transforms = logit_transforms(config, logits_fn)
     router = router_class(base)
     routers = [find_routers(b, router) for b in blocks]
     moe = _moe_spec(base, config, moe_aux_loss) if any(routers) else None
+    if any(routers):
+        warn_eager_experts(base)
 
     if compute_dtype is None:
         w = getattr(embed, "weight", None)
         compute_dtype = w.dtype if w is not None and w.is_floating_point() else torch.float32
-    side = SideInputs(inner, list_name, n, int(config.hidden_size), compute_dtype,
+    side = SideInputs(inner, list_name, blocks, int(config.hidden_size), compute_dtype,
                       moe=any(routers))
+    p = (inner_path + ".") if inner_path else ""
+    meta = _on_meta(base)
+    if meta:
+        norm_name, norm = _find_norm(base, inner, inner_path, embed, block_list,
+                                     norm_path)
+    else:
+        # Wrap-time checks draw no numbers from the user's random stream.
+        with torch.random.fork_rng(devices=[]):
+            side.learn_returns()
+            check_chain(side, multiplier, type(inner).__name__)
+            extra = {"output_router_logits": False} if router is not None else {}
+            run = find_tail(base, inner_path, side, embed, _dtype(head, compute_dtype),
+                            **extra)
+        if norm_path is not None:
+            norm_name, norm = norm_path, (base.get_submodule(norm_path) if norm_path
+                                          else None)
+        else:
+            norm_name, norm = run.norm() or ("", None)
+    head_layer = HeadLayer(norm, head, transforms, moe)
+    if not meta:
+        where = ", ".join([f"final norm {norm_name or '(none)'}",
+                           f"head {_path(base, head)}",
+                           *(f"{k}={v}" for k, v in head_layer.transforms.items())])
+        check_tail(run, head_layer, type(base).__name__, where)
     layers: list[nn.Module] = [EmbedLayer(embed, multiplier, moe)]
     layers += [DecoderLayer(b, i, routers[i], moe) for i, b in enumerate(blocks)]
-    layers.append(HeadLayer(norm, head, softcap, divide, moe))
+    layers.append(head_layer)
     _attach_work(layers, config)
-    if not _on_meta(base):
-        _check_probe(side, multiplier, type(inner).__name__)
 
-    p = (inner_path + ".") if inner_path else ""
     parts = {"embed": _path(base, embed), "layers": p + list_name,
              "norm": norm_name, "head": _path(base, head),
              "routers": sorted({r for rs in routers for r, _ in rs})}
-    return HFModel(model, base, layers, CausalLMLoss(loss_chunk_tokens, ignore_index, moe),
-                   side, parts)
+    wrapped = HFModel(model, base, layers,
+                      CausalLMLoss(loss_chunk_tokens, ignore_index, moe), side, parts)
+    if verify == "full" and not meta:
+        with torch.random.fork_rng(devices=[]):
+            verify_full(wrapped)
+    return wrapped
 
 
 def hf_pipe(model: nn.Module, config: PipeConfig | None = None, **wrap_kwargs):
@@ -321,7 +372,10 @@ def _find_norm(base, inner, inner_path, embed, blocks, norm_path):
 
 def _moe_spec(base, config, enabled: bool | None) -> MoESpec | None:
     if enabled is None:
-        enabled = bool(getattr(config, "output_router_logits", False))
+        # As the model's forward: the loss when the config asks for router logits and
+        # the family has a load-balancing loss (DeepSeek-V3 balances without one).
+        enabled = bool(getattr(config, "output_router_logits", False)) and \
+            _aux_function(base) is not None
     if not enabled:
         return None
 
@@ -344,7 +398,7 @@ def _moe_spec(base, config, enabled: bool | None) -> MoESpec | None:
 def _check_aux_formula(base, spec: MoESpec) -> None:
     """The model's ``load_balancing_loss_func`` must be the Switch formula we carry
     through the pipeline; checked on random logits with a padding mask."""
-    fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+    fn = _aux_function(base)
     if fn is None:
         raise AdapterError(f"{type(base).__name__} enables a router auxiliary loss but its "
                            "module has no load_balancing_loss_func: pass moe_aux_loss=False")
@@ -359,6 +413,10 @@ def _check_aux_formula(base, spec: MoESpec) -> None:
         raise AdapterError(f"{type(base).__name__}'s load_balancing_loss_func is not the "
                            "Switch-Transformer formula rotapipe carries through the "
                            "pipeline: pass moe_aux_loss=False")
+
+
+def _aux_function(base):
+    return getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
 
 
 def _attach_work(layers: list[nn.Module], config) -> None:
@@ -381,20 +439,6 @@ def _on_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
 
-def _check_probe(side: SideInputs, multiplier: float | None, name: str) -> None:
-    """Run the model's forward once on a tiny batch: every block is reached, and the
-    hidden states reach block 0 unchanged (or scaled by the known multiplier) and pass
-    from block to block untouched."""
-    ones = torch.ones(1, 2, side.hidden_size, dtype=side.dtype)
-    calls = side.run(ones, torch.ones(1, 2, dtype=torch.long), None)
-    first = calls[0][0]
-    if first is not ones:
-        if multiplier is None or not torch.equal(first, ones * multiplier):
-            raise AdapterError(f"{name}.forward changes the input embeddings before the "
-                               "first decoder layer in a way rotapipe does not know: build "
-                               "the layers yourself and pass them to rotapipe.RoundPipe")
-    for i in range(1, len(calls)):
-        if calls[i][0] is not calls[i - 1][0]:
-            raise AdapterError(f"{name}.forward changes the hidden states between decoder "
-                               f"layers {i - 1} and {i}: build the layers yourself and pass "
-                               "them to rotapipe.RoundPipe")
+def _dtype(head: nn.Module, default: torch.dtype) -> torch.dtype:
+    w = next(head.parameters(), None)
+    return w.dtype if w is not None and w.is_floating_point() else default

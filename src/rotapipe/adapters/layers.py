@@ -87,25 +87,31 @@ class DecoderLayer(nn.Module):
 
 class HeadLayer(nn.Module):
     """The tail: final norm, then in training a :class:`HeadOutput` for the chunked loss
-    (the full logits never exist); without autograd (evaluation) the logits."""
+    (the full logits never exist); without autograd (evaluation) the logits.
+
+    ``transforms`` are the keyword arguments of :class:`~rotapipe.adapters.LMHead`
+    (``softcap``, ``divide``, ``multiply``, ``fn``): what the model's forward does to
+    the logits."""
 
     def __init__(self, norm: nn.Module | None, lm_head: nn.Module,
-                 softcap: float | None = None, divide: float | None = None,
-                 moe: MoESpec | None = None):
+                 transforms: dict | None = None, moe: MoESpec | None = None):
         super().__init__()
         self.norm = norm
         self.lm_head = lm_head
-        self.softcap, self.divide = softcap, divide
+        self.transforms = {k: v for k, v in (transforms or {}).items() if v is not None}
         self.moe = moe
 
     def forward(self, x, **side):
         h, acc = x if self.moe is not None else (x, None)
         if self.norm is not None:
             h = self.norm(h)
-        head = LMHead(self.lm_head, self.softcap, self.divide)
+        head = LMHead(self.lm_head, **self.transforms)
         if torch.is_grad_enabled():
             return HeadOutput(h, head, acc)
         return head(h)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.transforms.items())
 
 
 def _hidden(out):

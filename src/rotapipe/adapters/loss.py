@@ -38,19 +38,33 @@ class LMHead:
     logit transforms.
 
     ``module`` is the (bound) output-embedding module; ``softcap`` applies
-    ``tanh(x / c) * c`` (Gemma 2/3 ``final_logit_softcapping``) and ``divide`` applies
-    ``x / d`` (Granite ``logits_scaling``), in the order and dtype the models use.
+    ``tanh(x / c) * c`` (Gemma 2/3 ``final_logit_softcapping``), ``divide`` applies
+    ``x / d`` (Granite ``logits_scaling``), ``multiply`` applies ``x * m`` (Cohere
+    ``logit_scale``), and ``fn`` is any other elementwise, differentiable transform
+    (``wrap_hf(logits_fn=...)``), in that order, in the dtype the head computes in.
     """
 
     def __init__(self, module: nn.Module, softcap: float | None = None,
-                 divide: float | None = None):
+                 divide: float | None = None, multiply: float | None = None,
+                 fn: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.module, self.softcap, self.divide = module, softcap, divide
+        self.multiply, self.fn = multiply, fn
+
+    @property
+    def transforms(self) -> bool:
+        """Whether the logits are transformed after the projection."""
+        return any(v is not None for v in (self.softcap, self.divide, self.multiply,
+                                           self.fn))
 
     def transform(self, logits: torch.Tensor) -> torch.Tensor:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.divide is not None:
             logits = logits / self.divide
+        if self.multiply is not None:
+            logits = logits * self.multiply
+        if self.fn is not None:
+            logits = self.fn(logits)
         return logits
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,7 +169,7 @@ def _ce_and_grad(raw: torch.Tensor, t: torch.Tensor, head: LMHead, ignore_index:
     temporary. With soft-capping or scaling, autograd runs through the transform (as
     the model would), keeping a few [C, V] buffers.
     """
-    if head.softcap is not None or head.divide is not None:
+    if head.transforms:
         if not grads:
             return _ce_sum(head.transform(raw), t, ignore_index), None
         with torch.enable_grad():

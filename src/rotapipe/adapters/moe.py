@@ -34,6 +34,7 @@ with its own P, unweighted: the sum is Hugging Face's whole-batch loss, exactly.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -42,7 +43,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["MoESpec", "RoutingLog", "RouterTap", "router_class", "find_routers",
-           "aux_zero", "aux_add", "aux_loss"]
+           "aux_zero", "aux_add", "aux_loss", "warn_eager_experts"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,21 @@ def find_routers(block: nn.Module,
     cls, index = router
     return tuple((name, index) for name, m in block.named_modules()
                  if name and isinstance(m, cls))
+
+
+def warn_eager_experts(model: nn.Module) -> bool:
+    """Warn when the model's experts run one at a time (``transformers``' "eager"
+    experts: a ``nonzero`` and several ``.item()`` per expert, each a host sync on CUDA,
+    in every forward and recompute). Returns whether it warned."""
+    impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if impl != "eager":
+        return False
+    logger.warning("%s runs its MoE experts with the 'eager' implementation: a loop over "
+                   "experts with host syncs per expert in every forward and recompute "
+                   "(tests/test_gpt_oss.py counts them); call "
+                   "model.set_experts_implementation('grouped_mm') before wrapping",
+                   type(model).__name__)
+    return True
 
 
 class RoutingLog:

@@ -7,7 +7,10 @@ re-implementing that per family, :class:`SideInputs` runs the model's *own* forw
 the host, once per microbatch, with each decoder block replaced by a stub that records
 the arguments it receives, and stops at the last block (so the final norm and anything
 after it never run). Embeddings are not computed: a zero-stride placeholder of the right
-shape and dtype stands in for them.
+shape and dtype stands in for them. A stub returns what the real block returns (the
+hidden states, or a tuple with the hidden states first: some models' forwards unpack
+``outputs[0]``); :meth:`SideInputs.learn_returns` runs the first real block of each
+class once, at wrap time, to find out.
 
 The recorded arguments are de-duplicated by identity (one mask tensor serves every
 full-attention layer) into a tuple of tensors plus a per-layer :class:`Layout` that says
@@ -27,7 +30,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .errors import AdapterError
 from .moe import RoutingLog
 
-__all__ = ["SideInputs", "Layout", "unpack_inputs"]
+__all__ = ["SideInputs", "Layout", "unpack_inputs", "shallow_clone"]
+
+
+def shallow_clone(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
+    """A copy of ``module`` sharing every submodule, parameter and attribute, with the
+    direct children named in ``replace`` swapped (``module`` itself is untouched)."""
+    clone = object.__new__(type(module))
+    clone.__dict__.update(module.__dict__)
+    clone._modules = {**module._modules, **replace}
+    return clone
 
 
 def unpack_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -86,18 +98,43 @@ class _Stop(Exception):
     """Raised by the last stub: the probe has what it needs."""
 
 
+class _ProbeState:
+    """What the stubs of one probe share: the calls they record, the return structure
+    of each block class, and what the last stub does (stop, or return ``final``)."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        self.sink: list = []
+        self.classes = [type(b) for b in blocks]
+        self.returns: dict[type, int | None] = {}
+        """Per block class: ``None`` (a tensor) or the length of the tuple it returns."""
+        self.learn: dict[int, nn.Module] = {}
+        """Real blocks to run once (first of each class) to learn their return type."""
+        self.final: torch.Tensor | None = None
+        """Set: the last stub returns it (a run of the whole forward); else it stops."""
+
+
 class _Stub(nn.Module):
-    def __init__(self, index: int, sink: list, last: bool):
+    def __init__(self, index: int, state: _ProbeState, last: bool):
         super().__init__()
-        self.index, self.sink, self.last = index, sink, last
+        self.index, self.state, self.last = index, state, last
 
     def forward(self, hidden_states, *args, **kwargs):
-        self.sink.append((hidden_states, args, kwargs))
+        st = self.state
+        st.sink.append((hidden_states, args, kwargs))
+        cls = st.classes[self.index]
+        real = st.learn.pop(self.index, None)
+        if real is not None:
+            out = real(hidden_states, *args, **kwargs)
+            st.returns[cls] = len(out) if isinstance(out, (tuple, list)) else None
         if self.last:
-            raise _Stop
-        return hidden_states
-
-
+            if st.final is None:
+                raise _Stop
+            hidden_states = st.final
+        n = st.returns.get(cls)
+        # The hidden states unchanged (the check that blocks are chained relies on it),
+        # in the structure the real block returns; its other outputs (attention
+        # weights, caches) are off in these runs.
+        return hidden_states if n is None else (hidden_states,) + (None,) * (n - 1)
 class SideInputs:
     """``side_inputs`` for :class:`rotapipe.RoundPipe`: ``fn(microbatch inputs) -> dict``.
 
@@ -106,32 +143,69 @@ class SideInputs:
     flattened attention mask, or ``None``).
     """
 
-    def __init__(self, inner: nn.Module, layers_name: str, num_layers: int,
+    def __init__(self, inner: nn.Module, layers_name: str, blocks: list[nn.Module],
                  hidden_size: int, dtype: torch.dtype, moe: bool):
+        num_layers = len(blocks)
         self.num_layers, self.hidden_size, self.dtype, self.moe = \
             num_layers, hidden_size, dtype, moe
-        self._sink: list = []
-        stubs = nn.ModuleList(_Stub(i, self._sink, i == num_layers - 1)
-                              for i in range(num_layers))
+        self._state = _ProbeState(blocks)
+        self._blocks = blocks
+        self.layers_name = layers_name
+        self.stubs = nn.ModuleList(_Stub(i, self._state, i == num_layers - 1)
+                                   for i in range(num_layers))
         # A shallow clone of the inner model sharing every submodule but the decoder
         # list: the user's model is never modified.
-        probe = object.__new__(type(inner))
-        probe.__dict__.update(inner.__dict__)
-        probe._modules = dict(inner._modules)
-        probe._modules[layers_name] = stubs
-        self._probe = probe
+        self.probe = shallow_clone(inner, {layers_name: self.stubs})
         self._name = type(inner).__name__
+
+    def learn_returns(self) -> None:
+        """Run the first real block of each class once on a two-token batch (its
+        parameters' dtype) so the stubs return what it returns (wrap time)."""
+        first: dict[type, int] = {}
+        for i, cls in enumerate(self._state.classes):
+            first.setdefault(cls, i)
+        self._state.learn = {i: self._blocks[i] for i in first.values()}
+        param = next(self._blocks[0].parameters(), None)
+        dtype = param.dtype if param is not None and param.is_floating_point() else self.dtype
+        try:
+            self.run(torch.ones(1, 2, self.hidden_size, dtype=dtype),
+                     torch.ones(1, 2, dtype=torch.long), None)
+        except AdapterError:
+            raise
+        except Exception as exc:
+            raise AdapterError(
+                f"{self._name}.forward: a decoder layer failed on the arguments the "
+                f"model gives it ({type(exc).__name__}: {exc}); rotapipe cannot run it "
+                "as a layer: build the layers yourself and pass them to "
+                "rotapipe.RoundPipe") from exc
+        finally:
+            self._state.learn = {}
+
+    def run_whole(self, model: nn.Module, hidden: torch.Tensor, final: torch.Tensor,
+                  attention_mask, **kwargs):
+        """Run ``model`` (a clone whose inner model is :attr:`probe`) to its output, the
+        last stub returning ``final``; ``(output, calls)``."""
+        self._state.sink.clear()
+        self._state.final = final
+        try:
+            with torch.no_grad():
+                out = model(inputs_embeds=hidden, attention_mask=attention_mask,
+                            use_cache=False, **kwargs)
+        finally:
+            self._state.final = None
+        calls, self._state.sink[:] = list(self._state.sink), []
+        return out, calls
 
     def run(self, hidden: torch.Tensor, attention_mask, position_ids) -> list:
         """Run the model's forward with stub blocks; ``[(hidden, args, kwargs)]``."""
-        self._sink.clear()
+        self._state.sink.clear()
         try:
             with torch.no_grad():
-                self._probe(inputs_embeds=hidden, attention_mask=attention_mask,
+                self.probe(inputs_embeds=hidden, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False)
         except _Stop:
             pass
-        calls, self._sink[:] = list(self._sink), []
+        calls, self._state.sink[:] = list(self._state.sink), []
         if len(calls) != self.num_layers:
             raise AdapterError(f"{self._name}.forward called {len(calls)} of its "
                                f"{self.num_layers} decoder layers: rotapipe cannot derive "

@@ -25,7 +25,7 @@ __all__ = ["LayerCost", "ModelCosts", "LayerWork", "KNOWN_MODELS", "load_config"
            "model_work", "model_costs"]
 
 _CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "data" / "configs"
-KNOWN_MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b", "qwen3-235b-a22b")
+KNOWN_MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b", "qwen3-235b-a22b", "gpt-oss-20b")
 """Model configs shipped with rotapipe (``data/configs/NAME.json``)."""
 
 
@@ -193,9 +193,10 @@ def _get(cfg: Mapping, key: str, default=None):
 
 def model_work(config, seq: int, dtype_bytes: int = 2) -> tuple[LayerWork, ...]:
     """Per-token FLOPs and bytes of the embedding, every decoder block and the LM head
-    of a Llama-style decoder (Llama, Qwen2/3, Mistral, Qwen3-MoE), for sequences of
-    ``seq`` tokens with causal flash attention. MoE blocks count the routed (active)
-    experts' FLOPs and every expert's weights."""
+    of a Llama-style decoder (Llama, Qwen2/3, Mistral, Qwen3-MoE, GPT-OSS), for
+    sequences of ``seq`` tokens with causal flash attention. MoE blocks count the routed
+    (active) experts' FLOPs and every expert's weights; sliding-window layers
+    (``layer_types``) attend to at most ``sliding_window`` positions."""
     cfg = load_config(config)
     if isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg, **cfg["text_config"]}
@@ -205,30 +206,42 @@ def model_work(config, seq: int, dtype_bytes: int = 2) -> tuple[LayerWork, ...]:
     nkv = cfg.get("num_key_value_heads") or nh
     hd = cfg.get("head_dim") or h // nh
     vocab = _get(cfg, "vocab_size")
+    kind = str(cfg.get("model_type", ""))
+    gpt_oss = kind == "gpt_oss"
     q, kv = nh * hd, nkv * hd
-    # Projections: q, k, v, o (+ biases where the family has them) and per-head q/k norms.
+    # Projections: q, k, v, o (+ biases where the family has them), per-head q/k norms
+    # (Qwen3) and per-head attention-sink logits (GPT-OSS: one parameter per head, a
+    # column more in the softmax).
     attn_params = h * q + 2 * h * kv + q * h
-    if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2":
+    if kind == "qwen2":
         attn_params += q + 2 * kv
-    qk_norm = 2 * hd if str(cfg.get("model_type", "")).startswith("qwen3") else 0
-    # Causal attention: a token attends to (seq + 1) / 2 positions on average; QK^T and
-    # AV are 2 FLOPs per multiply-add each. Flash attention's backward recomputes the
-    # scores: 2.5x its forward.
-    core = 2 * 2 * q * (seq + 1) / 2
+    elif cfg.get("attention_bias"):
+        attn_params += q + 2 * kv + h
+    attn_extra = nh if gpt_oss else 0
+    qk_norm = 2 * hd if kind.startswith("qwen3") else 0
     base_saved = 4 * h + 2 * q + 2 * kv + (q + kv if qk_norm else 0)
     moe_every = cfg.get("decoder_sparse_step") or 1
     dense_only = set(cfg.get("mlp_only_layers") or ())
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    types = cfg.get("layer_types") or ()
+    window = cfg.get("sliding_window")
     # Embedding: a row lookup, no FLOPs; it reads one row per token and writes it.
     works = [LayerWork("embed", 0.0, 0.0, vocab * h, 0.0, h * dtype_bytes,
                        memory_bytes=2 * h * dtype_bytes)]
     for i in range(layers):
+        sliding = window and i < len(types) and types[i] == "sliding_attention"
+        # QK^T and AV, 2 FLOPs per multiply-add each, over the positions a token attends
+        # to on average; flash attention's backward recomputes the scores: 2.5x forward.
+        core = 2 * 2 * q * _attended(seq, window if sliding else None)
         moe = experts and i not in dense_only and (i + 1) % moe_every == 0
         if moe:
-            inter = _get(cfg, "moe_intermediate_size")
-            top_k = _get(cfg, "num_experts_per_tok")
+            inter = cfg.get("moe_intermediate_size") or _get(cfg, "intermediate_size")
+            top_k = cfg.get("num_experts_per_tok") or _get(cfg, "experts_per_token")
             shared = cfg.get("shared_expert_intermediate_size") or 0
-            mlp_params = experts * 3 * h * inter + h * experts + 3 * h * shared
+            # GPT-OSS: biased router and experts (gate_up 2 * inter, down h per expert).
+            expert = 3 * h * inter + ((2 * inter + h) if gpt_oss else 0)
+            router = h * experts + (experts if gpt_oss else 0)
+            mlp_params = experts * expert + router + 3 * h * shared
             mlp_flops = 2 * (h * experts + top_k * 3 * h * inter + 3 * h * shared)
             mlp_saved = h + top_k * (h + 4 * inter) + 4 * shared
         else:
@@ -239,7 +252,7 @@ def model_work(config, seq: int, dtype_bytes: int = 2) -> tuple[LayerWork, ...]:
         proj = 2 * attn_params + mlp_flops
         works.append(LayerWork(
             f"block{i}", proj + core, 2 * proj + 2.5 * core,
-            attn_params + mlp_params + 2 * h + qk_norm,
+            attn_params + attn_extra + mlp_params + 2 * h + qk_norm,
             (base_saved + mlp_saved) * dtype_bytes + (4 * experts if moe else 0),
             h * dtype_bytes))
     # Head: final norm, output projection, cross-entropy over the vocabulary (logits in
@@ -247,6 +260,14 @@ def model_work(config, seq: int, dtype_bytes: int = 2) -> tuple[LayerWork, ...]:
     works.append(LayerWork("head", 2 * h * vocab, 4 * h * vocab, vocab * h + h,
                            2 * h * dtype_bytes + vocab * (dtype_bytes + 4), 0.0))
     return tuple(works)
+
+
+def _attended(seq: int, window: int | None) -> float:
+    """Positions a token attends to, averaged over a causal sequence of ``seq``: (seq +
+    1) / 2, or with a sliding window of ``window`` positions, min(position, window)."""
+    if not window or window >= seq:
+        return (seq + 1) / 2
+    return (window * (window + 1) / 2 + (seq - window) * window) / seq
 
 
 def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size: int = 1,

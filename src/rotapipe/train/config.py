@@ -58,6 +58,10 @@ class TrainConfig:
     """LoRA scaling ``alpha`` (the update is scaled by ``alpha / r``)."""
     lora_targets: str = "all-linear"
     """Comma-separated module names LoRA wraps, or ``all-linear``."""
+    verify: bool = False
+    """Before training, check the whole model's logits on a few tokens against its own
+    Hugging Face forward (``wrap_hf(verify="full")``): the way to trust a new
+    architecture."""
     # -- data ------------------------------------------------------------------------
     data: str = "stdlib"
     """Comma-separated text files, directories of them (``.txt .md .py .rst``), or

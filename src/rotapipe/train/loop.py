@@ -140,7 +140,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     if resume is not None:
         check_compatible(resume, meta, fingerprint(model))
     from ..adapters import wrap_hf
-    wrapped = wrap_hf(model)
+    wrapped = wrap_hf(model, verify="full" if cfg.verify else "tail")
     pipe = wrapped.pipe(cfg.pipe_config())
     try:
         opt = _optimizer(cfg, pipe)

@@ -1,0 +1,211 @@
+"""Wrap-time checks that the adapter's layers compute what the model's own forward does.
+
+Three checks, from cheapest:
+
+- **Between the blocks** (:func:`check_chain`): the model's forward, run with stub blocks
+  (:class:`~rotapipe.adapters.side.SideInputs`), hands block 0 the input embeddings
+  unchanged (or scaled by a known multiplier) and every block its predecessor's output.
+- **The tail** (:func:`find_tail` and :func:`check_tail`): the whole causal-LM forward,
+  run with stub blocks whose last one returns known random hidden states ``H``, gives
+  Hugging Face's logits for ``H``; the adapter's head layer (final norm, LM head, logit
+  transforms) must give the same logits for the same ``H``, element by element. The
+  same run finds the final norm: the child of the inner model applied to ``H``
+  (parameter-free norms included). Only the norm and head weights are touched.
+- **The whole model** (:func:`verify_full`, opt-in with ``wrap_hf(verify="full")``): the
+  adapter's layers, run one after another on a few padded tokens, against the model's
+  own forward.
+
+Each mismatch raises :class:`AdapterError` naming the model class, what differs and
+how to fix it, so no family trains with a silently wrong loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import AdapterError
+from .side import SideInputs, shallow_clone
+
+__all__ = ["check_chain", "find_tail", "check_tail", "verify_full", "tolerance"]
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of a logits comparison in ``dtype`` (a few units in the last
+    place: both sides run the same operations, but not always in the same order)."""
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 4 * torch.finfo(dtype).eps
+
+
+def check_chain(side: SideInputs, multiplier: float | None, name: str) -> None:
+    """Every block is reached, block 0 gets the input embeddings (times the known
+    ``multiplier``), and each later block gets its predecessor's output."""
+    ones = torch.ones(1, 2, side.hidden_size, dtype=side.dtype)
+    calls = side.run(ones, torch.ones(1, 2, dtype=torch.long), None)
+    first = calls[0][0]
+    if first is not ones:
+        if multiplier is None or not torch.equal(first, ones * multiplier):
+            raise AdapterError(f"{name}.forward changes the input embeddings before the "
+                               "first decoder layer in a way rotapipe does not know (for "
+                               "example learned position embeddings added there): build "
+                               "the layers yourself and pass them to rotapipe.RoundPipe")
+    for i in range(1, len(calls)):
+        if calls[i][0] is not calls[i - 1][0]:
+            raise AdapterError(f"{name}.forward changes the hidden states between decoder "
+                               f"layers {i - 1} and {i}: build the layers yourself and pass "
+                               "them to rotapipe.RoundPipe")
+
+
+class TailRun:
+    """Hugging Face's output for known final hidden states, and which children of the
+    inner model the forward applied after the last block (in call order)."""
+
+    def __init__(self, hidden: torch.Tensor, logits: torch.Tensor | None,
+                 after: list[tuple[str, nn.Module, bool]]):
+        self.hidden, self.logits = hidden, logits
+        self.after = after
+        """``(name, module, applied to the last block's output)`` per call."""
+
+    def norm(self) -> tuple[str, nn.Module] | None:
+        """The child applied to the last block's output, if any."""
+        for name, module, on_hidden in self.after:
+            if on_hidden:
+                return name, module
+        return None
+
+
+def find_tail(base: nn.Module, inner_path: str, side: SideInputs, embed: nn.Module,
+              dtype: torch.dtype, **forward_kwargs) -> TailRun:
+    """Run ``base``'s forward with stub blocks on a padded 2 x 3 batch, the last block
+    returning random hidden states; record the logits and what ran after the block."""
+    inner = base.get_submodule(inner_path) if inner_path else base
+    probe = _clone_path(base, inner_path, side.probe)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, side.hidden_size, generator=g).to(dtype)
+    embeds = torch.zeros(2, 3, side.hidden_size, dtype=dtype)
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    after: list[tuple[str, nn.Module, bool]] = []
+    done = {"last": False}
+
+    def watch(name):
+        def hook(module, args, kwargs):
+            if done["last"]:
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                after.append((name, module, first is hidden))
+        return hook
+
+    def last_returned(module, args, out):
+        done["last"] = True
+
+    handles = [m.register_forward_pre_hook(watch(_join(inner_path, n)), with_kwargs=True)
+               for n, m in inner.named_children() if m is not embed and n != side.layers_name]
+    handles.append(side.stubs[-1].register_forward_hook(last_returned))
+    try:
+        out, _ = side.run_whole(probe, embeds, hidden, mask, **forward_kwargs)
+    except AdapterError:
+        raise
+    except Exception as exc:
+        raise AdapterError(
+            f"{type(base).__name__}.forward failed when run with stub decoder layers "
+            f"({type(exc).__name__}: {exc}): rotapipe cannot check what the model does "
+            "after its last layer; build the layers yourself and pass them to "
+            "rotapipe.RoundPipe") from exc
+    finally:
+        for h in handles:
+            h.remove()
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, (tuple, list)) and out:
+        logits = out[0]
+    return TailRun(hidden, logits if isinstance(logits, torch.Tensor) else None, after)
+
+
+def check_tail(run: TailRun, head_layer: nn.Module, name: str, where: str) -> None:
+    """The adapter's head layer gives Hugging Face's logits for the same hidden states.
+
+    ``where`` describes the adapter's tail (norm and head paths, transforms) for the
+    message."""
+    ran = ", ".join(n for n, _, _ in run.after) or "nothing"
+    if run.logits is None:
+        raise AdapterError(f"{name}.forward returned no logits when run with stub decoder "
+                           "layers: rotapipe cannot check its tail; build the layers "
+                           "yourself and pass them to rotapipe.RoundPipe")
+    x = run.hidden if getattr(head_layer, "moe", None) is None else (run.hidden, None)
+    with torch.no_grad():
+        ours = head_layer(x)
+    want = run.logits
+    fix = ("pass wrap_hf(model, norm_path=...) if the final norm is another module, "
+           "wrap_hf(model, logits_fn=...) for a transform of the logits, or add a family "
+           "hook (rotapipe/adapters/families.py); verify with wrap_hf(model, "
+           "verify='full')")
+    if want.shape != ours.shape:
+        raise AdapterError(
+            f"{name}.forward gives logits of shape {list(want.shape)} for final hidden "
+            f"states {list(run.hidden.shape)}, the adapter's tail ({where}) "
+            f"{list(ours.shape)}; after the last layer the forward ran: {ran}. {fix}")
+    a, b = want.double(), ours.double()
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30)
+    err = (a - b).abs().max().item()
+    if err <= tolerance(ours.dtype) * scale:
+        return
+    ratio = (a * b).sum().item() / max((b * b).sum().item(), 1e-30)
+    hint = ""
+    if torch.allclose(a, b * ratio, rtol=tolerance(ours.dtype), atol=1e-30 + 1e-5 * scale):
+        hint = (f" HF's logits are the adapter's times {ratio:.6g}: a logit scale the "
+                f"adapter does not know (wrap_hf(model, logits_fn=lambda x: x * "
+                f"{ratio:.6g}) if it is a constant of the config).")
+    raise AdapterError(
+        f"{name}.forward's logits differ from the adapter's tail ({where}) on the same "
+        f"final hidden states: max abs error {err:.3g} (logits up to {scale:.3g}, shape "
+        f"{list(want.shape)}, {ours.dtype}); after the last layer the forward ran: "
+        f"{ran}.{hint} Training would use a wrong loss: {fix}")
+
+
+def verify_full(wrapped, tokens: int = 6, seed: int = 0) -> float:
+    """The adapter's layers, run in order on the host on two padded sequences of
+    ``tokens`` tokens, give the model's own logits at every attended position; returns
+    the max abs error, raises :class:`AdapterError` beyond :func:`tolerance`."""
+    base = wrapped.base
+    config = wrapped.config
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        raise AdapterError("verify='full' needs config.vocab_size")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(min(3, vocab - 1), vocab, (2, tokens), generator=g)
+    mask = torch.ones(2, tokens, dtype=torch.long)
+    mask[1, : tokens // 3] = 0                      # left padding in the second row
+    inputs = wrapped.inputs(ids, mask)
+    with torch.no_grad():
+        want = base(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        side = wrapped.side_inputs(inputs)
+        x = wrapped.layers[0](inputs, **side)
+        for layer in wrapped.layers[1:]:
+            x = layer(x, **side)
+    name = type(base).__name__
+    if not isinstance(x, torch.Tensor) or x.shape != want.shape:
+        got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise AdapterError(f"verify='full': {name} gives logits {list(want.shape)}, the "
+                           f"adapter's layers {got}")
+    keep = mask.bool()
+    a, b = want[keep].double(), x[keep].double()
+    err = (a - b).abs().max().item()
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30)
+    if not err <= tolerance(x.dtype) * scale:
+        raise AdapterError(
+            f"verify='full': the adapter's layers give logits that differ from "
+            f"{name}.forward by up to {err:.3g} (logits up to {scale:.3g}, {x.dtype}) on "
+            f"{tokens} tokens: rotapipe would train this model wrong. Check "
+            "wrapped.parts, pass layers_path/norm_path, or build the layers yourself "
+            "and pass them to rotapipe.RoundPipe")
+    return err
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _clone_path(root: nn.Module, path: str, leaf: nn.Module) -> nn.Module:
+    """A shallow clone of ``root`` whose submodule at dotted ``path`` is ``leaf``."""
+    if not path:
+        return leaf
+    head, _, rest = path.partition(".")
+    child = root._modules[head]
+    return shallow_clone(root, {head: _clone_path(child, rest, leaf)})

@@ -1,0 +1,249 @@
+"""Wrap-time checks: what the model's forward does outside its blocks is either
+reproduced exactly or refused with the true reason.
+
+Each of the first three tests is a tiny model of our own built on a mechanism that used
+to train wrong with no error (a parameter-free final norm left out of the tail, a logit
+scale the adapter did not know) or be refused with a wrong diagnosis (blocks that return
+tuples, which the probe's bare-tensor stubs broke).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import rotapipe
+from rotapipe.adapters import AdapterError, wrap_hf
+from hf_models import (COMMON, REFUSED, assert_grads_equal, batch, clone, hf_backward,
+                       pipe_backward, transformers)
+
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.masking_utils import create_causal_mask
+
+
+def _llama(seed=0, **kw):
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, attn_implementation="eager", **kw))
+
+
+def _equal_to_hf(model, runs=((2, 4), (3, 1))):
+    ref = clone(model)
+    want = hf_backward(ref, *batch())
+    for workers, microbatches in runs:
+        m = clone(model)
+        got = pipe_backward(m, *batch(), workers, microbatches)
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (workers, microbatches)
+        assert_grads_equal(m, ref)
+
+
+# -- 1. a final norm without parameters ------------------------------------------------
+def test_parameter_free_final_norm_is_found_and_applied():
+    """OLMo's final LayerNorm has no weight: a search among parameterised children
+    missed it and the loss was computed on unnormalised hidden states."""
+    model = _llama()
+    model.model.norm = nn.LayerNorm(32, elementwise_affine=False)
+    assert next(model.model.norm.parameters(), None) is None
+    wrapped = wrap_hf(model)
+    assert wrapped.parts["norm"] == "model.norm"
+    assert wrapped.layers[-1].norm is model.model.norm
+    _equal_to_hf(model)
+
+
+def test_explicit_norm_path_that_is_wrong_is_refused():
+    model = _llama()
+    with pytest.raises(AdapterError, match=r"LlamaForCausalLM.forward's logits differ.*"
+                                           r"final norm \(none\).*ran: model.norm"):
+        wrap_hf(model, norm_path="")
+
+
+# -- 2. logits scaled in the forward by a value the adapter does not know -------------
+class _ScaledLlama(transformers.LlamaForCausalLM):
+    """Multiplies its logits by ``config.output_scale`` in forward (as Cohere does with
+    ``logit_scale``), under a name no family hook knows."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        logits = out.logits * self.config.output_scale
+        loss = None if labels is None else self.loss_function(
+            logits, labels, self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _scaled():
+    torch.manual_seed(0)
+    return _ScaledLlama(transformers.LlamaConfig(**COMMON, attn_implementation="eager",
+                                                 output_scale=0.25))
+
+
+def test_unknown_logit_scale_is_refused_with_the_scale_it_found():
+    with pytest.raises(AdapterError) as err:
+        wrap_hf(_scaled())
+    msg = str(err.value)
+    for part in ("_ScaledLlama.forward's logits differ", "max abs error", "[2, 3, 97]",
+                 "times 0.25", "logits_fn=", "families.py"):
+        assert part in msg, (part, msg)
+
+
+def test_unknown_logit_scale_given_as_logits_fn_trains_exactly():
+    model = _scaled()
+    wrapped = wrap_hf(model, logits_fn=lambda x: x * 0.25)
+    assert wrapped.layers[-1].transforms["fn"] is not None
+    ref = clone(model)
+    want = hf_backward(ref, *batch())
+    m = clone(model)
+    cfg = rotapipe.PipeConfig(workers=2, microbatches=4, backend="emulated")
+    with wrap_hf(m, logits_fn=lambda x: x * 0.25, loss_chunk_tokens=5).pipe(cfg) as pipe:
+        got = pipe.forward_backward({"input_ids": batch()[0], "attention_mask": batch()[1]},
+                                    batch()[2])
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
+def test_cohere_logit_scale_is_a_family_hook():
+    torch.manual_seed(0)
+    model = transformers.CohereForCausalLM(transformers.CohereConfig(
+        **COMMON, logit_scale=0.0625, attn_implementation="eager"))
+    assert wrap_hf(model).layers[-1].transforms == {"multiply": 0.0625}
+    _equal_to_hf(model, runs=((2, 4),))
+
+
+# -- 3. blocks that return tuples ------------------------------------------------------
+class _TupleBlock(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
+    def forward(self, *args, **kwargs):
+        return (super().forward(*args, **kwargs),)
+
+
+class _TupleModel(transformers.LlamaModel):
+    """An older-style forward: each block returns a tuple, the model keeps
+    ``outputs[0]`` (a bare-tensor stub made that the first row of the batch)."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device)[None]
+        mask = create_causal_mask(config=self.config, inputs_embeds=h,
+                                  attention_mask=attention_mask, past_key_values=None,
+                                  position_ids=position_ids)
+        rotary = self.rotary_emb(h, position_ids)
+        for block in self.layers:
+            outputs = block(h, attention_mask=mask, position_embeddings=rotary,
+                            position_ids=position_ids)
+            h = outputs[0]
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h))
+
+
+def _tuple_llama():
+    model = _llama()
+    model.model.__class__ = _TupleModel
+    for block in model.model.layers:
+        block.__class__ = _TupleBlock
+    return model
+
+
+def test_blocks_returning_tuples_are_probed_as_they_are():
+    model = _tuple_llama()
+    ids, mask, _ = batch()
+    assert isinstance(model.model.layers[0](
+        torch.zeros(1, 2, 32), attention_mask=None,
+        position_embeddings=(torch.ones(1, 2, 8), torch.zeros(1, 2, 8))), tuple)
+    wrapped = wrap_hf(model)
+    assert [s.state.returns for s in wrapped.side_inputs.stubs][0] == {_TupleBlock: 1}
+    _equal_to_hf(model)
+
+
+def test_a_block_that_fails_on_its_arguments_is_refused_with_its_error():
+    model = _llama()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("needs a cache")
+    model.model.layers[0].forward = broken
+    with pytest.raises(AdapterError, match=r"LlamaModel.forward: a decoder layer failed "
+                                           r"on the arguments.*needs a cache"):
+        wrap_hf(model)
+
+
+# -- the checks themselves -------------------------------------------------------------
+def test_checks_leave_the_random_stream_alone():
+    model = _llama()
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    wrap_hf(model, verify="full")
+    assert torch.equal(torch.rand(3), want)
+
+
+class _ScaledEmbeddingsModel(transformers.LlamaModel):
+    """Scales the embeddings only when it looks them up itself: the probe, which passes
+    ``inputs_embeds``, cannot see it."""
+
+    def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids) * 2.0
+        return super().forward(inputs_embeds=inputs_embeds, **kwargs)
+
+
+def test_full_verify_catches_what_the_probe_cannot_see():
+    model = _llama()
+    assert wrap_hf(model, verify="full").parts["norm"] == "model.norm"   # supported
+    model.model.__class__ = _ScaledEmbeddingsModel
+    wrap_hf(model)                           # the probe passes inputs_embeds: blind
+    with pytest.raises(AdapterError, match=r"verify='full'.*differ from "
+                                           r"LlamaForCausalLM.forward by up to"):
+        wrap_hf(model, verify="full")
+
+
+def test_verify_value_is_checked():
+    with pytest.raises(AdapterError, match="verify='all'.*'tail', 'full'"):
+        wrap_hf(_llama(), verify="all")
+
+
+def test_tail_check_is_fast():
+    model = _llama()
+    t0 = time.perf_counter()
+    wrap_hf(model)
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_unsupported_families_are_refused_with_the_reason(family):
+    build, reason = REFUSED[family]
+    torch.manual_seed(0)
+    with pytest.raises(AdapterError, match=reason):
+        wrap_hf(build())
+
+
+def test_train_verify_flag_runs_the_full_check(tmp_path, capsys, monkeypatch):
+    """``rotapipe train --verify``: the whole model is checked before training."""
+    from rotapipe.adapters import hf
+    from rotapipe.cli import main
+    from train_util import flags, text_jsonl
+
+    errors = []
+
+    def spy(wrapped, **kw):
+        errors.append(verify(wrapped, **kw))
+        return errors[-1]
+    verify = hf.verify_full
+    monkeypatch.setattr(hf, "verify_full", spy)
+    data = text_jsonl(tmp_path / "d.jsonl", 60)
+    rc = main(["train", "--verify", *flags(data=str(data), out_dir=str(tmp_path / "o"),
+                                           steps=1, eval_interval=1, sample_tokens=0,
+                                           export=False)])
+    assert rc == 0, capsys.readouterr()
+    assert len(errors) == 1 and errors[0] < 1e-5
+
+
+def test_verify_example_runs(capsys, monkeypatch):
+    import pathlib
+    import runpy
+    import sys
+    script = pathlib.Path(__file__).parent.parent / "examples" / "verify_hf.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--model-type", "olmo"])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "3. every gradient equal" in out and "'norm': 'model.norm'" in out
