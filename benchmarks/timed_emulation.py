@@ -22,12 +22,18 @@ the same runtime on the same hardware model:
   weights swapped in from host memory for its forwards and again for its backwards,
   recompute; the smallest ``v`` in 2..4 whose simulated peak fits.
 
-Columns: tokens/s and the speedup over 1F1B for a whole training step (call and
-optimizer); the bubble and exposed transfer time of the call (from the runtime's own
-timeline); the predicted device-memory peak of the schedule (the simulator's memory
-model with the real sizes: the stand-in's tensors are tiny); ``rt/sim``, the
-runtime's measured call time over the simulator's prediction for the same schedule
-and hardware (the runtime's scheduling overhead); ``ungated``, tokens/s of the same
+Columns: tokens/s (wall time between ``train_step`` returns, after warm-up) and the
+speedup over 1F1B for a whole training step (call and optimizer); ``sim tok/s``, the
+simulator's for the same schedule (one call, without the optimizer step after it, for
+``sync`` and the baselines; for the pipelined ``overlap`` and ``stale`` rows the steady
+state of ``roundpipe_stale_schedule``'s calls with each hand-off's optimizer work,
+measured as the runtime's: between the moments consecutive losses reach the host);
+the bubble and exposed transfer time (from the runtime's own timeline: the call, or
+the steady-state window of the pipelined calls); the predicted device-memory peak of
+the schedule (the simulator's memory model with the real sizes: the stand-in's
+tensors are tiny); ``rt/sim``, the runtime's measured call time (pipelined: step
+period) over the simulator's prediction for the same schedule and hardware (the
+runtime's scheduling overhead); ``ungated``, tokens/s of the same
 run with ``gate_copies=False`` (every weight chunk issued at once, so the copy engines
 serve critical copies only after the weight copies issued before them), and
 ``gating``, what the gating is worth (gated over ungated tokens/s). The emulated copy
@@ -58,6 +64,9 @@ from rotapipe.runtime.emulation import TimedEmulation
 from rotapipe.sim import ActionTimes, memory_sizes, report, run
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 from rotapipe.sim import Timeline
+from rotapipe.plan import StageKind
+from rotapipe.schedule import ActionKind as K
+from rotapipe.schedule.actions import stage_map
 
 DEVICES = 8
 GIB = 2**30
@@ -99,14 +108,29 @@ def mobius(costs, microbatches: int):
 PIPELINED = ("overlap", "stale")
 
 
+WARMUP = 2
+"""Calls before the measured ones (overlapping calls reach their steady state)."""
+
+
 def pipelined_sim(em, plan, mode: str, microbatches: int, calls: int):
     """The simulator's timeline of ``calls`` overlapping calls as the runtime runs them
-    in ``mode`` (the schedule of :func:`roundpipe_stale_schedule`, the host optimizer's
-    work in the hand-offs that do it)."""
-    whole = mode == "stale"
+    in ``mode`` (the schedule of :func:`roundpipe_stale_schedule`, without clipping;
+    each hand-off does its stage's optimizer work)."""
     s = roundpipe_stale_schedule(plan, DEVICES, microbatches, calls=calls,
-                                 staleness=1 if whole else 0, whole_step=whole)
-    return run(s, ActionTimes(plan, em.costs, optimizer_ms=em.optimizer_ms(plan, whole)))
+                                 staleness=1 if mode == "stale" else 0)
+    return run(s, ActionTimes(plan, em.costs, optimizer_ms=em.optimizer_ms(plan, False)))
+
+
+def loss_period(tl, plan, measured: int) -> float:
+    """Emulated ms per call between the moments the losses of the last ``measured + 1``
+    calls reached the host (when ``train_step`` returns): the steady step time."""
+    stages = stage_map(plan)
+    known: dict[int, float] = {}
+    for a in tl.schedule.actions:
+        if a.kind is K.DOWNLOAD_GRAD and stages[a.stage].kind is StageKind.TAIL:
+            known[a.call] = max(known.get(a.call, 0.0), tl.end[a.key])
+    calls = sorted(known)[-(measured + 1):]
+    return (known[calls[-1]] - known[calls[0]]) / measured
 
 
 def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
@@ -129,7 +153,7 @@ def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
     tokens = em.costs.tokens * microbatches
     overlapping = mode in PIPELINED and schedule is None
     try:
-        for _ in range(2 if overlapping else 1):   # warm-up (autograd, allocator)
+        for _ in range(WARMUP if overlapping else 1):   # warm-up (autograd, allocator)
             pipe.train_step(x, y)
         t0 = time.perf_counter()
         ratios, reps = [], []
@@ -142,9 +166,12 @@ def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
         step_s = (time.perf_counter() - t0) / steps / em.dilation
         pipe.flush()
         if overlapping:
-            tl = scaled(pipe.last_timeline(calls=steps), em.dilation)
+            tl = scaled(pipe.last_timeline(calls=WARMUP + steps), em.dilation)
             reps = [report(tl, tokens, memory_sizes(em.costs))]
-            ratios = [reps[0].step_ms / report(sim_tl, tokens).step_ms]
+            sim_ms = loss_period(sim_tl, plan, steps)
+            ratios = [loss_period(tl, plan, steps) / sim_ms]
+        else:
+            sim_ms = sim_tl.makespan
     finally:
         pipe.close()
     rep = reps[-1]
@@ -152,7 +179,7 @@ def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
                 bubble=sum(r.bubble.total for r in reps) / len(reps),
                 exposed=sum(r.exposed_comm for r in reps) / len(reps),
                 memory=rep.peak_bytes, ratio=sum(ratios) / len(ratios),
-                sim_tokens=tokens / (report(sim_tl, tokens).step_ms / 1e3))
+                sim_tokens=tokens / (sim_ms / 1e3))
 
 
 def bench(model: str, args) -> list[dict]:
@@ -176,7 +203,8 @@ def bench(model: str, args) -> list[dict]:
     em = replace(em0, costs=costs, dilation=dilation)
     em_b = replace(em0, dilation=dilation)
     runs = [(f"roundpipe {mode}", em, choice.plan, None, mode, choice.grain.value,
-             sim_rp if mode == "sync" else pipelined_sim(em, choice.plan, mode, M, args.steps))
+             sim_rp if mode == "sync" else
+             pipelined_sim(em, choice.plan, mode, M, WARMUP + args.steps))
             for mode in ("sync", "overlap", "stale")]
     for name, mode in (("1f1b", "sync"), ("1f1b", "overlap"), ("gpipe", "sync")):
         plan, schedule, sim_tl, _, recompute = baseline(em0.costs, name, M)

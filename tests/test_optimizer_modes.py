@@ -207,16 +207,24 @@ def test_stale_matches_one_step_delayed_reference(clip):
     config = emulated(2, M, optimizer_mode="stale", clip_grad_norm=CLIP[clip])
     with rotapipe.RoundPipe(model, lm_loss, config=config,
                             optimizer=OPTIMIZERS["adamw"]) as pipe:
-        losses = []
-        for t, (x, y) in enumerate(batches):
-            if t == 2:
+        losses, t, fired = [], 0, False
+        while t < steps:
+            x, y = batches[t]
+            if t == 2 and not fired:
                 trigger.arm(3, 1, pipe.calls, "backward")
                 with pytest.raises(rotapipe.WorkerError) as failed:
                     pipe.train_step(x, y)     # returns its loss: the backward drains
                     pipe.flush()
                 trigger.disarm()
-                assert failed.value.calls_discarded == [2]
+                fired = True
+                # The failed call and any call still in flight that had not committed
+                # (call 1, if its last hand-off had not run) are dropped: run them again.
+                t = failed.value.calls_committed
+                assert t in (1, 2) and failed.value.calls_discarded == list(range(t, 3))
+                del losses[t:]
+                continue
             losses.append(pipe.train_step(x, y))
+            t += 1
         state = {k: v.clone() for k, v in pipe.state_dict().items()}
 
     opt = OPTIMIZERS["adamw"](ref.parameters())

@@ -34,9 +34,13 @@ def _masters(out):
     return load_file(str(latest_checkpoint(out / "checkpoints") / "masters.safetensors"))
 
 
-def test_resume_after_sigkill_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_resume_after_sigkill_is_bit_identical(tmp_path, mode):
+    """``stale``: pipelined calls; the checkpoint drains them (and makes the weights
+    current), so the resumed run continues as the uninterrupted one did."""
     data = text_jsonl(tmp_path / "d.jsonl", 400)
-    common = dict(data=str(data), steps=2 * N, save_interval=N, eval_interval=4, lr=5e-3)
+    common = dict(data=str(data), steps=2 * N, save_interval=N, eval_interval=4, lr=5e-3,
+                  optimizer_mode=mode)
     straight = run(flags(out_dir=str(tmp_path / "a"), **common))
     assert straight.returncode == 0, straight.stdout + straight.stderr
     # Train again, SIGKILL at a random moment after the step-N checkpoint is complete.

@@ -78,9 +78,13 @@ class TimedEmulation:
         updaters = [st for st in plan.jobs() if st.kind is not StageKind.FORWARD]
         last = updaters[-1].name if updaters else None
         every = range(len(self.costs.layers))
+        # A layer is stepped at the hand-off of the last job holding it (a split tail's
+        # last job steps the head once).
+        stepper = {l: st.name for st in updaters for l in st.layers}
 
         def ms(stage: Stage) -> float:
-            layers = (every if stage.name == last else ()) if whole_step else stage.layers
+            layers = (every if stage.name == last else ()) if whole_step else \
+                [l for l in stage.layers if stepper[l] == stage.name]
             return self.optimizer_seconds(layers) / self.dilation * 1e3
         return ms
 

@@ -72,9 +72,10 @@ class HostOptimizer:
     @property
     def whole_step(self) -> bool:
         """Whether a step needs the whole call's gradients before it updates any
-        weight the next call reads (``stale``; ``overlap`` with clipping to a global
-        norm or dynamic loss scaling, whose step depends on every gradient)."""
-        return self.mode is not OptimizerMode.OVERLAP or self.max_norm is not None \
+        weight (``sync``; clipping to a global norm or dynamic loss scaling, whose
+        step depends on every gradient). Otherwise ``overlap`` and ``stale`` step each
+        stage's parameters as soon as their gradients are complete."""
+        return self.mode is OptimizerMode.SYNC or self.max_norm is not None \
             or self.scaler.dynamic
 
     def view(self, steps: int) -> int:
@@ -87,9 +88,11 @@ class HostOptimizer:
                   view: int = 0) -> CallHook:
         """The optimizer work of one training call (``step``: the call ends a step;
         ``reduce``: its data-parallel all-reduce)."""
-        if step and self.mode is OptimizerMode.OVERLAP:
+        stale = self.mode is OptimizerMode.STALE
+        if step and (self.mode is OptimizerMode.OVERLAP or stale and not self.whole_step):
             return OverlapStep(optimizer, self.host, schedule, stage_pids, grads, units,
-                               self.max_norm, self.scaler, cost, self, reduce)
+                               self.max_norm, self.scaler, cost, self, reduce,
+                               view=view if stale else None)
         if step:
             # sync: every set of compute copies; stale: the set two steps ahead reads.
             return WholeStep(self, optimizer, grads, units, cost,
@@ -225,13 +228,16 @@ def step_params(optimizer: torch.optim.Optimizer, host: HostState, pids: list[in
 
 class Snapshot:
     """Weights and optimizer state of some parameters, taken before stepping them, so
-    that the step can be undone exactly (one copy of each tensor)."""
+    that the step can be undone exactly (one copy of each tensor); with ``compute``
+    (a set of compute copies the step will overwrite), their compute copies too."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
-                 pids: list[int]):
+                 pids: list[int], compute: list[torch.Tensor] | None = None):
         self.optimizer, self.pids = optimizer, pids
         self.items = [(p, p.detach().clone(), _copy_state(optimizer.state.get(p)))
                       for p in params]
+        self.compute = None if compute is None else \
+            [(compute[pid], compute[pid].clone()) for pid in pids]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -241,6 +247,8 @@ class Snapshot:
                     self.optimizer.state.pop(p, None)
                 else:
                     self.optimizer.state[p] = state
+            for dst, old in self.compute or ():
+                dst.copy_(old)
 
 
 def _copy_state(state: dict | None) -> dict | None:
@@ -251,7 +259,9 @@ def _copy_state(state: dict | None) -> dict | None:
 
 
 class OverlapStep(CallHook):
-    """The optimizer side of one ``overlap`` call that ends a step.
+    """The optimizer side of one ``overlap`` call that ends a step (and of a ``stale``
+    one without clipping or dynamic loss scaling: ``view`` is then the set of compute
+    copies the calls two steps later read, which the running calls do not).
 
     Each ``O`` action (host lane) adds its stage's gradients to ``grads`` and calls
     :meth:`handoff`. A parameter is complete once every stage holding it has handed
@@ -279,9 +289,9 @@ class OverlapStep(CallHook):
                  schedule: Schedule, stage_pids: Callable[[str], list[int]],
                  grads: CallGrads, units: float, max_norm: float | None,
                  scaler: LossScaler, cost: Cost, owner: HostOptimizer | None = None,
-                 reduce=None):
+                 reduce=None, view: int | None = None):
         super().__init__(host, grads, units, reduce)
-        self.opt, self.owner = optimizer, owner
+        self.opt, self.owner, self.view = optimizer, owner, view
         self.max_norm, self.scaler, self.cost = max_norm, scaler, cost
         self.params = host.layerset.params
         trainable = set(host.trainable)
@@ -336,7 +346,10 @@ class OverlapStep(CallHook):
         if not stepped or self.overflow:
             return              # commit() skips the whole step
         params = [self.params[pid] for pid in stepped]
-        self.snapshots.append(Snapshot(self.opt, params, stepped))
+        # stale: the set of compute copies written may differ from the masters (it
+        # holds the weights the failed call's retry must read): keep it too.
+        view = None if self.view is None else self.host.views[self.view]
+        self.snapshots.append(Snapshot(self.opt, params, stepped, view))
         for pid, p in zip(stepped, params):
             p.grad = self.final[pid]
         try:
@@ -344,7 +357,7 @@ class OverlapStep(CallHook):
         finally:
             for p in params:
                 p.grad = None
-        self.host.write_back(stepped)
+        self.host.write_back(stepped, view=self.view)
         if self.cost is not None:
             self.cost(stepped)
 
@@ -369,7 +382,7 @@ class OverlapStep(CallHook):
                 self.params[pid].grad = self.final[pid]
             clip((self.params[pid] for pid in pids), self.max_norm)
             self.opt.step()
-            self.host.write_back(pids)
+            self.host.write_back(pids, view=self.view)
             if self.cost is not None:
                 self.cost(pids)
         for pid in self.host.trainable:
@@ -394,7 +407,8 @@ class OverlapStep(CallHook):
     def _undo(self, grads: bool = True) -> None:
         for snap in reversed(self.snapshots):
             snap.restore()
-        self.host.write_back([pid for snap in self.snapshots for pid in snap.pids])
+        if self.view is None:
+            self.host.write_back([pid for snap in self.snapshots for pid in snap.pids])
         self.snapshots = []
         if grads and self.prev is not None:
             for pid, g in self.prev.items():

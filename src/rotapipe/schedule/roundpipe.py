@@ -117,8 +117,8 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
     optimizer ``staleness`` steps stale: call ``c`` reads the update of call
     ``c - 1 - staleness`` (``staleness=0`` is the exact optimizer: the next call reads
     this call's update). The runtime runs exactly these calls for
-    ``optimizer_mode="stale"`` (staleness 1, ``whole_step``) and ``"overlap"`` (staleness 0;
-    ``whole_step`` when clipping). A simulator reports the steady state between the
+    ``optimizer_mode="stale"`` (staleness 1) and ``"overlap"`` (staleness 0), with
+    ``whole_step`` when it clips to a global norm. A simulator reports the steady state between the
     first and the last call.
     """
     if calls < 1 or staleness < 0:
