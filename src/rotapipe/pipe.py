@@ -567,7 +567,11 @@ class RoundPipe:
         return self
 
     def __exit__(self, *exc):
-        self.close()
+        try:
+            self.close()
+        except BaseException:
+            if exc[0] is None:       # never mask the exception already propagating
+                raise
 
     # -- internals -----------------------------------------------------------------------
     def _schedule(self, training: bool, microbatches: int | None = None) -> Schedule:

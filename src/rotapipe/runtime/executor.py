@@ -159,6 +159,7 @@ class Session:
         self._done: set[int] = set()
         self._back = 0          # how many calls back a dependency reaches, at most
         self._closing = False
+        self._drained = False      # the devices were drained after the failure
         workers = list(range(len(ex.devices))) + [HOST]
         self._queues: dict[int, dict[Lane, deque]] = {w: {} for w in workers}
         self._wake = {w: _Wake() for w in workers}
@@ -235,13 +236,16 @@ class Session:
         """Abort everything in flight (e.g. on KeyboardInterrupt) and drain the devices."""
         self.abort.set()
         self.close()
-        self.ex._drain()
+        if not self._drained:
+            self._drained = True
+            self.ex._drain()
 
     def raise_failure(self):
         """Drain the devices after the first failure and raise it as a WorkerError."""
         action, exc = self.failure
         self.close()
-        drained = self.ex._drain()
+        drained = self._drained or self.ex._drain()
+        self._drained = True
         error = self.ex._error(self.schedule_of(action), action, exc, self.describe(action))
         if not drained:
             error.args = (error.args[0] + f"\n\n{self.ex.broken}",)
