@@ -8,8 +8,13 @@ Trains the same model from the same weights on the same batches with
 - ``overlap`` steps each stage's parameters while shallower stages still run backward,
   and gives bit for bit the weights ``sync`` gives (clipping included);
 - ``stale`` runs each call on weights one step old (the RoundPipe paper's
-  asynchronous step): its losses differ slightly, and ``state_dict()`` applies the
-  step still pending.
+  asynchronous step): its losses differ slightly.
+
+In ``overlap`` and ``stale`` the calls are pipelined: ``train_step`` returns once the
+loss is known and the next call starts while this one's backward drains (the printed
+overlap is how long each mode's consecutive calls ran side by side). The learning-rate
+schedule is attached to the pipeline, which steps it after each optimizer step, and
+``step_result`` reports the learning rate each step used.
 """
 
 import torch
@@ -47,19 +52,34 @@ def batches():
         yield x, (x + 1) % VOCAB               # predict the next token id
 
 
-def train(mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(mode: str) -> tuple[list[float], dict[str, torch.Tensor], float, list[float]]:
     config = rotapipe.PipeConfig(workers=2, microbatches=4, backend="emulated",
                                  optimizer_mode=mode, clip_grad_norm=0.5)
-    with rotapipe.RoundPipe(model(), loss_fn, config=config,
-                            optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3)) as pipe:
+    with rotapipe.RoundPipe(model(), loss_fn, config=config) as pipe:
+        opt = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        pipe.attach_optimizer(opt, scheduler=sched)   # stepped after each step
         losses = [pipe.train_step(x, y) for x, y in batches()]
-        return losses, pipe.state_dict()       # stale: applies the pending step
+        lrs = [pipe.step_result(c).lrs[0] for c in range(STEPS)]
+        state = pipe.state_dict()              # waits for the calls in flight
+        tl = pipe.last_timeline(calls=STEPS)
+        # How long consecutive calls ran at the same time (0 when one at a time).
+        spans = {}
+        for sp in tl.spans:
+            lo, hi = spans.get(sp.action.call, (sp.start, sp.end))
+            spans[sp.action.call] = (min(lo, sp.start), max(hi, sp.end))
+        side_by_side = sum(max(0.0, spans[c][1] - spans[c + 1][0])
+                           for c in sorted(spans)[:-1])
+        return losses, state, side_by_side, lrs
 
 
 def main():
     runs = {mode: train(mode) for mode in ("sync", "overlap", "stale")}
-    for mode, (losses, _) in runs.items():
-        print(f"{mode:8s} losses " + " ".join(f"{l:.3f}" for l in losses))
+    for mode, (losses, _, overlap, lrs) in runs.items():
+        print(f"{mode:8s} losses " + " ".join(f"{l:.3f}" for l in losses)
+              + f"   calls side by side {overlap:6.1f} ms")
+    print("learning rate of each step (step_result): "
+          + " ".join(f"{lr:.1e}" for lr in runs["overlap"][3]))
     sync, overlap = runs["sync"][1], runs["overlap"][1]
     same = all(torch.equal(sync[k], overlap[k]) for k in sync)
     print(f"overlap weights == sync weights, bit for bit: {same}")
