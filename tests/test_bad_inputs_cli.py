@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,22 +19,17 @@ import time
 import pytest
 
 from rotapipe.cli import main
-from train_util import env, flags, text_jsonl
+from train_util import env, flags, text_jsonl, deadline
 
 EXPLICIT = ["--layers", "16", "--fwd-ms", "1", "--bwd-ms", "2", "--head-fwd-ms", "3",
             "--head-bwd-ms", "6", "--schedules", "1f1b,roundpipe"]
 
 
 @pytest.fixture(autouse=True)
-def deadline():
+def bounded():
     """Every case ends within 60 s: a hang fails the test instead of the run."""
-    def expired(signum, frame):
-        raise TimeoutError("bad-input case still running after 60 s")
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, 60.0)
-    yield
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
+    with deadline(60.0):
+        yield
 
 
 def cli(capsys, *argv) -> tuple[int, str, str]:

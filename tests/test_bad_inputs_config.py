@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import signal
 
 import pytest
 import torch
@@ -18,20 +17,16 @@ import rotapipe
 from rotapipe import (BackendKind, ConfigError, DataParallelConfig, OptimizerMode,
                       PartitionMode, PinMode, PipeConfig, PrecisionConfig, RecomputeGrain)
 from rotapipe.train import TrainConfig, load_config
+from train_util import deadline
 
 NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(autouse=True)
-def deadline():
+def bounded():
     """Every case ends within 20 s: a hang fails the test instead of the run."""
-    def expired(signum, frame):
-        raise TimeoutError("bad-input case still running after 20 s")
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, 20.0)
-    yield
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, old)
+    with deadline(20.0):
+        yield
 
 
 def refused(make, *fragments):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import random
+import signal
 import subprocess
 import sys
 
@@ -66,3 +68,19 @@ def popen(args: list[str], **kw) -> subprocess.Popen:
 def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rotapipe", "train", *args], env=env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail with TimeoutError if the block still runs after ``seconds`` (a hang fails
+    the test instead of the run; main thread only)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds:g} s")
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+

@@ -551,9 +551,6 @@ class RoundPipe:
                 self.flush()
             except BaseException as exc:  # noqa: BLE001 - raised once closed
                 error = exc
-        host_opt = getattr(self, "_host_opt", None)
-        if host_opt is not None:
-            host_opt.close()
         if getattr(self, "data_parallel", None) is not None:
             self.data_parallel.close()
         if self._finalizer is not None:

@@ -266,7 +266,7 @@ class CallReduce:
         for b in buckets:
             # Under the lock until written: a thread that finds the bucket applied must
             # find the reduced gradients in place (the caller's finish() and the
-            # optimizer thread may apply the same bucket).
+            # host lane's hand-offs may apply the same bucket).
             with self._lock:
                 if b.applied:
                     continue

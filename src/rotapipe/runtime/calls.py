@@ -106,7 +106,6 @@ class CallRunner:
         self.executor = Executor(devices, config.timeout_s)
         self._plan = plan
         self.schedules: dict[tuple[bool, int], Schedule] = {}
-        self.last_schedule: Schedule | None = None
         self._timed: tuple[Plan, dict] | None = None
 
     @property
@@ -184,7 +183,7 @@ class CallRunner:
         """Make ``state`` the data of the actions numbered ``call``."""
         runner = self.runner
         if not runner.states:
-            runner.timing = self._timing(self.plan_of_stages())
+            runner.timing = self._timing(self._plan)
             for shells in self.shells:
                 self.ls.set_training(shells)
         runner.states[call] = state
@@ -196,16 +195,12 @@ class CallRunner:
             for store in state.stores:
                 store.clear()
 
-    def plan_of_stages(self) -> Plan | None:
-        return self._plan
-
     def run(self, schedule: Schedule, ctx: CallContext, host_store: Store) -> None:
         """Run ``schedule`` on the workers; raise the first failure (as the executor
         reports it). The caller's CPU random state and the device stores are restored."""
         self.begin(0, self.state(schedule, ctx, host_store))
         rng_state = torch.get_rng_state()
         try:
-            self.last_schedule = schedule
             self.executor.run(schedule, self.runner.run, self.where, self.runner.chunks,
                               gate=self.config.gate_copies)
         finally:
@@ -320,9 +315,10 @@ class Call:
 
 
 class CallStream:
-    """Training calls on one executor session, at most ``depth`` in flight: with
-    ``depth=2`` the next call's actions start on the workers the draining call frees
-    (the asynchronous optimizer modes), with 1 every call completes before the next.
+    """Training calls on one executor session. The caller bounds how many are in flight
+    (:meth:`reap`): with two, the next call's actions start on the workers the draining
+    call frees (the asynchronous optimizer modes); with one (:meth:`drain` after each)
+    every call completes before the next.
 
     A failure aborts every call in flight. Calls that committed keep their effect; the
     others are undone (:meth:`CallHook.abort`) and reported in the exception, which
@@ -361,8 +357,10 @@ class CallStream:
 
     def wait_loss(self, call: Call) -> float:
         """Block until ``call``'s loss is in host memory and return it."""
-        keys = call.loss_keys or self.session._lasts.get(call.index, ())
-        self._guarded(lambda: self.session.wait_keys(keys))
+        if call.loss_keys:
+            self._guarded(lambda: self.session.wait_keys(call.loss_keys))
+        else:
+            self._guarded(lambda: self.session.wait_call(call.index))
         return call.read_loss()
 
     def reap(self, keep: int) -> list[Call]:

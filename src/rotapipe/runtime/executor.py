@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from ..errors import RotapipeError, WorkerError, worker_error_type
 from ..schedule import HOST, Action, ActionKind as K, Lane, Schedule
@@ -170,26 +170,23 @@ class Session:
             t.start()
 
     # -- the caller's side ---------------------------------------------------------------
-    def submit(self, schedule: Schedule, actions: Sequence[Action] | None = None) -> None:
-        """Append ``actions`` (default: all of ``schedule``'s) to the lanes. Their
-        dependencies may name actions of calls submitted before."""
-        actions = schedule.actions if actions is None else actions
+    def submit(self, schedule: Schedule) -> None:
+        """Append ``schedule``'s actions to the lanes. Their dependencies may name
+        actions of calls submitted before."""
         self.schedule = schedule
         with self._lock:
-            lasts: dict[tuple[int, Lane], str] = {}
-            for a in actions:
+            lasts: dict[tuple[int, int, Lane], str] = {}     # (call, worker, lane) -> key
+            for a in schedule.actions:
                 self.actions.setdefault(a.call, []).append(a)
-                lasts[(a.worker, a.lane)] = a.key
+                lasts[(a.call, a.worker, a.lane)] = a.key
                 wake = self._wake[a.worker]
                 self._watchers[a.key].add(wake)
                 for d in a.deps + a.host_deps:
                     self._watchers[d].add(wake)
                     self._back = max(self._back, a.call - _call_of(d))
                 self._queues[a.worker].setdefault(a.lane, deque()).append(a)
-            for a in actions:
-                self._lasts.setdefault(a.call, [])
-            for (_, _), key in lasts.items():
-                self._lasts[_call_of(key)].append(key)
+            for (call, _, _), key in lasts.items():
+                self._lasts.setdefault(call, []).append(key)
         for wake in self._wake.values():
             wake.set()
 
@@ -217,9 +214,6 @@ class Session:
         for call in sorted(self._lasts):
             if call not in self._done:
                 self.wait_call(call)
-
-    def done(self, call: int) -> bool:
-        return call in self._done
 
     def close(self) -> None:
         """Stop the dispatchers (after the work submitted was issued, or at once after a

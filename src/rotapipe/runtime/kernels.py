@@ -100,10 +100,6 @@ class ActionRunner:
 
     # The running action's call (set per action on the thread that runs it).
     @property
-    def state(self) -> CallState:
-        return self._tls.state
-
-    @property
     def ctx(self) -> CallContext:
         return self._tls.state.ctx
 

@@ -123,9 +123,6 @@ class HostOptimizer:
         if len(self.host.views) > 1:
             self.host.write_back()
 
-    def close(self) -> None:
-        pass
-
 
 class CallHook:
     """The optimizer work of one training call: :meth:`handoff` after each ``O`` action
