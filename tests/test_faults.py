@@ -409,3 +409,5 @@ def test_a_worker_stuck_past_the_drain_timeout_retires_the_pipeline():
         assert "no action completed" in msg and "cannot run again" in msg
         with pytest.raises(rotapipe.WorkerError, match="cannot run again"):
             pipe.forward_backward(x, y)
+        with pytest.warns(RuntimeWarning, match="abandoning rotapipe-w0.compute"):
+            pipe.close()

@@ -4,7 +4,8 @@ stateless, round-robin workers (CUDA GPUs, or emulated CPU workers)."""
 from .config import (BackendKind, DataParallelConfig, OptimizerMode, PartitionMode,
                      PinMode, PipeConfig, PrecisionConfig, RecomputeGrain)
 from .errors import (ConfigError, DeviceOutOfMemoryError, DistributedError, InputError,
-                     PlanError, RaceError, RotapipeError, ScheduleError, WorkerError)
+                     PipelineClosedError, PlanError, RaceError, RotapipeError,
+                     ScheduleError, WorkerError)
 from .pipe import RoundPipe
 from .plan import Plan, Stage, StageKind, even_plan
 from .runtime.rng import layer_seed
@@ -15,7 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendKind", "ConfigError", "DataParallelConfig", "DeviceOutOfMemoryError",
     "DistributedError", "InputError", "OptimizerMode", "PartitionMode", "PinMode",
-    "Plan", "PipeConfig", "PlanError", "PrecisionConfig", "RaceError", "RecomputeGrain",
+    "PipelineClosedError", "Plan", "PipeConfig", "PlanError", "PrecisionConfig", "RaceError", "RecomputeGrain",
     "RotapipeError", "RoundPipe", "Schedule", "ScheduleError", "Stage", "StageKind",
     "WorkerError", "even_plan", "layer_seed", "roundpipe_schedule", "validate",
 ]

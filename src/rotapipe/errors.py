@@ -11,6 +11,7 @@ __all__ = [
     "ScheduleError",
     "InputError",
     "WorkerError",
+    "PipelineClosedError",
     "DeviceOutOfMemoryError",
     "RaceError",
     "DistributedError",
@@ -42,6 +43,10 @@ class InputError(RotapipeError, ValueError):
 class CheckpointError(RotapipeError, RuntimeError):
     """A training checkpoint is damaged (a file missing, truncated or unreadable), or no
     checkpoint can be resumed; the message names the checkpoint and the file."""
+
+
+class PipelineClosedError(RotapipeError, RuntimeError):
+    """A method of a :class:`rotapipe.RoundPipe` was called after ``close()``."""
 
 
 class DeviceOutOfMemoryError(RotapipeError, MemoryError):

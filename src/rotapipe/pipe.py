@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from .config import OptimizerMode, PinMode, PipeConfig
-from .errors import ConfigError, DistributedError, InputError, ScheduleError, WorkerError
+from .errors import (ConfigError, DistributedError, InputError, PipelineClosedError,
+                     ScheduleError, WorkerError)
 from .model import LayerSet
 from .planner.pipeline import PipePlanner
 from .plan import Plan
@@ -30,6 +32,7 @@ from .runtime.backend import Device
 from .runtime.calls import (Call, CallRunner, CallStream, StepResult, check_stage_budget,
                             split_batch, timeline)
 from .runtime.devices import make_devices
+from .runtime.executor import ABANDON_S, abandon
 from .runtime.host import CallGrads, HostState, LossScaler
 from .runtime.pinning import HostPinning, resolve_pin
 from .runtime.optimizer import HostOptimizer
@@ -104,6 +107,7 @@ class RoundPipe:
         # belong to the caller.
         self._stream: CallStream | None = None
         self._streams: list[CallStream] = []      # for the finalizer (no reference to self)
+        self._closed = False
         self._finalizer = weakref.finalize(self, _close, self.devices, self._streams) \
             if devices is None else None
         try:
@@ -167,12 +171,14 @@ class RoundPipe:
     def parameters(self) -> Iterator[nn.Parameter]:
         """The fp32 master weights (trainable parameters only), each once, after the
         calls in flight completed (:meth:`flush`)."""
+        self._check_open()
         self.flush()
         return iter([self.layerset.params[pid] for pid in self.host.trainable])
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(name, master)`` pairs; names are ``"<layer index>.<path>"`` (after
         :meth:`flush`)."""
+        self._check_open()
         self.flush()
         return iter([(self.layerset.param_names[pid], self.layerset.params[pid])
                      for pid in self.host.trainable])
@@ -187,6 +193,7 @@ class RoundPipe:
         :meth:`train_step` returns, so a scheduler stepped by the caller would change
         the learning rate of that step: pass it here instead
         (:meth:`step_result` gives the learning rate each step used)."""
+        self._check_open()
         if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
             raise ConfigError("the scheduler does not drive this optimizer: build it over "
                               "the optimizer passed to attach_optimizer")
@@ -233,6 +240,7 @@ class RoundPipe:
         With ``config.optimizer_mode="overlap"`` or ``"stale"`` the call returns once its
         loss is known, while its backward still drains (docs/optimizer.md).
         """
+        self._check_open()
         with self._lock:
             return self._train_call(inputs, labels, step=False)
 
@@ -252,6 +260,7 @@ class RoundPipe:
         of a call still draining is raised by the next call (or :meth:`flush`), with
         the fate of every call in flight (docs/optimizer.md, "Failures").
         """
+        self._check_open()
         self._need_optimizer()
         with self._lock:
             return self._train_call(inputs, labels, step=True)
@@ -262,6 +271,7 @@ class RoundPipe:
         runs on the weights of the last step. Reading or replacing weights
         (:meth:`state_dict`, :meth:`load_state_dict`, evaluation,
         :meth:`pipeline_state`, :meth:`step`, :meth:`close`) flushes first."""
+        self._check_open()
         with self._lock:
             self._flush()
 
@@ -353,6 +363,7 @@ class RoundPipe:
         gradients overflowed is skipped (and the scale lowered): returns ``False``.
         Clips to ``config.clip_grad_norm`` first when set. Always synchronous, whatever
         ``config.optimizer_mode`` (after the calls in flight completed)."""
+        self._check_open()
         self._need_optimizer()
         with self._lock:
             self._flush()
@@ -371,6 +382,7 @@ class RoundPipe:
         the learning rates, the gradient norm (clipping on) and whether it was skipped;
         ``None`` for a call that ended no step. Waits for that call to complete; the
         last 64 calls are kept."""
+        self._check_open()
         with self._lock:
             stream = self._stream
             while any(c.number <= call for c in stream.inflight):
@@ -403,6 +415,7 @@ class RoundPipe:
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients without stepping (after the calls in flight)."""
+        self._check_open()
         with self._lock:
             self._flush()
             self.host.zero_grad()
@@ -413,6 +426,7 @@ class RoundPipe:
 
         Runs forward stages only (the layers' train/eval flags apply as set; buffer
         updates made during evaluation are not kept)."""
+        self._check_open()
         with self._lock:
             self._flush()
             M = min(self.config.microbatches, trees.batch_size(inputs, "inputs"))
@@ -437,12 +451,14 @@ class RoundPipe:
         ``state_dict`` of the container passed in (``nn.Sequential(*layers)`` for a
         list). The tensors are the live masters: copy them to keep a snapshot. Stale
         optimizer: applies the pending step first (:meth:`flush`)."""
+        self._check_open()
         self.flush()
         return self._container.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load weights and buffers (keys as :meth:`state_dict`) into the masters and
         refresh the compute-dtype copies the workers upload."""
+        self._check_open()
         with self._lock:
             self._flush()
             self._container.load_state_dict(state)
@@ -452,11 +468,13 @@ class RoundPipe:
         """The pipeline's own counters, for exact resume: training calls and evaluation
         calls (they define the random streams) and the loss scaler. Weights are in
         :meth:`state_dict`, optimizer state in the optimizer's (stale: flushes first)."""
+        self._check_open()
         self.flush()
         return {"calls": self.calls, "evals": self._evals, "scaler": self.scaler.state_dict()}
 
     def load_pipeline_state(self, state: dict) -> None:
         """Restore what :meth:`pipeline_state` returned."""
+        self._check_open()
         with self._lock:
             self._flush()
             self.calls, self._evals = int(state["calls"]), int(state["evals"])
@@ -486,6 +504,7 @@ class RoundPipe:
         ``offload_optimizer=True``: build the pipeline with ``plan=bound_plan(...)`` and
         pass e.g. ``one_f_one_b_schedule(pipe.plan, workers, microbatches,
         offload_optimizer=True)``."""
+        self._check_open()
         if not isinstance(schedule, Schedule):
             raise ConfigError(f"use_schedule takes a rotapipe Schedule, got "
                               f"{type(schedule).__name__}")
@@ -543,7 +562,13 @@ class RoundPipe:
     def close(self) -> None:
         """Wait for the calls in flight (a failure of theirs is raised after the
         pipeline is closed), then stop the worker threads (emulated backend) and
-        release pinned memory. The pipeline is unusable after."""
+        release pinned memory. The pipeline is unusable after: every method raises
+        :class:`~rotapipe.errors.PipelineClosedError` at once (the trained weights stay
+        in the model passed in). Bounded: a worker stuck in an action after a timeout
+        retired the pipeline is abandoned with a warning (its daemon thread ends with
+        the process). Closing twice does nothing."""
+        if self._closed:
+            return
         error = None
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.inflight and hasattr(self, "_lock"):
@@ -551,6 +576,7 @@ class RoundPipe:
                 self.flush()
             except BaseException as exc:  # noqa: BLE001 - raised once closed
                 error = exc
+        self._closed = True
         if getattr(self, "data_parallel", None) is not None:
             self.data_parallel.close()
         if self._finalizer is not None:
@@ -559,6 +585,13 @@ class RoundPipe:
             self.pinning.close()       # after the workers stopped reading the weights
         if error is not None:
             raise error
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineClosedError(
+                "this RoundPipe was closed (close(), or the end of its with-block): "
+                "build a new one to go on; the trained weights are in the model you "
+                "wrapped (model.state_dict())")
 
     def __enter__(self):
         return self
@@ -613,8 +646,17 @@ class RoundPipe:
 
 
 def _close(devices, streams=()) -> None:
-    for stream in streams:       # dispatchers of calls still in flight stop first
+    """Stop the dispatchers of calls still in flight, then the devices' threads; after
+    a timeout retired the pipeline, threads stuck in an action are abandoned (bounded,
+    also at interpreter exit, where this runs as a finalizer)."""
+    for stream in streams:
         if stream.session is not None:
             stream.session.kill()
+    broken = next((s.runner.executor for s in streams if s.runner.executor.broken), None)
+    deadline = time.monotonic() + ABANDON_S
     for d in devices:
-        d.close()
+        d.stop()
+    stuck = [t for d in devices
+             for t in d.close(max(0.0, deadline - time.monotonic()) if broken else None)]
+    if stuck:
+        abandon(broken, stuck)

@@ -138,8 +138,15 @@ class Device(abc.ABC):
     def reset_peak(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def stop(self) -> None:
+        """Tell the device's threads to end once their work is done (:meth:`close`
+        waits for them); closing several devices, stop them all first."""
+
+    def close(self, timeout: float | None = None) -> list:
+        """Release the device's threads and memory. Waits at most ``timeout`` seconds
+        (``None``: as long as it takes) for threads still running work; returns those
+        that did not stop (the caller abandons them)."""
+        return []
 
 
 class HostStream(Stream):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
@@ -65,6 +66,7 @@ class EmulatedStream(Stream):
         self._waits = 0             # blocking waits submitted
         self._passed = 0            # ... and passed by the stream thread
         self._deferred: list = []   # copy items behind a blocking wait, in order
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"rotapipe-{name}",
                                         daemon=True)
         self._thread.start()
@@ -92,12 +94,20 @@ class EmulatedStream(Stream):
         self._q.put(("record", ev))
         return ev
 
-    def close(self):
+    def stop(self) -> None:
+        """Let the thread end once its queue is done; a wait for an event that never
+        completes (its producer is stuck) no longer holds it."""
+        self._closing.set()
+        self._q.put(None)
+
+    def join(self, timeout: float | None = None) -> threading.Thread | None:
+        """After :meth:`stop`: the thread, if it is still running work after
+        ``timeout`` seconds (stuck in an action: abandoned by the caller)."""
         # Join: a daemon thread still freeing tensors while the interpreter shuts down
         # aborts the process ("terminate called without an active exception").
-        self._q.put(None)
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
+        return self._thread if self._thread.is_alive() else None
 
     def _passed_wait(self) -> None:
         """A blocking wait passed: copies queued behind it (and no later wait) are
@@ -122,7 +132,9 @@ class EmulatedStream(Stream):
                 self._run(*payload)
             elif kind == "wait":
                 event, blocking = payload
-                event.done.wait()
+                while not event.done.wait(0.05):
+                    if self._closing.is_set():
+                        return
                 self.actor.merge(event)
                 if blocking and self.engine is not None:
                     self._passed_wait()
@@ -240,10 +252,18 @@ class EmulatedDevice(Device):
         events = [s.record() for s in self._streams.values()]
         return all(ev.done.wait(timeout) for ev in events)
 
-    def close(self):
+    def stop(self):
         for s in self._streams.values():
-            s.close()
+            s.stop()
+
+    def close(self, timeout=None):
+        self.stop()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stuck = [t for t in (s.join(None if deadline is None else
+                                    max(0.0, deadline - time.monotonic()))
+                             for s in self._streams.values()) if t]
         self._device_blocks, self._host_blocks = BlockPool(), BlockPool()
+        return stuck
 
 
 def _fmt(n: int) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 
@@ -51,6 +52,9 @@ class Executor:
         was *issued* (kernels run asynchronously), not when the device ran it."""
         self.drain_timeout_s = timeout_s
         self.broken: str | None = None
+        """Why the pipeline cannot run again (a worker stuck past the drain timeout)."""
+        self.abandoned: list[threading.Thread] = []
+        """Threads stuck in an action that :meth:`Session.close` gave up waiting for."""
 
     def run(self, schedule: Schedule, body: Callable[[Action], None],
             describe: Callable[[Action], str] = lambda a: "",
@@ -82,16 +86,19 @@ class Executor:
             raise WorkerError(self.broken)
         return Session(self, body, describe, chunks, gate)
 
-    def _drain(self) -> bool:
+    def _drain(self, running: Callable[[], str] = lambda: "") -> bool:
         """Wait for every stream to finish what it is running (queued work of the
         aborted call is skipped). A stream stuck in user code for longer than
-        ``drain_timeout_s`` makes the pipeline unusable instead of hanging the caller."""
+        ``drain_timeout_s`` makes the pipeline unusable instead of hanging the caller;
+        ``running()`` names what is still running then."""
         deadline = time.monotonic() + self.drain_timeout_s
         for d in self.devices:
             if not d.drain(max(0.0, deadline - time.monotonic())):
+                what = running()
                 self.broken = (f"worker {d.index} did not stop within "
-                               f"{self.drain_timeout_s:g} s after the failure (an action is "
-                               "stuck): this pipeline cannot run again; build a new one")
+                               f"{self.drain_timeout_s:g} s after the failure ("
+                               + (f"still running: {what}" if what else "an action is stuck")
+                               + "): this pipeline cannot run again; build a new one")
                 return False
         return True
 
@@ -154,6 +161,10 @@ class Session:
         self.events: dict[str, object] = {}
         self.last_progress = time.monotonic()
         self.spans: list[tuple[Action, float, float]] = []   # appended by stream threads
+        self.running: dict[int, tuple[Action, float]] = {}
+        """Thread id -> the action whose work that thread is running now, and since when
+        (``time.monotonic``): emulated streams run the work itself; on CUDA it is the
+        host side of the work (issuing kernels, host-lane actions)."""
         self.actions: dict[int, list[Action]] = {}     # call -> its actions, in order
         self._lasts: dict[int, list[str]] = {}        # call -> last key of each lane
         self._done: set[int] = set()
@@ -217,14 +228,31 @@ class Session:
 
     def close(self) -> None:
         """Stop the dispatchers (after the work submitted was issued, or at once after a
-        failure)."""
+        failure). After a failure a dispatcher still stuck in an action (CUDA runs the
+        host side of the work on it) past the drain timeout retires the pipeline and
+        is abandoned with a warning instead of blocking the caller."""
         self._closing = True
         for wake in self._wake.values():
             wake.set()
         if self.failure is not None:
             self.abort.set()
+        ex = self.ex
+        limit = ABANDON_S if ex.broken else ex.drain_timeout_s if self.abort.is_set() \
+            else None
+        deadline = None if limit is None else time.monotonic() + limit
+        stuck = []
         for t in self.threads:
-            t.join()
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                stuck.append(t)
+        if stuck:
+            running = self.describe_running()
+            if not ex.broken:
+                ex.broken = (f"{stuck[0].name} did not stop within {limit:g} s after the "
+                             "failure (" + (f"still running: {running}" if running else
+                                           "an action is stuck") + "): this pipeline "
+                             "cannot run again; build a new one")
+            abandon(ex, stuck)
 
     def kill(self) -> None:
         """Abort everything in flight (e.g. on KeyboardInterrupt) and drain the devices."""
@@ -232,16 +260,24 @@ class Session:
         self.close()
         if not self._drained:
             self._drained = True
-            self.ex._drain()
+            self.ex._drain(self.describe_running)
+
+    def describe_running(self) -> str:
+        """The actions running now, oldest first, with their worker and for how long."""
+        now = time.monotonic()
+        items = sorted(self.running.copy().values(), key=lambda r: r[1])
+        return "; ".join(f"{a.key} ({_VERBS[a.kind]}) on "
+                         f"{'the host' if a.worker == HOST else f'worker {a.worker}'} for "
+                         f"{now - t0:.0f} s" for a, t0 in items)
 
     def raise_failure(self):
         """Drain the devices after the first failure and raise it as a WorkerError."""
         action, exc = self.failure
         self.close()
-        drained = self._drained or self.ex._drain()
+        drained = self._drained or self.ex._drain(self.describe_running)
         self._drained = True
         error = self.ex._error(self.schedule_of(action), action, exc, self.describe(action))
-        if not drained:
+        if self.ex.broken:
             error.args = (error.args[0] + f"\n\n{self.ex.broken}",)
         raise error from exc
 
@@ -409,10 +445,18 @@ class Session:
         return notify
 
     def _runner(self, a: Action, work: Callable[[], None]):
-        """``work`` (the body of ``a``, or one of its chunks), recording its span."""
+        """``work`` (the body of ``a``, or one of its chunks), recording its span and,
+        while it runs, that it is running (:attr:`running`)."""
+        running = self.running
+
         def run():
+            me = threading.get_ident()
+            running[me] = (a, time.monotonic())
             t0 = time.perf_counter()
-            work()
+            try:
+                work()
+            finally:
+                running.pop(me, None)
             self.spans.append((a, t0, time.perf_counter()))
             self.last_progress = time.monotonic()
         return run
@@ -420,16 +464,35 @@ class Session:
     def _check_timeout(self) -> None:
         idle = time.monotonic() - self.last_progress
         if idle > self.ex.timeout_s and self.failure is None:
-            pending = [a for c in sorted(self.actions) for a in self.actions[c]
-                       if a.key not in self.events]
-            issued = [a for c in sorted(self.actions) for a in self.actions[c]
-                      if a.key in self.events and not self.events[a.key].query()]
-            stuck = (issued or pending or [self.schedule.actions[0]])[0]
-            what = "the oldest issued action not yet complete" if issued else \
-                "the first action not yet issued"
+            stuck, what = self._stalled()
             self.fail(stuck, TimeoutError(
                 f"no action completed for {idle:.0f} s (timeout_s={self.ex.timeout_s}); "
-                f"{what} is marked"))
+                f"{what}"))
+
+    def _stalled(self) -> tuple[Action, str]:
+        """The action a stall is blamed on (marked in the message), and what to say.
+
+        An action whose work is running (:attr:`running`) is the culprit; otherwise
+        (on CUDA, where the device runs the kernels after the host issued them) the
+        oldest issued action whose dependencies all completed: a stream runs in order,
+        so that one is what its stream is executing."""
+        running = self.describe_running()
+        if running:
+            oldest = min(self.running.copy().values(), key=lambda r: r[1])[0]
+            return oldest, f"running: {running} (marked)"
+        events = self.events
+        acts = [a for c in sorted(self.actions) for a in self.actions[c]]
+        issued = [a for a in acts if a.key in events and not events[a.key].query()]
+        for a in issued:
+            if all(d in events and events[d].query() for d in a.deps):
+                who = "the host" if a.worker == HOST else f"worker {a.worker}"
+                return a, (f"{a.key} ({_VERBS[a.kind]}) on {who} was issued with its "
+                           "inputs ready and has not completed (marked)")
+        if issued:
+            return issued[0], "the oldest issued action not yet complete is marked"
+        pending = [a for a in acts if a.key not in events]
+        return (pending or [self.schedule.actions[0]])[0], \
+            "the first action not yet issued is marked"
 
 
 def _call_of(key: str) -> int:
@@ -458,6 +521,19 @@ class _Wake:
             if self.generation == seen:
                 self.cond.wait(timeout)
 
+
+def abandon(ex: Executor, threads: list[threading.Thread]) -> None:
+    """Give up waiting for threads stuck in an action of a retired pipeline
+    (``ex.broken`` says which): they are daemon threads, so they do not keep the
+    process alive."""
+    ex.abandoned.extend(threads)
+    warnings.warn(f"rotapipe: abandoning {', '.join(t.name for t in threads)}, stuck in "
+                  f"an action ({ex.broken}); daemon threads, they end with the process",
+                  RuntimeWarning, stacklevel=3)
+
+
+ABANDON_S = 1.0
+"""How long closing a retired pipeline waits for a thread stuck in an action."""
 
 _IDLE_MIN, _IDLE_MAX = 1e-4, 2e-3
 """Polling interval of a dispatcher waiting for a completion on CUDA (seconds)."""
