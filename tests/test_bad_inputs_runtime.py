@@ -12,6 +12,7 @@ type, a message naming the problem, a bounded time, and that the state is unchan
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -155,3 +156,341 @@ def test_a_script_with_a_stuck_worker_exits_without_close(tmp_path):
     assert "raised: forward F:" in done.stdout
     assert "abandoning rotapipe-w" in done.stderr
     assert took < 20, f"exit took {took:.1f} s (the stuck layer sleeps 60 s)"
+
+
+# -- non-finite losses and gradients ---------------------------------------------------
+
+class InfGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies by inf while armed (a finite loss with a
+    non-finite gradient, as a sqrt at 0 or an overflowing custom kernel gives)."""
+
+    @staticmethod
+    def forward(ctx, x, armed):
+        ctx.armed = armed
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g * float("inf") if ctx.armed else g), None
+
+
+class Switch:
+    armed = False
+
+    def __deepcopy__(self, memo):        # workers' shells share the user's switch
+        return self
+
+
+class MaybeInf(nn.Module):
+    def __init__(self, switch: Switch):
+        super().__init__()
+        self.switch = switch
+
+    def forward(self, x):
+        return InfGrad.apply(x, self.switch.armed)
+
+
+def nonfinite_model(switch: Switch) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), MaybeInf(switch), nn.Tanh(), nn.Linear(8, 8),
+                         nn.Linear(8, 4))
+
+
+def reference_steps(start: dict, batches, lr: float) -> nn.Module:
+    """Plain PyTorch from the state ``start``: one SGD step per batch."""
+    ref = nonfinite_model(Switch())
+    ref.load_state_dict(start)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9)
+    for x, y in batches:
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return ref
+
+
+def full_state(pipe, opt) -> dict:
+    out = {f"w.{k}": v.detach().clone() for k, v in pipe.layerset.layers[0].state_dict().items()}
+    for i, p in enumerate(pipe.layerset.params):
+        out[f"param{i}"] = p.detach().clone()
+        out[f"grad{i}"] = None if p.grad is None else p.grad.clone()
+        st = opt.state.get(p, {})
+        for k, v in st.items():
+            out[f"opt{i}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def assert_full_state(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for k in before:
+        a, b = before[k], after[k]
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), k
+        else:
+            assert a == b, k
+
+
+MODES = ("sync", "overlap", "stale")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_a_non_finite_loss_or_gradient_raises_and_changes_nothing(mode, where):
+    switch = Switch()
+    model = nonfinite_model(switch)
+    start = state_of(model)
+    pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss,
+                              config=emulated(2, 2, optimizer_mode=mode))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    pipe.attach_optimizer(opt)
+    good = [batch(8, seed) for seed in (1, 2, 3)]
+    with deadline(60):
+        pipe.train_step(*good[0])
+        pipe.flush()
+        before = full_state(pipe, opt)
+        x, y = batch(8, 9)
+        if where == "loss":
+            x[3, 1] = float("nan")
+        switch.armed = where == "gradient"
+        # sync checks the loss first; with overlapping calls the gradient hand-off of the
+        # tail may see the NaN gradients before the caller sees the loss.
+        loss_msg = r"loss of training call 1 is nan \(microbatch losses \[nan, [-0-9.e]+\]\)"
+        grad_msg = r"gradient of \d\.\w+ .*is not finite \(NaN\)" if where == "loss" else \
+            r"gradient of 0\.\w+ .*is not finite"
+        with pytest.raises(rotapipe.NonFiniteError,
+                           match=loss_msg if where == "loss" and mode == "sync" else
+                           f"{loss_msg}|{grad_msg}" if where == "loss" else grad_msg) as info:
+            pipe.train_step(x, y)
+            pipe.flush()          # overlap/stale: a failure of a call in flight
+        switch.armed = False
+        assert re.search("changed nothing|no weight, gradient or optimizer state changed",
+                         str(info.value))
+        assert info.value.calls_committed == 1
+        assert_full_state(before, full_state(pipe, opt))
+        if mode == "stale":
+            return     # the delayed reference is test_pipelined_calls's; state checked
+        for b in good[1:]:
+            pipe.train_step(*b)
+        pipe.flush()
+    ref = reference_steps(start, good, 0.05)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
+    pipe.close()
+
+
+def test_a_non_finite_gradient_in_an_accumulating_call_raises_and_keeps_the_gradient():
+    switch = Switch()
+    model = nonfinite_model(switch)
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2)) as pipe:
+        pipe.forward_backward(*batch(8, 1))
+        grads = [p.grad.clone() for p in pipe.parameters()]
+        switch.armed = True
+        with pytest.raises(rotapipe.NonFiniteError, match=r"gradient of 0\.\w+ .*not finite"):
+            pipe.forward_backward(*batch(8, 2))
+        for p, g in zip(pipe.parameters(), grads):
+            assert torch.equal(p.grad, g)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_skip_drops_the_non_finite_step_counts_it_and_trains_on(mode):
+    switch = Switch()
+    model = nonfinite_model(switch)
+    start = state_of(model)
+    pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss,
+                              config=emulated(2, 2, optimizer_mode=mode, nonfinite="skip"))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.05, momentum=0.9)
+    pipe.attach_optimizer(opt)
+    good = [batch(8, seed) for seed in (1, 2, 3)]
+    with deadline(60):
+        pipe.train_step(*good[0])
+        bad_x, bad_y = batch(8, 9)
+        bad_x[0, 0] = float("inf") * 0        # NaN input: NaN loss and gradients
+        loss = pipe.train_step(bad_x, bad_y)
+        assert loss != loss
+        for b in good[1:]:
+            pipe.train_step(*b)
+        pipe.flush()
+        assert pipe.nonfinite_skips == 1
+        assert pipe.step_result(1).skipped and not pipe.step_result(2).skipped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    if mode != "stale":        # stale's delayed steps: checked by finiteness above
+        ref = reference_steps(start, good, 0.05)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=name)
+    pipe.close()
+
+
+# -- the training job: skip, stop after skips in a row, never a non-finite checkpoint ----
+
+def _train_config(tmp_path, **changes):
+    from rotapipe.train import TrainConfig
+    from train_util import TINY, text_jsonl
+    data = text_jsonl(tmp_path / "corpus.jsonl")
+    settings = {**TINY, "data": str(data), "out_dir": str(tmp_path / "run"), "warmup": 0,
+                "eval_interval": 0, "grad_clip": 0, "steps": 30, **changes}
+    return TrainConfig(**settings)
+
+
+def test_train_skips_non_finite_steps_then_stops_after_too_many_in_a_row(tmp_path, capsys):
+    from rotapipe.train import train
+    # SGD at lr 1e30: the first step blows the weights up, every later gradient is NaN.
+    cfg = _train_config(tmp_path, optimizer="sgd", lr=1e30, max_skipped_steps=3,
+                        save_interval=1)
+    with deadline(120), pytest.raises(rotapipe.NonFiniteError,
+                                      match=r"3 optimizer steps in a row were skipped "
+                                            r"\(non-finite loss or gradient, steps 2\.\.4\)"):
+        train(cfg)
+    out = capsys.readouterr().out
+    assert out.count("(skipped: non-finite loss or gradient)") == 3
+    # every checkpoint written holds finite weights
+    from rotapipe.train import load_checkpoint, latest_checkpoint
+    ck = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert ck is not None and ck.name == "step-00000003"
+    masters, _, _ = load_checkpoint(ck)
+    assert all(torch.isfinite(t).all() for t in masters.values())
+
+
+def test_train_with_nonfinite_raise_stops_at_the_first_bad_step(tmp_path):
+    from rotapipe.train import train
+    cfg = _train_config(tmp_path, optimizer="sgd", lr=1e30, nonfinite="raise")
+    with deadline(120), pytest.raises(rotapipe.NonFiniteError, match="not finite"):
+        train(cfg)
+
+
+def test_train_never_writes_a_checkpoint_with_non_finite_weights(tmp_path, monkeypatch):
+    from rotapipe.train import latest_checkpoint, loop, train
+    real = loop._Job.train_step
+
+    def poisoned(job):             # a step that left a weight NaN (finite gradients)
+        record = real(job)
+        if job.step == 2:
+            job.pipe.flush()
+            with torch.no_grad():
+                next(iter(job.pipe.parameters())).view(-1)[0] = float("nan")
+        return record
+    monkeypatch.setattr(loop._Job, "train_step", poisoned)
+    cfg = _train_config(tmp_path, steps=4, save_interval=1)
+    with deadline(120), pytest.raises(rotapipe.NonFiniteError,
+                                      match=r"weights are not finite at step 2 .*no "
+                                            r"checkpoint written; the last one is .*step-00000001"):
+        train(cfg)
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step-00000001"
+
+
+# -- one owner per parameter -----------------------------------------------------------
+
+def test_a_module_shared_by_two_live_pipelines_is_refused_and_free_after_close():
+    model = linear_model()
+    first = rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2))
+    first.forward_backward(*batch())
+    grads = [p.grad.clone() for p in first.parameters()]
+    with pytest.raises(rotapipe.ConfigError, match=r"parameter 0\.weight \(and 5 more\) is "
+                                                   r"already trained by another live "
+                                                   r"RoundPipe: close\(\) that one first"):
+        rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2))
+    # the refused pipeline touched nothing: the first one's gradient is intact
+    for p, g in zip(first.parameters(), grads):
+        assert torch.equal(p.grad, g)
+    first.close()
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2)) as second:
+        second.forward_backward(*batch())
+    # a pipeline dropped without close() frees its parameters too
+    other = linear_model(3)
+    rotapipe.RoundPipe(other, nn.functional.mse_loss, config=emulated(1, 1))
+    with rotapipe.RoundPipe(other, nn.functional.mse_loss, config=emulated(1, 1)):
+        pass
+
+
+# -- load_state_dict: all or nothing ---------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["sync", "stale"])
+def test_load_state_dict_validates_everything_first_and_refreshes_the_workers(dtype, mode):
+    model = linear_model()
+    pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(
+        2, 2, precision={"fp32": "float32", "bf16": "bfloat16"}[dtype], optimizer_mode=mode))
+    pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+    x, y = batch()
+    pipe.train_step(x, y)
+    pipe.flush()                     # stale: the pending step lands first
+    before, out_before = state_of(model), pipe(x)
+    new = {k: v * 2 + 1 for k, v in before.items()}
+    bad = dict(new)
+    bad["2.weight"] = torch.zeros(3, 3)
+    bad["3.bias"] = torch.zeros(4, dtype=torch.int64)
+    bad["extra"] = torch.zeros(1)
+    del bad["0.bias"]
+    with pytest.raises(rotapipe.ConfigError) as info:
+        pipe.load_state_dict(bad)
+    msg = str(info.value)
+    for part in ("missing key '0.bias'", "unexpected key 'extra'",
+                 "'2.weight' has shape (3, 3), the model's is (8, 8)",
+                 "'3.bias' has dtype torch.int64", "Nothing was loaded"):
+        assert part in msg
+    assert_state(model, before)
+    assert torch.equal(pipe(x), out_before)        # the workers' copies did not move
+    pipe.load_state_dict(new)
+    # the workers compute with the new weights: equal to a fresh pipeline over them
+    fresh_model = linear_model(5)
+    fresh_model.load_state_dict(new)
+    with rotapipe.RoundPipe(fresh_model, nn.functional.mse_loss, config=emulated(
+            2, 2, precision={"fp32": "float32", "bf16": "bfloat16"}[dtype])) as fresh:
+        assert torch.equal(pipe(x), fresh(x))
+    pipe.close()
+
+
+# -- in-place parameter updates in forward ---------------------------------------------
+
+class BumpsItsBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bump = False
+
+    def forward(self, x):
+        if self.bump:
+            with torch.no_grad():
+                self.lin.bias.add_(1.0)      # a running statistic kept in a parameter
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("call", ["train", "evaluate"])
+def test_a_layer_updating_its_parameter_in_place_is_refused(call):
+    torch.manual_seed(0)
+    bumper = BumpsItsBias()
+    model = nn.Sequential(nn.Linear(4, 4), bumper, nn.Linear(4, 4))
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2)) as pipe:
+        x, y = batch(8)
+        pipe.forward_backward(x, y)                # fine while it does not bump
+        before = state_of(model)
+        grads = [p.grad.clone() for p in pipe.parameters()]
+        for shell in pipe._calls.shells:
+            shell[1].module.bump = True
+        with pytest.raises(rotapipe.InputError, match=r"layer 1 \(BumpsItsBias\) changed its "
+                                                      r"parameter\(s\) 1\.lin\.bias in place"):
+            pipe.forward_backward(x, y) if call == "train" else pipe(x)
+        assert_state(model, before)
+        for p, g in zip(pipe.parameters(), grads):
+            assert torch.equal(p.grad, g)
+
+
+# -- one batch contract for training and evaluation ------------------------------------
+
+class HalvesTheBatch(nn.Module):
+    def forward(self, x):
+        return x[: x.shape[0] // 2]
+
+
+@pytest.mark.parametrize("call", ["train", "evaluate"])
+def test_a_layer_changing_the_batch_size_is_refused_in_training_and_evaluation(call):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), HalvesTheBatch(), nn.Linear(4, 4))
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2)) as pipe:
+        x, y = batch(8)
+        before = state_of(model)
+        with pytest.raises(rotapipe.InputError, match=r"layer 1 \(HalvesTheBatch\) returned 2 "
+                                                      r"rows in dim 0 .* for a microbatch of 4 "
+                                                      r"samples: every layer must keep the "
+                                                      r"batch in dim 0"):
+            pipe.forward_backward(x, y) if call == "train" else pipe(x)
+        assert_state(model, before)
+        assert all(p.grad is None for p in pipe.parameters())

@@ -10,8 +10,8 @@ import torch
 from . import _validate as check
 from .errors import ConfigError
 
-__all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "OptimizerMode",
-           "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig"]
+__all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "NonFinite",
+           "OptimizerMode", "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig"]
 
 
 class RecomputeGrain(str, enum.Enum):
@@ -62,6 +62,22 @@ class OptimizerMode(str, enum.Enum):
     STALE = "stale"
     """Once the call is complete, while the next calls run on weights one step old
     (the RoundPipe paper's asynchronous step; not exact)."""
+
+
+class NonFinite(str, enum.Enum):
+    """What a training call does when its loss or a gradient is not finite (NaN or
+    infinite; a gradient whose L2 norm overflows fp32 counts, as in
+    ``clip_grad_norm_(error_if_nonfinite=True)``). Under dynamic loss scaling a
+    non-finite gradient is an fp16 overflow: the step is skipped and the scale lowered,
+    whatever this says."""
+
+    RAISE = "raise"
+    """The call fails with :class:`rotapipe.errors.NonFiniteError` and changes nothing
+    (the API's default)."""
+    SKIP = "skip"
+    """The optimizer step is skipped (its gradients dropped) and counted
+    (:attr:`rotapipe.RoundPipe.nonfinite_skips`); training goes on (``rotapipe train``'s
+    default, which stops after ``max_nonfinite_skips`` skips in a row)."""
 
 
 class PinMode(str, enum.Enum):
@@ -214,6 +230,9 @@ class PipeConfig:
     clip_grad_norm: float | None = None
     """Clip gradients to this global L2 norm before every step, as
     ``torch.nn.utils.clip_grad_norm_`` over all trainable parameters (``None``: off)."""
+    nonfinite: NonFinite | str = NonFinite.RAISE
+    """A non-finite loss or gradient: ``"raise"`` (the call fails, nothing changes) or
+    ``"skip"`` (the step is skipped and counted): :class:`NonFinite`."""
     timeout_s: float = 600.0
     """A call whose workers make no progress for this long fails instead of hanging;
     a worker still stuck in an action this long after a failure retires the pipeline
@@ -244,7 +263,7 @@ class PipeConfig:
 
     def __post_init__(self):
         enums = {"grain": RecomputeGrain, "backend": BackendKind, "optimizer_mode": OptimizerMode,
-                 "partition": PartitionMode}
+                 "partition": PartitionMode, "nonfinite": NonFinite}
         for name, kind in enums.items():
             object.__setattr__(self, name, check.choice(kind, name, getattr(self, name)))
         if self.pin is not None:

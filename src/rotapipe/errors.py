@@ -12,6 +12,7 @@ __all__ = [
     "InputError",
     "WorkerError",
     "PipelineClosedError",
+    "NonFiniteError",
     "DeviceOutOfMemoryError",
     "RaceError",
     "DistributedError",
@@ -43,6 +44,11 @@ class InputError(RotapipeError, ValueError):
 class CheckpointError(RotapipeError, RuntimeError):
     """A training checkpoint is damaged (a file missing, truncated or unreadable), or no
     checkpoint can be resumed; the message names the checkpoint and the file."""
+
+
+class NonFiniteError(RotapipeError, FloatingPointError):
+    """A training call's loss or gradient is not finite (``PipeConfig.nonfinite="raise"``);
+    the call changed nothing."""
 
 
 class PipelineClosedError(RotapipeError, RuntimeError):

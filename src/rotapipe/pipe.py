@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import gc
+import math
 import threading
 import time
 import warnings
@@ -19,9 +21,9 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .config import OptimizerMode, PinMode, PipeConfig
-from .errors import (ConfigError, DistributedError, InputError, PipelineClosedError,
-                     ScheduleError, WorkerError)
+from .config import NonFinite, OptimizerMode, PinMode, PipeConfig
+from .errors import (ConfigError, DistributedError, InputError, NonFiniteError,
+                     PipelineClosedError, ScheduleError, WorkerError)
 from .model import LayerSet
 from .planner.pipeline import PipePlanner
 from .plan import Plan
@@ -94,6 +96,7 @@ class RoundPipe:
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.layerset = LayerSet(layers)
+        _claim(self)
         # state_dict keys follow the user's container (named nn.Sequential keeps names).
         self._container = layers if isinstance(layers, nn.Module) else \
             nn.Sequential(*self.layerset.layers)
@@ -130,7 +133,7 @@ class RoundPipe:
         check_stage_budget(plan, self.layerset, self.host, self.devices)
         self.scaler = LossScaler(config.precision)
         self._host_opt = HostOptimizer(self.host, self.scaler, config.optimizer_mode,
-                                       config.clip_grad_norm)
+                                       config.clip_grad_norm, config.nonfinite)
         self._calls = CallRunner(self.layerset, self.host, loss_fn, self.devices, config,
                                  plan, side_inputs=side_inputs,
                                  tail_context=self.tail_context, pinning=self.pinning)
@@ -334,6 +337,14 @@ class RoundPipe:
         try:
             stream.submit(call)
             loss = stream.wait_loss(call)
+            if not math.isfinite(loss) and self.config.nonfinite is NonFinite.RAISE:
+                # Its older calls complete first: only this one is discarded.
+                stream.reject(call, NonFiniteError(
+                    f"the loss of training call {call.number} is {loss} ("
+                    f"microbatch losses {call.losses()}): the call was discarded and "
+                    "changed nothing. Check the data and the learning rate, clip "
+                    "gradients (clip_grad_norm), or set PipeConfig(nonfinite='skip') to "
+                    "skip such steps"))
             if not overlap:
                 self._reaped(stream.drain())
         except BaseException as exc:
@@ -407,6 +418,13 @@ class RoundPipe:
         return result
 
     @property
+    def nonfinite_skips(self) -> int:
+        """Optimizer steps skipped so far because a gradient was not finite
+        (``config.nonfinite="skip"``; fp16 overflows under dynamic loss scaling are not
+        counted here). ``step_result(call).skipped`` tells each step's fate."""
+        return self._host_opt.nonfinite_skips
+
+    @property
     def last_grad_norm(self) -> float | None:
         """The global L2 gradient norm (before clipping) of the last optimizer step, in
         every optimizer mode, when ``config.clip_grad_norm`` is set (``None`` otherwise).
@@ -455,14 +473,51 @@ class RoundPipe:
         self.flush()
         return self._container.state_dict()
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights and buffers (keys as :meth:`state_dict`) into the masters and
-        refresh the compute-dtype copies the workers upload."""
+        refresh the compute-dtype copies the workers upload (every set of them).
+
+        All or nothing: keys (with ``strict``: none missing, none unexpected), shapes
+        and dtype kinds (floating point or not) are checked before any tensor is
+        written; a mismatch raises :class:`~rotapipe.errors.ConfigError` naming every
+        offending key, and changes nothing. Values are copied in place, cast to each
+        tensor's dtype, as ``nn.Module.load_state_dict`` does."""
         self._check_open()
         with self._lock:
             self._flush()
-            self._container.load_state_dict(state)
-            self.host.write_back()
+            own = self._container.state_dict(keep_vars=True)
+            if not isinstance(state, dict):
+                raise ConfigError(f"load_state_dict takes a dict of tensors (as "
+                                  f"state_dict() returns), got {type(state).__name__}")
+            problems = []
+            if strict:
+                problems += [f"missing key {k!r}" for k in own if k not in state]
+            problems += [f"unexpected key {k!r}" for k in state if k not in own and strict]
+            for k, v in state.items():
+                if k not in own:
+                    continue
+                mine = own[k]
+                if not isinstance(v, torch.Tensor):
+                    problems.append(f"{k!r} is a {type(v).__name__}, not a tensor")
+                elif v.shape != mine.shape:
+                    problems.append(f"{k!r} has shape {tuple(v.shape)}, the model's is "
+                                    f"{tuple(mine.shape)}")
+                elif v.is_floating_point() != mine.is_floating_point():
+                    problems.append(f"{k!r} has dtype {v.dtype}, the model's is "
+                                    f"{mine.dtype}")
+            if problems:
+                shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more"
+                                                  if len(problems) > 8 else "")
+                raise ConfigError(f"load_state_dict: {shown}. Nothing was loaded: pass "
+                                  "a state_dict of this model (strict=False skips missing "
+                                  "and unexpected keys)")
+            try:
+                with torch.no_grad():
+                    for k, v in state.items():
+                        if k in own:
+                            own[k].copy_(v)
+            finally:
+                self.host.write_back()
 
     def pipeline_state(self) -> dict:
         """The pipeline's own counters, for exact resume: training calls and evaluation
@@ -643,6 +698,42 @@ class RoundPipe:
         self._stream.drain()
         self.plan = new
         self._calls.use_plan(new)
+
+
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+"""``id(parameter)`` -> weak references to the parameter and to the RoundPipe that
+trains it. Process-wide on purpose: ownership belongs to the parameter objects,
+whichever pipeline wraps them (tensors compare by value, so not a WeakKeyDictionary)."""
+
+
+def _claim(pipe: RoundPipe) -> None:
+    """Make ``pipe`` the owner of its layers' parameters, refusing parameters that
+    another live pipeline trains: two pipelines accumulating into one ``.grad``
+    would overwrite each other's gradients."""
+    def taken():
+        out = []
+        for p, name in zip(pipe.layerset.params, pipe.layerset.param_names):
+            param, owner = _OWNERS.get(id(p), (None, None))
+            other = owner() if param is not None and param() is p else None
+            if other is not None and other is not pipe and not other._closed:
+                out.append(name)
+        return out
+    shared = taken()
+    if shared:
+        gc.collect()                 # an unreachable pipeline still in a reference cycle
+        shared = taken()
+    if shared:
+        raise ConfigError(
+            f"parameter {shared[0]}" + (f" (and {len(shared) - 1} more)" if len(shared) > 1
+                                        else "") +
+            " is already trained by another live RoundPipe: close() that one first (or "
+            "build it in a with-block), or wrap both uses in one pipeline; two pipelines "
+            "over one module would overwrite each other's accumulated gradients")
+    for key in [k for k, (param, owner) in _OWNERS.items()
+                if param() is None or owner() is None]:
+        del _OWNERS[key]
+    for p in pipe.layerset.params:
+        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(pipe))
 
 
 def _close(devices, streams=()) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 from dataclasses import dataclass
 
 import torch
@@ -308,10 +309,13 @@ class Call:
         self.committed = True
 
     def read_loss(self) -> float:
-        store = self.state.host_store
-        M = self.schedule.microbatches
-        self.loss = float(sum(store.get(("loss", m)).item() for m in range(M)))
+        self.loss = float(sum(self.losses()))
         return self.loss
+
+    def losses(self) -> list[float]:
+        """Each microbatch's weighted share of the loss (in host memory)."""
+        store = self.state.host_store
+        return [store.get(("loss", m)).item() for m in range(self.schedule.microbatches)]
 
 
 class CallStream:
@@ -362,6 +366,16 @@ class CallStream:
         else:
             self._guarded(lambda: self.session.wait_call(call.index))
         return call.read_loss()
+
+    def reject(self, call: Call, exc: BaseException) -> NoReturn:
+        """Fail ``call`` (the newest in flight) with ``exc`` once the calls before it
+        completed: it is undone unless it already committed, and ``exc`` reports its
+        fate (:meth:`_fail`)."""
+        assert self.inflight and self.inflight[-1] is call
+        self.reap(1)
+        call.loss = None            # read, but never returned to the caller
+        self._fail(exc)
+        raise exc
 
     def reap(self, keep: int) -> list[Call]:
         """Complete the oldest calls until at most ``keep`` are in flight (committing
@@ -428,9 +442,11 @@ class CallStream:
                 [f"call {c.number}: discarded" + (" (train_step already returned its loss)"
                                                   if c.loss is not None else "")
                  for c in dropped]
+            state = f"that after call {self.committed - 1}" if self.committed else \
+                "the one before the first call"
             note = ("calls in flight when it failed: " + "; ".join(fates) +
-                    f". The state is that after call {self.committed - 1} (pipe.calls = "
-                    f"{self.committed}): run the discarded calls' batches again.")
+                    f". The state is {state} (pipe.calls = {self.committed}): run the "
+                    "discarded calls' batches again.")
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (exc.args[0] + "\n\n" + note,) + exc.args[1:]
         exc.calls_committed = self.committed

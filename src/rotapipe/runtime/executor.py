@@ -274,8 +274,9 @@ class Session:
         """Drain the devices after the first failure and raise it as a WorkerError."""
         action, exc = self.failure
         self.close()
-        drained = self._drained or self.ex._drain(self.describe_running)
-        self._drained = True
+        if not self._drained:
+            self._drained = True
+            self.ex._drain(self.describe_running)
         error = self.ex._error(self.schedule_of(action), action, exc, self.describe(action))
         if self.ex.broken:
             error.args = (error.args[0] + f"\n\n{self.ex.broken}",)

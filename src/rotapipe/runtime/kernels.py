@@ -189,24 +189,57 @@ class ActionRunner:
         shells = self.shells[a.worker]
         for l in s.layers:
             shells[l].bind(params, buffers)
+        versions = {pid: t._version for pid, t in params.items()}
         try:
             with ExitStack() as stack:
                 for device_type, dtype in self.ctx.autocast:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
                 yield params
+            self._check_unchanged(a, params, versions)
         finally:
             for l in s.layers:
                 shells[l].unbind()
 
+    def _check_unchanged(self, a: Action, params: dict, versions: dict) -> None:
+        """Refuse a layer that changed a parameter in place (its version counter moved):
+        the change went to this worker's copy of the weights and would be lost."""
+        changed = [pid for pid, t in params.items() if t._version != versions[pid]]
+        if changed:
+            names = [self.ls.param_names[pid] for pid in changed]
+            layer = int(names[0].split(".", 1)[0])
+            raise InputError(
+                f"layer {layer} ({type(self.ls.layers[layer]).__name__}) changed "
+                f"its parameter(s) {', '.join(names)} in place while running: workers run "
+                "each layer on an uploaded copy of its weights, so the change would be "
+                "lost. Change parameters only through the optimizer, or keep such state "
+                "in a buffer (buffer updates made in forward are kept)")
+
     def _layers(self, a: Action, layers, x, side, keep=None):
         dev, shells = self.devices[a.worker], self.shells[a.worker]
+        rows = _rows(x)
         for l in layers:
             mb = a.mb + self.ctx.mb_offset
             with dev.seeded(layer_seed(self.ctx.seed, self.ctx.call, mb, l)):
                 x = call_layer(shells[l].module, x, side)
+            if rows >= 0:
+                self._check_rows(l, x, rows)
             if keep is not None:
                 keep(l + 1, x)
         return x
+
+    def _check_rows(self, l: int, out, rows: int) -> None:
+        """The batch contract, the same in training and evaluation: every tensor a
+        layer returns keeps the microbatch's samples in dim 0 (the batch is split into
+        microbatches along it and the outputs joined along it)."""
+        for i, t in enumerate(tree_flatten(out)[0]):
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != rows):
+                got = "a 0-dim tensor" if t.dim() == 0 else f"{t.shape[0]} rows in dim 0"
+                raise InputError(
+                    f"layer {l} ({type(self.ls.layers[l]).__name__}) returned "
+                    f"{got} (output leaf {i}, shape {tuple(t.shape)}) for a microbatch of "
+                    f"{rows} samples: every layer must keep the batch in dim 0 (rotapipe "
+                    "splits the batch into microbatches along it). Do batch-changing work "
+                    "in loss_fn, or reshape back before returning")
 
     def _side(self, a: Action):
         return self.stores[a.worker].get(("side", a.mb)) if self.ctx.has_side else None
@@ -473,6 +506,14 @@ def _scalar(loss) -> torch.Tensor:
         raise InputError(f"the loss function returned {shape}, not a scalar tensor: reduce "
                          "it (e.g. .mean()) inside loss_fn")
     return loss.reshape(())
+
+
+def _rows(tree) -> int:
+    """The batch size of a layer input: dim 0 of its first tensor leaf."""
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return t.shape[0]
+    return -1
 
 
 def _detach(tree):

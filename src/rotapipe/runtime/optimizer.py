@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from ..config import OptimizerMode
+from ..config import NonFinite, OptimizerMode
+from ..errors import NonFiniteError
 from ..schedule import ActionKind as K, Schedule
 from .host import CallGrads, HostState, LossScaler
 
@@ -45,13 +46,48 @@ class HostOptimizer:
     attach the optimizer late, timed emulation sets the hook."""
 
     def __init__(self, host: HostState, scaler: LossScaler, mode: OptimizerMode,
-                 max_norm: float | None):
+                 max_norm: float | None, nonfinite: NonFinite = NonFinite.RAISE):
         self.host, self.scaler, self.mode, self.max_norm = host, scaler, mode, max_norm
+        self.nonfinite = nonfinite
         self.last_norm: float | None = None
         """Global gradient norm (before clipping) of the last step taken, when
         clipping is on (``None`` otherwise)."""
         self.last_skipped = False
-        """Whether the last step was skipped (overflow under dynamic loss scaling)."""
+        """Whether the last step was skipped (overflow under dynamic loss scaling, or a
+        non-finite gradient with ``nonfinite="skip"``)."""
+        self.nonfinite_skips = 0
+        """Steps skipped for a non-finite gradient (``nonfinite="skip"``)."""
+
+    def finite(self, grads: dict[int, torch.Tensor],
+               norms: dict[int, torch.Tensor] | None = None) -> bool:
+        """Whether every gradient in ``grads`` (parameter index -> gradient; ``norms``:
+        their L2 norms where already computed) is finite, judged by its norm. If not:
+        under dynamic loss scaling it is an fp16 overflow (``False``: skip the step);
+        otherwise ``nonfinite="raise"`` raises :class:`NonFiniteError` naming the
+        parameters, ``"skip"`` returns ``False`` (the step is skipped)."""
+        norms = norms or {}
+        bad = [pid for pid, g in grads.items() if not torch.isfinite(
+            norms[pid] if pid in norms else torch.linalg.vector_norm(g))]
+        if not bad:
+            return True
+        if self.scaler.dynamic or self.nonfinite is NonFinite.SKIP:
+            return False
+        names = self.host.layerset.param_names
+        kind = "NaN" if any(torch.isnan(grads[pid]).any() for pid in bad) else "infinite"
+        raise NonFiniteError(
+            f"the gradient of {names[bad[0]]}" + (f" (and {len(bad) - 1} more)"
+                                                  if len(bad) > 1 else "") +
+            f" is not finite ({kind}); no weight, gradient or optimizer state changed. "
+            "Lower the learning rate, check the data, clip gradients (clip_grad_norm), "
+            "or set PipeConfig(nonfinite='skip') to skip such steps")
+
+    def skipped(self, skip: bool) -> None:
+        """Record whether the step just finished was skipped (and count a non-finite
+        skip); the loss scale follows."""
+        self.scaler.update(skip)
+        self.last_skipped = skip
+        if skip and not self.scaler.dynamic:
+            self.nonfinite_skips += 1
 
     @property
     def overlapping(self) -> bool:
@@ -90,30 +126,29 @@ class HostOptimizer:
         ``reduce``: its data-parallel all-reduce)."""
         stale = self.mode is OptimizerMode.STALE
         if step and (self.mode is OptimizerMode.OVERLAP or stale and not self.whole_step):
-            return OverlapStep(optimizer, self.host, schedule, stage_pids, grads, units,
-                               self.max_norm, self.scaler, cost, self, reduce,
-                               view=view if stale else None)
+            return OverlapStep(self, optimizer, schedule, stage_pids, grads, units, cost,
+                               reduce, view=view if stale else None)
         if step:
             # sync: every set of compute copies; stale: the set two steps ahead reads.
             return WholeStep(self, optimizer, grads, units, cost,
                              view if self.mode is OptimizerMode.STALE else None, reduce)
-        return CallHook(self.host, grads, units, reduce)
+        return CallHook(self.host, grads, units, reduce, self)
 
     def sync_step(self, optimizer: torch.optim.Optimizer, cost: Cost,
                   view: int | None = None) -> bool:
         """Step every master on its ``.grad`` now; ``False``: skipped (overflow).
         Refreshes the compute copies of ``view`` (default: all)."""
         host = self.host
-        overflow = self.scaler.dynamic and not host.grads_finite()
+        params = host.layerset.params
+        overflow = not self.finite({pid: params[pid].grad for pid in host.trainable
+                                    if params[pid].grad is not None})
         if not overflow:
-            params = host.layerset.params
             self.last_norm = clip((params[pid] for pid in host.trainable), self.max_norm)
             optimizer.step()
             host.write_back(view=view)
             if cost is not None:
                 cost(list(host.trainable))
-        self.scaler.update(overflow)
-        self.last_skipped = overflow
+        self.skipped(overflow)
         host.zero_grad()
         return not overflow
 
@@ -130,8 +165,10 @@ class CallHook:
     changes the state), :meth:`abort` when it failed. This base only accumulates: the
     call's gradients are merged into ``param.grad`` (:meth:`HostState.commit`)."""
 
-    def __init__(self, host: HostState, grads: CallGrads, units: float, reduce=None):
+    def __init__(self, host: HostState, grads: CallGrads, units: float, reduce=None,
+                 owner: HostOptimizer | None = None):
         self.host, self.grads, self.units, self.reduce = host, grads, units, reduce
+        self.owner = owner
 
     def handoff(self, key: str) -> None:
         if self.reduce is not None:
@@ -139,6 +176,10 @@ class CallHook:
             self.reduce.handoff(key)
 
     def commit(self) -> None:
+        owner = self.owner
+        if owner is not None and owner.nonfinite is NonFinite.RAISE \
+                and not owner.scaler.dynamic:
+            owner.finite(self.grads.staged)    # raises before anything is merged
         self.host.commit(self.grads, self.units)
 
     def abort(self) -> None:
@@ -154,8 +195,8 @@ class WholeStep(CallHook):
 
     def __init__(self, owner: HostOptimizer, optimizer, grads: CallGrads, units: float,
                  cost: Cost, view: int | None, reduce=None):
-        super().__init__(owner.host, grads, units, reduce)
-        self.owner, self.opt, self.cost, self.view = owner, optimizer, cost, view
+        super().__init__(owner.host, grads, units, reduce, owner)
+        self.opt, self.cost, self.view = optimizer, cost, view
 
     def commit(self) -> None:
         host, params = self.host, self.host.layerset.params
@@ -166,8 +207,7 @@ class WholeStep(CallHook):
             g = _merged(params[pid].grad, self.grads.staged.get(pid), keep, new)
             if g is not None:
                 merged[pid] = g
-        step_params(self.opt, host, list(host.trainable), merged, self.owner.max_norm,
-                    self.owner.scaler, self.cost, self.owner)
+        step_params(self.owner, self.opt, list(host.trainable), merged, self.cost)
         host.write_back(view=self.view)
         host.zero_grad()
 
@@ -194,29 +234,25 @@ def clip(params: Iterable[nn.Parameter], max_norm: float | None) -> float | None
     return None
 
 
-def step_params(optimizer: torch.optim.Optimizer, host: HostState, pids: list[int],
-                grads: dict[int, torch.Tensor], max_norm: float | None,
-                scaler: LossScaler, cost: Cost, owner: HostOptimizer | None = None) -> bool:
+def step_params(owner: HostOptimizer, optimizer: torch.optim.Optimizer, pids: list[int],
+                grads: dict[int, torch.Tensor], cost: Cost) -> bool:
     """One whole step of the parameters ``pids`` on ``grads`` (the stale step): clip,
-    skip on overflow under dynamic loss scaling, step, report the cost. The compute
-    copies are left alone (workers may be reading them): the caller writes back. The
-    parameters' own ``.grad`` is set aside and put back meanwhile."""
-    params = host.layerset.params
+    skip on overflow under dynamic loss scaling or a non-finite gradient
+    (:meth:`HostOptimizer.finite`), step, report the cost. The compute copies are left
+    alone (workers may be reading them): the caller writes back. The parameters' own
+    ``.grad`` is set aside and put back meanwhile."""
+    params = owner.host.layerset.params
     saved = {pid: params[pid].grad for pid in pids}
     try:
         for pid in pids:
             params[pid].grad = grads.get(pid)
-        overflow = scaler.dynamic and not all(torch.isfinite(g).all() for g in grads.values())
+        overflow = not owner.finite(grads)
         if not overflow:
-            norm = clip((params[pid] for pid in pids), max_norm)
-            if owner is not None:
-                owner.last_norm = norm
+            owner.last_norm = clip((params[pid] for pid in pids), owner.max_norm)
             optimizer.step()
             if cost is not None:
                 cost(pids)
-        scaler.update(overflow)
-        if owner is not None:
-            owner.last_skipped = overflow
+        owner.skipped(overflow)
         return not overflow
     finally:
         for pid, g in saved.items():
@@ -282,14 +318,14 @@ class OverlapStep(CallHook):
     stepped only after its last stage).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, host: HostState,
+    def __init__(self, owner: HostOptimizer, optimizer: torch.optim.Optimizer,
                  schedule: Schedule, stage_pids: Callable[[str], list[int]],
-                 grads: CallGrads, units: float, max_norm: float | None,
-                 scaler: LossScaler, cost: Cost, owner: HostOptimizer | None = None,
-                 reduce=None, view: int | None = None):
-        super().__init__(host, grads, units, reduce)
-        self.opt, self.owner, self.view = optimizer, owner, view
-        self.max_norm, self.scaler, self.cost = max_norm, scaler, cost
+                 grads: CallGrads, units: float, cost: Cost, reduce=None,
+                 view: int | None = None):
+        host = owner.host
+        super().__init__(host, grads, units, reduce, owner)
+        self.opt, self.view = optimizer, view
+        self.max_norm, self.scaler, self.cost = owner.max_norm, owner.scaler, cost
         self.params = host.layerset.params
         trainable = set(host.trainable)
         self.by_key = {a.key: [pid for pid in stage_pids(a.stage) if pid in trainable]
@@ -337,11 +373,14 @@ class OverlapStep(CallHook):
             self.final[pid] = g
             if self.max_norm is not None:
                 self.norms[pid] = torch.linalg.vector_norm(g)
-            if self.scaler.dynamic and not torch.isfinite(g).all():
-                self.overflow = True
             stepped.append(pid)
+        # A non-finite gradient: an overflow or a skip (commit() skips the whole step,
+        # undoing the stages stepped before), or NonFiniteError (the call fails).
+        if stepped and not self.overflow and \
+                not self.owner.finite({pid: self.final[pid] for pid in stepped}, self.norms):
+            self.overflow = True
         if not stepped or self.overflow:
-            return              # commit() skips the whole step
+            return
         params = [self.params[pid] for pid in stepped]
         # stale: the set of compute copies written may differ from the masters (it
         # holds the weights the failed call's retry must read): keep it too.
@@ -365,7 +404,7 @@ class OverlapStep(CallHook):
             self._begin()
         missing = [pid for pid, n in self.left.items() if n > 0]
         assert not missing, f"parameters {missing} were never handed off"
-        if self.owner is not None and self.max_norm is not None and self.norms:
+        if self.max_norm is not None and self.norms:
             norms = [self.norms[pid] for pid in self.host.trainable if pid in self.norms]
             self.owner.last_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
         if self.overflow:
@@ -385,9 +424,7 @@ class OverlapStep(CallHook):
         for pid in self.host.trainable:
             self.params[pid].grad = None
         self.host.samples = 0.0
-        self.scaler.update(self.overflow)
-        if self.owner is not None:
-            self.owner.last_skipped = self.overflow
+        self.owner.skipped(self.overflow)
         self.snapshots = []
 
     def _needs_clipping(self) -> bool:

@@ -18,9 +18,8 @@ import pathlib
 import typing
 from dataclasses import dataclass, fields
 
-from ..config import (BackendKind, DataParallelConfig, OptimizerMode, PipeConfig,
-                      PrecisionConfig,
-                      RecomputeGrain, resolve_dtype)
+from ..config import (BackendKind, DataParallelConfig, NonFinite, OptimizerMode,
+                      PipeConfig, PrecisionConfig, RecomputeGrain, resolve_dtype)
 from .. import _validate as check
 from ..errors import ConfigError
 
@@ -110,6 +109,14 @@ class TrainConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (``0``: no clipping)."""
+    nonfinite: NonFinite | str = NonFinite.SKIP
+    """A non-finite loss or gradient: ``skip`` the step and count it (the run stops
+    after ``max_skipped_steps`` skipped steps in a row) or ``raise`` (stop at once);
+    :class:`rotapipe.NonFinite`. A checkpoint is never written with non-finite
+    weights."""
+    max_skipped_steps: int = 20
+    """Stop the run after this many optimizer steps in a row were skipped (non-finite
+    loss or gradients, or fp16 overflows)."""
     steps: int = 400
     """Optimizer steps (the cosine schedule's length)."""
     epochs: int | None = None
@@ -159,7 +166,7 @@ class TrainConfig:
     def __post_init__(self):
         for n in ("layers", "dim", "heads", "vocab", "seq", "eval_sequences", "batch",
                   "microbatches", "steps", "keep", "lora_rank", "tokenizer_bytes",
-                  "log_every"):
+                  "log_every", "max_skipped_steps"):
             check.integer(n, getattr(self, n))
         for n in ("kv_heads", "ffn", "epochs"):
             check.integer(n, getattr(self, n), optional=True)
@@ -215,6 +222,8 @@ class TrainConfig:
             check.choice(kind, n, getattr(self, n))
         object.__setattr__(self, "optimizer_mode",
                            check.choice(OptimizerMode, "optimizer_mode", self.optimizer_mode))
+        object.__setattr__(self, "nonfinite",
+                           check.choice(NonFinite, "nonfinite", self.nonfinite))
         try:
             resolve_dtype(self.dtype)
         except ConfigError:
@@ -229,6 +238,7 @@ class TrainConfig:
                           precision=PrecisionConfig(compute_dtype=self.dtype),
                           optimizer_mode=self.optimizer_mode,
                           clip_grad_norm=self.grad_clip or None,
+                          nonfinite=self.nonfinite,
                           data_parallel=DataParallelConfig(timeout_s=self.dist_timeout))
 
     def replace(self, **changes) -> TrainConfig:

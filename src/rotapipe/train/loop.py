@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import distributed
-from ..errors import ConfigError, DistributedError, RotapipeError
+from ..errors import ConfigError, DistributedError, NonFiniteError, RotapipeError
 from ..sim.report import report
 from .checkpoint import check_compatible, check_out_dir, resume_from, save_checkpoint
 from .config import TrainConfig
@@ -263,6 +263,7 @@ class _Job:
         self.tokens = int(state["tokens"]) if state else 0
         self.elapsed = 0.0                           # seconds spent in training steps
         self.checkpoint: pathlib.Path | None = None
+        self.skipped_in_row = 0                      # optimizer steps skipped in a row
         self.say = echo
         self.dist = distributed.info()               # rank, world size (1 without torchrun)
 
@@ -345,6 +346,13 @@ class _Job:
         meta = {"step": self.step, "plan": pipe.plan.to_text(),
                 "fingerprint": fingerprint(model), "config": dataclasses.asdict(self.cfg)}
         masters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        bad = [n for n, p in masters.items() if not torch.isfinite(p).all()]
+        if bad:
+            raise NonFiniteError(
+                f"the weights are not finite at step {self.step} ({bad[0]}"
+                + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "): no "
+                f"checkpoint written; the last one is {self.checkpoint}. Lower --lr or "
+                "check the data, and resume from it")
         self.checkpoint = save_checkpoint(self.out / "checkpoints", self.step,
                                           masters=masters, state=state, meta=meta,
                                           tokenizer=self.tokenizer, keep=self.cfg.keep)
@@ -391,11 +399,19 @@ def _loop(job: _Job) -> TrainResult:
         if cfg.trace and step == min(3, cfg.steps) and job.dist.is_main:
             job.say(f"trace of step {step}: {job.write_trace()}")
         bar.update(1)
-        if step % cfg.log_every == 0 or step == 1:
+        why = ("fp16 overflow" if job.pipe.scaler.dynamic else "non-finite loss or "
+               "gradient") if r["skipped"] else ""
+        if step % cfg.log_every == 0 or step == 1 or why:
             job.say(f"step {step:5d}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad norm "
                     f"{r['grad_norm']:.2f}  {r['tokens_per_s']:7.0f} tokens/s  device "
-                    f"{r['device_mem_mib']:.0f} MiB"
-                    + ("  (skipped: fp16 overflow)" if r["skipped"] else ""))
+                    f"{r['device_mem_mib']:.0f} MiB" + (f"  (skipped: {why})" if why else ""))
+        job.skipped_in_row = job.skipped_in_row + 1 if r["skipped"] else 0
+        if job.skipped_in_row >= cfg.max_skipped_steps:
+            raise NonFiniteError(
+                f"{job.skipped_in_row} optimizer steps in a row were skipped ({why}, "
+                f"steps {step - job.skipped_in_row + 1}..{step}): training stopped. The "
+                f"last checkpoint is {job.checkpoint}; lower --lr, check the data, or "
+                "raise --max-skipped-steps")
 
     with _Stop() as stop, open(metrics_path if main else os.devnull, "a") as metrics:
         if job.start == 0 and cfg.eval_interval:
