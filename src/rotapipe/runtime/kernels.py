@@ -228,18 +228,20 @@ class ActionRunner:
         return x
 
     def _check_rows(self, l: int, out, rows: int) -> None:
-        """The batch contract, the same in training and evaluation: every tensor a
-        layer returns keeps the microbatch's samples in dim 0 (the batch is split into
-        microbatches along it and the outputs joined along it)."""
-        for i, t in enumerate(tree_flatten(out)[0]):
-            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != rows):
-                got = "a 0-dim tensor" if t.dim() == 0 else f"{t.shape[0]} rows in dim 0"
-                raise InputError(
-                    f"layer {l} ({type(self.ls.layers[l]).__name__}) returned "
-                    f"{got} (output leaf {i}, shape {tuple(t.shape)}) for a microbatch of "
-                    f"{rows} samples: every layer must keep the batch in dim 0 (rotapipe "
-                    "splits the batch into microbatches along it). Do batch-changing work "
-                    "in loss_fn, or reshape back before returning")
+        """The batch contract, the same in training and evaluation: the first tensor a
+        layer returns (its activation) keeps the microbatch's samples in dim 0 (the
+        batch is split into microbatches along it and evaluation joins the outputs
+        along it). Further tensors of the output may be shaped freely (per-token
+        records of an adapter, e.g. ``[batch * seq]`` routing indices)."""
+        t = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+        if t is not None and (t.dim() == 0 or t.shape[0] != rows):
+            got = "a 0-dim tensor" if t.dim() == 0 else f"{t.shape[0]} rows in dim 0"
+            raise InputError(
+                f"layer {l} ({type(self.ls.layers[l]).__name__}) returned {got} (shape "
+                f"{tuple(t.shape)}) for a microbatch of {rows} samples: every layer must "
+                "keep the batch in dim 0 of its output (rotapipe splits the batch into "
+                "microbatches along it). Do batch-changing work in loss_fn, or reshape "
+                "back before returning")
 
     def _side(self, a: Action):
         return self.stores[a.worker].get(("side", a.mb)) if self.ctx.has_side else None
@@ -509,10 +511,10 @@ def _scalar(loss) -> torch.Tensor:
 
 
 def _rows(tree) -> int:
-    """The batch size of a layer input: dim 0 of its first tensor leaf."""
+    """The batch size of a layer input: dim 0 of its first tensor leaf (-1: none)."""
     for t in tree_flatten(tree)[0]:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return t.shape[0]
+        if isinstance(t, torch.Tensor):
+            return t.shape[0] if t.dim() > 0 else -1
     return -1
 
 
