@@ -2,7 +2,7 @@
 stateless, round-robin workers (CUDA GPUs, or emulated CPU workers)."""
 
 from .config import (BackendKind, DataParallelConfig, OptimizerMode, PartitionMode,
-                     PinMode, PipeConfig, PrecisionConfig, RecomputeGrain)
+                     PinMode, PipeConfig, PrecisionConfig, RecomputeGrain, ShardMode)
 from .errors import (ConfigError, DeviceOutOfMemoryError, DistributedError, InputError,
                      PlanError, RaceError, RotapipeError, ScheduleError, WorkerError)
 from .pipe import RoundPipe
@@ -16,6 +16,6 @@ __all__ = [
     "BackendKind", "ConfigError", "DataParallelConfig", "DeviceOutOfMemoryError",
     "DistributedError", "InputError", "OptimizerMode", "PartitionMode", "PinMode",
     "Plan", "PipeConfig", "PlanError", "PrecisionConfig", "RaceError", "RecomputeGrain",
-    "RotapipeError", "RoundPipe", "Schedule", "ScheduleError", "Stage", "StageKind",
+    "RotapipeError", "RoundPipe", "Schedule", "ScheduleError", "ShardMode", "Stage", "StageKind",
     "WorkerError", "even_plan", "layer_seed", "roundpipe_schedule", "validate",
 ]
