@@ -153,6 +153,41 @@ def train_sharded(info, shard: str, mode: str, clip: float | None, microbatches:
     return {"state": state, "losses": losses, "norms": norms, "traffic": traffic}
 
 
+def reshard_phase(info, phase: int, root: str, timeout: float = 20.0):
+    """Step ``phase`` of a run that changes world size between steps: resume from the
+    shards of phase ``phase - 1`` (any world size), take one step (two accumulated
+    calls, no dropout: the result does not depend on how the batch is cut), write this
+    rank's shard to ``root/phase<phase>``, and (rank 0) the consolidated masters.
+    ``root=""``: no checkpoints (the uninterrupted reference, all phases in a row)."""
+    import pathlib
+    from rotapipe.train.checkpoint import load_shards, save_consolidated, save_shard
+    dp = rotapipe.DataParallelConfig(timeout_s=timeout, heartbeat_s=0.25, shard="gradients") \
+        if info.distributed else False
+    config = emulated(2, MICROBATCHES, data_parallel=dp)
+    pipe = rotapipe.RoundPipe(tiny_transformer(dropout=0.0, tied=True), token_loss,
+                              config=config, optimizer=optimizer,
+                              loss_weight=lambda y: float((y != -100).sum()))
+    with pipe:
+        phases = range(phase, phase + 1) if root else range(phase)
+        if root and phase > 0:
+            distributed.load_shard_state_dicts(
+                pipe, pipe.optimizer, load_shards(pathlib.Path(root) / f"phase{phase - 1}"))
+        for step in phases:
+            for seed in (10 + step, 50 + step):
+                x, y = token_batch(SHARD_GLOBAL, seed=seed)
+                y = masked(y, seed)
+                pipe.forward_backward(*distributed.shard_batch((x, y), info.rank,
+                                                               info.world_size))
+            pipe.step()
+        if root:
+            out = pathlib.Path(root) / f"phase{phase}"
+            save_shard(out, distributed.shard_state_dict(pipe, pipe.optimizer))
+            distributed.barrier()
+            if info.is_main:
+                save_consolidated(out)
+        return {k: v.detach().float().clone() for k, v in pipe.state_dict().items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -164,6 +199,8 @@ def main() -> int:
     p.add_argument("--shard", default=None,
                    help="comma-separated shard modes: run train_sharded for each")
     p.add_argument("--grad-dtype", default="float32")
+    p.add_argument("--reshard", nargs=2, metavar=("PHASE", "ROOT"), default=None,
+                   help="run reshard_phase(PHASE, ROOT)")
     p.add_argument("--mismatch", action="store_true",
                    help="rank 1 builds a different model (construction must fail)")
     args = p.parse_args()
@@ -184,6 +221,11 @@ def main() -> int:
         except rotapipe.ConfigError as exc:
             print(f"rank {info.rank}: ConfigError: {exc}", file=sys.stderr, flush=True)
             return 4
+        return 0
+    if args.reshard:
+        torch.save(reshard_phase(info, int(args.reshard[0]), args.reshard[1], args.timeout),
+                   args.out)
+        distributed.shutdown()
         return 0
     if args.shard:
         result = {}

@@ -138,3 +138,32 @@ def test_config_errors():
     with pytest.raises(rotapipe.ConfigError, match="needs data parallelism"):
         rotapipe.RoundPipe(tiny_transformer(), lm_loss,
                            config=emulated(1, 1, data_parallel=dp))
+
+
+def test_resume_reshards_2_to_3_to_1(tmp_path):
+    """Step 0 on 2 ranks, step 1 on 3 ranks (resumed from the 2 shards), step 2 in one
+    process without data parallelism (resumed from the 3 shards): the weights equal an
+    uninterrupted 3-step run. Each phase also writes the consolidated masters."""
+    from safetensors.torch import load_file
+    from rotapipe.train.checkpoint import load_shards
+    root = tmp_path / "ckpt"
+    for phase, world in ((0, 2), (1, 3)):
+        procs = _launch(tmp_path, world, "--reshard", str(phase), str(root))
+        for p in procs:
+            rc, err = _finish(p, 120)
+            assert rc == 0, err
+        assert len(load_shards(root / f"phase{phase}")) == world
+    one = distributed.DistInfo(0, 1, 0)
+    got = dist_job.reshard_phase(one, 2, str(root))
+    want = dist_job.reshard_phase(one, 3, "")        # steps 0, 1, 2 in a row
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+    # The consolidated export of phase 1 holds whole fp32 tensors named like the masters.
+    masters = load_file(str(root / "phase1" / "masters.safetensors"))
+    shards = load_shards(root / "phase1")
+    assert set(masters) == set(shards[0]["pieces"]) and \
+        all(masters[k].shape == tuple(p["shape"]) for k, p in shards[0]["pieces"].items())
+    # A missing rank's shard is named.
+    (root / "phase1" / "shard-00002-of-00003.pt").unlink()
+    with pytest.raises(rotapipe.errors.CheckpointError, match=r"rank\(s\) \[2\] of 3"):
+        load_shards(root / "phase1")
