@@ -167,3 +167,31 @@ def test_resume_reshards_2_to_3_to_1(tmp_path):
     (root / "phase1" / "shard-00002-of-00003.pt").unlink()
     with pytest.raises(rotapipe.errors.CheckpointError, match=r"rank\(s\) \[2\] of 3"):
         load_shards(root / "phase1")
+
+
+def test_planner_per_server_memory_and_traffic():
+    from rotapipe.plan import hardware
+    from rotapipe.plan.hostmem import GB, bytes_sent
+    from rotapipe.planner.advise import analyze
+    n = 1000
+    assert bytes_sent(n, 2, "none") == 2 * 0.5 * 4 * n
+    assert bytes_sent(n, 2, "gradients", calls_per_step=2) == 2 * 0.5 * 4 * n + 0.5 * 2 * n
+    assert bytes_sent(n, 2, "optimizer", calls_per_step=2) == 0.5 * 4 * n + 0.5 * 2 * n
+    assert bytes_sent(n, 1, "gradients") == 0
+    hw = hardware("rtx4090x8")
+    one = analyze("qwen3-32b", hw, seq=2048, global_batch=8, host_ram=384 * GB)
+    two = analyze("qwen3-32b", hw, seq=2048, global_batch=16, host_ram=384 * GB, nodes=2,
+                  network_gbps=200)
+    assert not one.fits_host and two.fits and two.shard == "optimizer"
+    none, opt, grads = two.servers
+    assert none.host == one.host            # unsharded: every server holds everything
+    assert opt.host.masters == -(-one.host.masters // 2)
+    assert opt.host.optimizer == -(-one.host.optimizer // 2)
+    assert opt.sent_bytes < none.sent_bytes and opt.comm_s < none.comm_s
+    assert "per server (2 servers" in two.to_text()
+    # A slow link leaves gradients queued: more host bytes per server.
+    slow = analyze("qwen3-32b", hw, seq=2048, global_batch=16, host_ram=384 * GB, nodes=2,
+                   network_gbps=25)
+    assert slow.servers[1].host.gradients > opt.host.gradients
+    with pytest.raises(rotapipe.ConfigError, match="multiple of --nodes"):
+        analyze("qwen3-32b", hw, seq=2048, global_batch=15, nodes=2)

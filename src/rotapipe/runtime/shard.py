@@ -243,13 +243,16 @@ class ShardedOptimizer(HostOptimizer):
         return _Exchange(pids, out, work, seq,
                          f"gradient reduce-scatter of {len(pids)} parameters")
 
-    def _collect(self, sent: list[_Exchange], into: dict | None = None) -> dict:
-        """Wait for reduce-scatters; ``{pid: this rank's piece of the summed gradient}``
-        (fp32; absent where no rank had a gradient)."""
+    def _collect(self, sent: list[_Exchange], into: dict | None = None,
+                 ready_only: bool = False) -> dict:
+        """Wait for reduce-scatters (``ready_only``: take only those complete now);
+        ``{pid: this rank's piece of the summed gradient}`` (fp32; absent where no rank
+        had a gradient). A collected exchange drops its receive buffer (``W`` times
+        the pieces), so at most the buckets in flight hold one."""
         into = {} if into is None else into
         W = self.layout.world
         for x in sent:
-            if x.done:
+            if x.done or (ready_only and not x.work.is_completed()):
                 continue
             self.r._wait(x.work, x.seq, x.what)
             total = x.out.view(W, -1).sum(0, dtype=torch.float32)   # rank order, fp32
@@ -260,7 +263,7 @@ class ShardedOptimizer(HostOptimizer):
                 if flags[k] > 0 and n > 0:
                     into[pid] = total[off:off + n]
                 off += n
-            x.done = True
+            x.done, x.out = True, None
         return into
 
     def _gather(self, pids: list[int], views: list[int]) -> _Exchange:
@@ -374,6 +377,8 @@ class ShardCall:
         if self.per_stage and sent:
             self.o._collect(sent, self.reduced)
             self._step_pieces([pid for x in sent for pid in x.pids])
+        else:
+            self.o._collect(self.sent, self.reduced, ready_only=True)
 
     def _step_pieces(self, pids: list[int]) -> None:
         """overlap: step the pieces completed at this hand-off, start their all-gather."""
