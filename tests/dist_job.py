@@ -1,7 +1,7 @@
 """One rank of the data-parallel tests (run as a script by ``test_distributed.py``).
 
     python tests/dist_job.py OUT [--kill-at STEP | --hang-at STEP | --mismatch]
-                                 [--timeout S] [--overlap]
+                                 [--timeout S] [--overlap] [--shard MODES]
 
 Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT like torchrun sets them (none: one
 process). Trains ``tiny_transformer(dropout, tied)`` for ``STEPS`` steps on global
@@ -11,6 +11,10 @@ per rank (``loss_weight`` counts the rest) over two accumulated calls per step, 
 ``optimizer_mode="overlap"`` (``train_step``) without and with clipping. Saves ``{"plain":
 ..., "clip": ..., "tokens": ..., "overlap": ..., "overlap_clip": ...}`` (state_dict,
 losses, all-reduce stats) to ``OUT``.
+
+``--shard optimizer,gradients`` instead trains with ``DataParallelConfig(shard=...)``
+(:func:`train_sharded`) for each shard mode, optimizer mode and clipping setting, and
+saves ``{(shard, mode, clip): ...}``.
 
 Faults: with ``--mismatch`` rank 1 builds a different model and every rank must fail at
 construction (status 4). With ``--kill-at S`` rank 1 dies (``os._exit``) inside its
@@ -104,6 +108,86 @@ def train(info, clip: float | None, microbatches: int, fault: tuple[str, int] | 
     return {"state": state, "losses": losses, "stats": stats}
 
 
+SHARD_GLOBAL, SHARD_MODES, SHARD_CLIPS = 12, ("sync", "overlap", "stale"), (None, CLIP)
+
+
+def train_sharded(info, shard: str, mode: str, clip: float | None, microbatches: int,
+                  timeout: float = 20.0, grad_dtype: str = "float32", fault=None,
+                  fault_file: str | None = None):
+    """3 steps of two calls each (token-mean loss, ignored labels differing per rank),
+    ``SHARD_GLOBAL`` samples per call: ``sync`` accumulates with two
+    ``forward_backward`` and calls ``step()``, ``overlap`` / ``stale`` end each step
+    with ``train_step``. ``shard=None``: no data parallelism (the reference)."""
+    calls = {"n": 0}
+
+    def loss_fn(out, labels):
+        if fault is not None and info.rank == 1 and calls["n"] == fault[1]:
+            with open(fault_file, "w") as f:
+                f.write(repr(time.time()))
+            os._exit(1)
+        return token_loss(out, labels)
+
+    dp = False if shard is None else rotapipe.DataParallelConfig(
+        timeout_s=timeout, heartbeat_s=0.25, shard=shard, grad_dtype=grad_dtype)
+    config = emulated(2, microbatches, data_parallel=dp, optimizer_mode=mode,
+                      clip_grad_norm=clip)
+    losses, norms = [], []
+    with rotapipe.RoundPipe(model(), loss_fn, config=config, optimizer=optimizer,
+                            loss_weight=lambda y: float((y != -100).sum())) as pipe:
+        for step in range(STEPS):
+            calls["n"] = step
+            for k, seed in enumerate((10 + step, 50 + step)):
+                x, y = token_batch(SHARD_GLOBAL, seed=seed)
+                y = masked(y, seed)
+                x, y = distributed.shard_batch((x, y), info.rank, info.world_size)
+                last = k == 1
+                if last and mode != "sync":
+                    losses.append(pipe.train_step(x, y))
+                else:
+                    losses.append(pipe.forward_backward(x, y))
+            if mode == "sync":
+                pipe.step()
+            norms.append(pipe.last_grad_norm)
+        state = {k: v.detach().float().clone() for k, v in pipe.state_dict().items()}
+        traffic = pipe._shard.traffic if pipe._shard is not None else None
+    return {"state": state, "losses": losses, "norms": norms, "traffic": traffic}
+
+
+def reshard_phase(info, phase: int, root: str, timeout: float = 20.0):
+    """Step ``phase`` of a run that changes world size between steps: resume from the
+    shards of phase ``phase - 1`` (any world size), take one step (two accumulated
+    calls, no dropout: the result does not depend on how the batch is cut), write this
+    rank's shard to ``root/phase<phase>``, and (rank 0) the consolidated masters.
+    ``root=""``: no checkpoints (the uninterrupted reference, all phases in a row)."""
+    import pathlib
+    from rotapipe.train.checkpoint import load_shards, save_consolidated, save_shard
+    dp = rotapipe.DataParallelConfig(timeout_s=timeout, heartbeat_s=0.25, shard="gradients") \
+        if info.distributed else False
+    config = emulated(2, MICROBATCHES, data_parallel=dp)
+    pipe = rotapipe.RoundPipe(tiny_transformer(dropout=0.0, tied=True), token_loss,
+                              config=config, optimizer=optimizer,
+                              loss_weight=lambda y: float((y != -100).sum()))
+    with pipe:
+        phases = range(phase, phase + 1) if root else range(phase)
+        if root and phase > 0:
+            distributed.load_shard_state_dicts(
+                pipe, pipe.optimizer, load_shards(pathlib.Path(root) / f"phase{phase - 1}"))
+        for step in phases:
+            for seed in (10 + step, 50 + step):
+                x, y = token_batch(SHARD_GLOBAL, seed=seed)
+                y = masked(y, seed)
+                pipe.forward_backward(*distributed.shard_batch((x, y), info.rank,
+                                                               info.world_size))
+            pipe.step()
+        if root:
+            out = pathlib.Path(root) / f"phase{phase}"
+            save_shard(out, distributed.shard_state_dict(pipe, pipe.optimizer))
+            distributed.barrier()
+            if info.is_main:
+                save_consolidated(out)
+        return {k: v.detach().float().clone() for k, v in pipe.state_dict().items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -112,6 +196,11 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--overlap", action="store_true",
                    help='the faulty run uses optimizer_mode="overlap" (train_step)')
+    p.add_argument("--shard", default=None,
+                   help="comma-separated shard modes: run train_sharded for each")
+    p.add_argument("--grad-dtype", default="float32")
+    p.add_argument("--reshard", nargs=2, metavar=("PHASE", "ROOT"), default=None,
+                   help="run reshard_phase(PHASE, ROOT)")
     p.add_argument("--mismatch", action="store_true",
                    help="rank 1 builds a different model (construction must fail)")
     args = p.parse_args()
@@ -132,6 +221,28 @@ def main() -> int:
         except rotapipe.ConfigError as exc:
             print(f"rank {info.rank}: ConfigError: {exc}", file=sys.stderr, flush=True)
             return 4
+        return 0
+    if args.reshard:
+        torch.save(reshard_phase(info, int(args.reshard[0]), args.reshard[1], args.timeout),
+                   args.out)
+        distributed.shutdown()
+        return 0
+    if args.shard:
+        result = {}
+        try:
+            for shard in args.shard.split(","):
+                for mode in SHARD_MODES:
+                    for clip in SHARD_CLIPS:
+                        result[(shard, mode, clip)] = train_sharded(
+                            info, shard, mode, clip, MICROBATCHES, args.timeout,
+                            args.grad_dtype, fault, args.out + ".fault")
+        except rotapipe.DistributedError as exc:
+            print(f"rank {info.rank}: DistributedError at={time.time()!r} after "
+                  f"{time.monotonic() - t0:.1f} s, lost_ranks={list(exc.lost_ranks)}: "
+                  f"{exc}", file=sys.stderr, flush=True)
+            os._exit(3)
+        torch.save(result, args.out)
+        distributed.shutdown()
         return 0
     try:
         result = {"plain": train(info, None, mbs, fault, args.timeout,

@@ -2,7 +2,8 @@
 stateless, round-robin workers (CUDA GPUs, or emulated CPU workers)."""
 
 from .config import (BackendKind, DataParallelConfig, NonFinite, OptimizerMode,
-                     PartitionMode, PinMode, PipeConfig, PrecisionConfig, RecomputeGrain)
+                     PartitionMode, PinMode, PipeConfig, PrecisionConfig, RecomputeGrain,
+                     ShardMode)
 from .errors import (ConfigError, DeviceOutOfMemoryError, DistributedError, InputError,
                      NonFiniteError, PipelineClosedError, PlanError, RaceError,
                      RotapipeError, ScheduleError, WorkerError)
@@ -17,7 +18,7 @@ __all__ = [
     "BackendKind", "ConfigError", "DataParallelConfig", "DeviceOutOfMemoryError",
     "DistributedError", "InputError", "NonFinite", "NonFiniteError", "OptimizerMode",
     "PartitionMode", "PinMode", "PipelineClosedError", "Plan", "PipeConfig", "PlanError",
-    "PrecisionConfig", "RaceError", "RecomputeGrain",
-    "RotapipeError", "RoundPipe", "Schedule", "ScheduleError", "Stage", "StageKind",
+    "PrecisionConfig", "RaceError", "RecomputeGrain", "RotapipeError", "RoundPipe",
+    "Schedule", "ScheduleError", "ShardMode", "Stage", "StageKind",
     "WorkerError", "even_plan", "layer_seed", "roundpipe_schedule", "validate",
 ]

@@ -292,6 +292,12 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     a("--copy-chunk-mb", type=_real(), default=32.0,
       help="bounce-buffer chunk in MiB with --pin off, as PipeConfig.copy_chunk_mb "
            "(default: 32)")
+    a("--nodes", type=_count(), default=1,
+      help="data-parallel servers (default: 1); host RAM is then per server, for each "
+           "DataParallelConfig.shard mode")
+    a("--network-gbps", type=_real(), default=25.0,
+      help="link rate between servers in Gb/s, for the communication time per step "
+           "(default: 25)")
     a("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -311,7 +317,8 @@ def plan(args: argparse.Namespace) -> int:
                      host_ram=int(args.host_ram * GB) if args.host_ram is not None else None,
                      microbatches=args.microbatches, stale=args.stale,
                      memory_fraction=args.memory_fraction, pin=args.pin,
-                     chunk_mb=args.copy_chunk_mb)
+                     chunk_mb=args.copy_chunk_mb, nodes=args.nodes,
+                     network_gbps=args.network_gbps)
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.to_text())
     return EXIT_OK if result.fits else EXIT_NO_FIT
 

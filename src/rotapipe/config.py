@@ -11,7 +11,8 @@ from . import _validate as check
 from .errors import ConfigError
 
 __all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "NonFinite",
-           "OptimizerMode", "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig"]
+           "OptimizerMode", "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig",
+           "ShardMode"]
 
 
 class RecomputeGrain(str, enum.Enum):
@@ -147,6 +148,22 @@ class PrecisionConfig:
                       allowed="a positive int (steps)")
 
 
+class ShardMode(str, enum.Enum):
+    """What data-parallel ranks split between them (docs/distributed.md, "Sharding")."""
+
+    NONE = "none"
+    """Every rank holds the full fp32 masters, optimizer state and gradients; gradients
+    are all-reduced after every call."""
+    OPTIMIZER = "optimizer"
+    """Each rank keeps the fp32 masters and optimizer state of 1/W of every parameter
+    (ZeRO stage 1): the gradients accumulated over a step are reduce-scattered to their
+    owners once per step, each rank steps its shard, and the updated compute-dtype
+    weights are all-gathered. A full local fp32 gradient is kept between calls."""
+    GRADIENTS = "gradients"
+    """As ``optimizer``, and the gradients are reduce-scattered after every call, so
+    the gradients accumulated between steps are sharded too (ZeRO stage 2)."""
+
+
 @dataclass(frozen=True)
 class DataParallelConfig:
     """Data parallelism across ``torch.distributed`` ranks (one process per server, each
@@ -166,6 +183,14 @@ class DataParallelConfig:
     heartbeat_s: float = 0.5
     """Interval of the liveness heartbeat each rank writes to the rendezvous store; it
     tells a dead rank from a hung one when a collective fails."""
+    shard: ShardMode | str = ShardMode.NONE
+    """``"none"``, ``"optimizer"`` or ``"gradients"`` (:class:`ShardMode`): whether the
+    fp32 masters, optimizer state (and accumulated gradients) are split across the
+    ranks."""
+    grad_dtype: torch.dtype | str = torch.float32
+    """dtype gradients travel in when sharded: ``float32`` (exact) or ``bfloat16`` (half
+    the bytes; the owner sums the ranks' contributions and steps in fp32, but each
+    contribution is rounded to bf16 first: an approximation)."""
 
     def __post_init__(self):
         if self.enabled not in (None, True, False):
@@ -177,6 +202,19 @@ class DataParallelConfig:
                      unit="seconds")
         check.number("data_parallel.heartbeat_s", self.heartbeat_s, low=0, low_open=True,
                      unit="seconds")
+        object.__setattr__(self, "shard", check.choice(ShardMode, "data_parallel.shard",
+                                                       self.shard))
+        dtype = self.grad_dtype
+        if isinstance(dtype, str):
+            dtype = _DTYPES.get(dtype.lower(), dtype)
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"data_parallel.grad_dtype={self.grad_dtype!r}: use "
+                              "'float32' or 'bfloat16'")
+        if dtype == torch.bfloat16 and self.shard is ShardMode.NONE:
+            raise ConfigError("data_parallel.grad_dtype='bfloat16' needs a sharded mode (the "
+                              "owner sums the bf16 contributions in fp32): set "
+                              "shard='optimizer' or 'gradients', or keep grad_dtype='float32'")
+        object.__setattr__(self, "grad_dtype", dtype)
 
 
 @dataclass(frozen=True)

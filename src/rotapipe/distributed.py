@@ -158,3 +158,129 @@ def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         stop_heartbeats()
         dist.destroy_process_group()
+
+
+# -- sharded checkpoints ----------------------------------------------------------------
+# A rank's shard (shard_state_dict) names every piece by its parameter's name and range,
+# so the pieces of any world size reassemble into whole tensors (consolidate) and cut
+# again for another (load_shard_state_dicts): a checkpoint written by 2 ranks resumes
+# on 3, or on one process without data parallelism.
+
+def _named(pipe) -> list[tuple[str, torch.nn.Parameter, int, int, torch.Size]]:
+    """``(name, tensor the optimizer steps, start, end, whole shape)`` per trainable
+    parameter this rank steps (a piece when sharded, the whole master otherwise)."""
+    ls = pipe.layerset
+    shard = getattr(pipe, "_shard", None)
+    out = []
+    for name, q in pipe.named_parameters():
+        if shard is not None:
+            pid, a, b = shard.owner_of(q)
+        else:
+            pid = ls.param_names.index(name)
+            a, b = 0, q.numel()
+        out.append((name, q, a, b, ls.params[pid].shape))
+    return out
+
+
+def shard_state_dict(pipe, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's part of the training state, for a checkpoint every rank writes
+    (``torch.save``-able; ``torch.load(weights_only=True)`` reads it): the fp32 masters
+    and optimizer state of its pieces, each named by parameter and element range, and
+    the optimizer's hyperparameters. Works unsharded too (one whole "piece" each).
+    Flushes the pipeline first; no collective."""
+    named = _named(pipe)
+    by_id = {id(q): i for i, (_, q, *_rest) in enumerate(named)}
+    groups, group_of = [], {}
+    for g, group in enumerate(optimizer.param_groups):
+        groups.append({k: v for k, v in group.items() if k != "params"})
+        for q in group["params"]:
+            group_of[named[by_id[id(q)]][0]] = g
+    pieces = {}
+    for name, q, a, b, shape in named:
+        state = optimizer.state.get(q, {})
+        pieces[name] = {"range": (a, b), "shape": tuple(shape), "group": group_of[name],
+                        "master": q.detach().reshape(-1).clone(),
+                        "state": {k: v.detach().reshape(-1).clone()
+                                  if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                                  for k, v in state.items()}}
+    here = info()
+    return {"format": "rotapipe-shard-1", "rank": here.rank, "world": here.world_size,
+            "groups": groups, "pieces": pieces}
+
+
+def consolidate(shards: list[dict]) -> dict:
+    """Whole tensors from every rank's :func:`shard_state_dict` (of one checkpoint):
+    ``{"masters": {name: fp32 tensor}, "state": {name: {key: tensor or value}},
+    "groups": [...], "group_of": {name: index}}``. Elementwise state (a tensor the size
+    of its piece) is concatenated in range order; the rest (AdamW's ``step``) is the
+    same on every rank and taken once."""
+    if not shards:
+        raise InputError("consolidate() got no shards: pass every rank's shard_state_dict")
+    worlds = {s["world"] for s in shards}
+    ranks = sorted(s["rank"] for s in shards)
+    if len(worlds) != 1 or ranks != list(range(shards[0]["world"])):
+        raise InputError(f"the shards are ranks {ranks} of world sizes {sorted(worlds)}: "
+                         "pass the shard of every rank of one checkpoint")
+    parts: dict[str, list] = {}
+    for s in sorted(shards, key=lambda s: s["rank"]):
+        for name, piece in s["pieces"].items():
+            parts.setdefault(name, []).append(piece)
+    out = {"masters": {}, "state": {}, "groups": shards[0]["groups"], "group_of": {}}
+    for name, ps in parts.items():
+        ps.sort(key=lambda p: p["range"][0])
+        shape = ps[0]["shape"]
+        n = int(torch.Size(shape).numel())
+        got = [p["range"] for p in ps]
+        if got[0][0] != 0 or got[-1][1] != n or any(x[1] != y[0] for x, y in zip(got, got[1:])):
+            raise InputError(f"the shards hold {got} of {name!r} ({n} elements): a rank's "
+                             "shard is missing or from another checkpoint")
+        out["masters"][name] = torch.cat([p["master"] for p in ps]).view(shape)
+        out["group_of"][name] = ps[0]["group"]
+        state = {}
+        for key, value in ps[0]["state"].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[key] = torch.cat([p["state"][key] for p in ps]).view(shape)
+            else:
+                state[key] = value
+        out["state"][name] = state
+    return out
+
+
+def load_shard_state_dicts(pipe, optimizer: torch.optim.Optimizer, shards: list[dict]) -> None:
+    """Resume from every rank's :func:`shard_state_dict` of one checkpoint, whatever the
+    world size that wrote it: the masters (all of them: every compute copy is set) and
+    this rank's pieces of the optimizer state, cut for the current layout. ``optimizer``
+    is built over ``pipe.parameters()`` with the same parameter groups as the one
+    saved. Every rank reads every shard (shared storage); no collective."""
+    whole = consolidate(shards)
+    named = _named(pipe)
+    missing = [name for name, *_ in named if name not in whole["masters"]]
+    if missing:
+        raise InputError(f"the checkpoint has no {missing[0]!r}: it is from another model")
+    pipe.load_state_dict(_container_keys(pipe, whole["masters"]))
+    index = {id(q): i for i, q in enumerate(q for g in optimizer.param_groups
+                                            for q in g["params"])}
+    state, groups = {}, []
+    for name, q, a, b, _ in named:
+        saved = whole["state"].get(name)
+        if saved:
+            state[index[id(q)]] = {
+                k: v.reshape(-1)[a:b].clone().view(q.shape)
+                if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                for k, v in saved.items()}
+    if len(whole["groups"]) != len(optimizer.param_groups):
+        raise InputError(f"the checkpoint's optimizer has {len(whole['groups'])} parameter "
+                         f"groups, this one {len(optimizer.param_groups)}: build it with "
+                         "the same groups")
+    for g, group in enumerate(optimizer.param_groups):
+        groups.append({**whole["groups"][g], "params": [index[id(q)] for q in group["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _container_keys(pipe, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Masters named ``"<layer>.<path>"`` -> the container's state_dict (buffers and
+    frozen weights kept from it)."""
+    ls = pipe.layerset
+    by_param = {id(ls.params[ls.param_names.index(n)]): t for n, t in masters.items()}
+    full = dict(pipe._container.state_dict(keep_vars=True))
+    return {k: by_param.get(id(v), v).detach() for k, v in full.items()}

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .config import NonFinite, OptimizerMode, PinMode, PipeConfig
+from .config import NonFinite, OptimizerMode, PinMode, PipeConfig, ShardMode
 from .errors import (ConfigError, DistributedError, InputError, NonFiniteError,
                      PipelineClosedError, ScheduleError, WorkerError)
 from .model import LayerSet
@@ -38,6 +38,7 @@ from .runtime.executor import ABANDON_S, abandon
 from .runtime.host import CallGrads, HostState, LossScaler
 from .runtime.pinning import HostPinning, resolve_pin
 from .runtime.optimizer import HostOptimizer
+from .runtime.shard import ShardedOptimizer
 from .runtime import trees
 
 __all__ = ["RoundPipe"]
@@ -158,6 +159,19 @@ class RoundPipe:
             {pid: self.layerset.params[pid].shape for pid in trainable},
             lambda stage: [pid for pid in self.layerset.stage_params(stages[stage].layers)
                            if pid in trainable])
+        self._shard: ShardedOptimizer | None = None
+        """The sharded host optimizer (``data_parallel.shard`` not ``"none"``)."""
+        dpc = config.data_parallel
+        if dpc.shard is not ShardMode.NONE:
+            if self.data_parallel is None:
+                raise ConfigError(f"data_parallel.shard={dpc.shard.value!r} needs data "
+                                  "parallelism: launch with torchrun (more than one rank) "
+                                  "and call rotapipe.distributed.init_from_env() first, or "
+                                  "set shard='none'")
+            self._shard = self._host_opt = ShardedOptimizer(
+                self.host, self.scaler, config.optimizer_mode, config.clip_grad_norm,
+                self.data_parallel, dpc.shard, dpc.grad_dtype, dpc.bucket_mb,
+                config.nonfinite)
         self._lock = threading.Lock()
         self._evals = 0
         self._optimizer_cost = self._calls.optimizer_cost()
@@ -176,6 +190,8 @@ class RoundPipe:
         calls in flight completed (:meth:`flush`)."""
         self._check_open()
         self.flush()
+        if self._shard is not None:     # this rank's pieces of the fp32 masters
+            return iter(self._shard.parameters())
         return iter([self.layerset.params[pid] for pid in self.host.trainable])
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -183,6 +199,8 @@ class RoundPipe:
         :meth:`flush`)."""
         self._check_open()
         self.flush()
+        if self._shard is not None:
+            return iter(self._shard.named_parameters())
         return iter([(self.layerset.param_names[pid], self.layerset.params[pid])
                      for pid in self.host.trainable])
 
@@ -323,7 +341,7 @@ class RoundPipe:
                                   grads, M, self.scaler.scale)
         reduce = None
         if dp is not None:
-            reduce = dp.begin(schedule, grads)
+            reduce = dp.begin(schedule, grads) if self._shard is None else None
             ctx.mb_offset, ctx.extra_weight = dp.rank * M, local / total
         view = opt.view(stream.steps)
         stages = self._calls.stages
@@ -337,7 +355,10 @@ class RoundPipe:
         try:
             stream.submit(call)
             loss = stream.wait_loss(call)
-            if not math.isfinite(loss) and self.config.nonfinite is NonFinite.RAISE:
+            # Data parallel: ranks see different local losses and must decide alike;
+            # the check of the reduced gradients (identical on every rank) decides.
+            if not math.isfinite(loss) and self.config.nonfinite is NonFinite.RAISE \
+                    and dp is None:
                 # Its older calls complete first: only this one is discarded.
                 stream.reject(call, NonFiniteError(
                     f"the loss of training call {call.number} is {loss} ("
@@ -437,6 +458,8 @@ class RoundPipe:
         with self._lock:
             self._flush()
             self.host.zero_grad()
+            if self._shard is not None:
+                self._shard.zero_grad()
 
     @torch.no_grad()
     def __call__(self, inputs):
@@ -511,6 +534,9 @@ class RoundPipe:
                 raise ConfigError(f"load_state_dict: {shown}. Nothing was loaded: pass "
                                   "a state_dict of this model (strict=False skips missing "
                                   "and unexpected keys)")
+            if self._shard is not None:
+                self._load_sharded(state)
+                return
             try:
                 with torch.no_grad():
                     for k, v in state.items():
@@ -518,6 +544,19 @@ class RoundPipe:
                             own[k].copy_(v)
             finally:
                 self.host.write_back()
+
+    def _load_sharded(self, state: dict[str, torch.Tensor]) -> None:
+        """Masters from the fp32 tensors themselves (the module's parameters hold only
+        the compute dtype), then the rest of the container."""
+        names = dict(self._container.named_parameters(remove_duplicate=False))
+        by_id = {id(p): pid for pid, p in enumerate(self.layerset.params)}
+        full = {}
+        for key, value in state.items():
+            p = names.get(key)
+            if p is not None and id(p) in by_id and by_id[id(p)] in self.host.trainable:
+                full[by_id[id(p)]] = value.float()
+        self._container.load_state_dict(state)
+        self._shard.load_full(full)
 
     def pipeline_state(self) -> dict:
         """The pipeline's own counters, for exact resume: training calls and evaluation
@@ -676,8 +715,12 @@ class RoundPipe:
     def _fingerprint(self) -> str:
         """What must agree across data-parallel ranks (plan, dtype, parameter shapes)."""
         shapes = [tuple(self.layerset.params[pid].shape) for pid in self.host.trainable]
+        dpc = self.config.data_parallel
+        shard = "" if dpc.shard is ShardMode.NONE else \
+            f", shard {dpc.shard.value} (gradients in {dpc.grad_dtype})"
         return (f"plan {self.plan.to_text()}, compute dtype {self.host.dtype}, "
-                f"{len(shapes)} trainable parameters, shapes hash {hash(tuple(shapes))}")
+                f"{len(shapes)} trainable parameters, shapes hash {hash(tuple(shapes))}"
+                f"{shard}")
 
     def _refine_plan(self, call: Call) -> None:
         """``partition="refine"``: feed a completed call's stage times to the planner

@@ -202,3 +202,53 @@ def _pin_mode(pin: PinMode | str) -> PinMode:
     except ValueError:
         raise ConfigError(f"pin={pin!r}: use one of "
                           f"{', '.join(repr(m.value) for m in PinMode)}") from None
+
+
+# -- data parallelism across servers (DataParallelConfig.shard) ---------------------------
+
+SHARD_MODES = ("none", "optimizer", "gradients")
+
+
+def per_server(mem: HostMemory, nodes: int, shard: str, in_flight: int = 0) -> HostMemory:
+    """Host bytes per server of a run of ``nodes`` data-parallel servers, each holding
+    ``mem`` for its share of the batch (docs/distributed.md, "Sharding"):
+
+    - ``"none"``: every server holds everything;
+    - ``"optimizer"`` / ``"gradients"``: masters and optimizer state are 1/N. With one
+      call per step (what ``rotapipe train`` does) a stage's gradients are copied into
+      send buffers at its hand-off and dropped, so a server keeps the fp32 1/N it owns
+      plus ``in_flight``: the send and receive buffers of the buckets the network has
+      not finished (the caller's estimate). With several calls per step
+      ``"optimizer"`` also keeps a full local fp32 gradient between the calls.
+    """
+    if shard not in SHARD_MODES:
+        raise ConfigError(f"shard={shard!r}: use one of {', '.join(map(repr, SHARD_MODES))}")
+    if nodes < 1:
+        raise ConfigError(f"nodes={nodes}: use 1 or more servers")
+    if shard == "none" or nodes == 1:
+        return mem
+    n_train = mem.masters // 4
+    return HostMemory(weights=mem.weights, masters=-(-mem.masters // nodes),
+                      optimizer=-(-mem.optimizer // nodes),
+                      gradients=-(-4 * n_train // nodes) + min(in_flight, mem.gradients),
+                      pinned_buffers=mem.pinned_buffers, checkpoints=mem.checkpoints,
+                      bounce_buffers=mem.bounce_buffers, transient=mem.transient,
+                      pin=mem.pin)
+
+
+def bytes_sent(trainable: int, nodes: int, shard: str, *, dtype_bytes: int = 2,
+               grad_bytes: int = 4, calls_per_step: int = 1) -> int:
+    """Bytes one server sends per optimizer step (what rotapipe issues over gloo):
+
+    - ``"none"``: an fp32 all-reduce of every gradient per call, modelled as a ring
+      (``2 (N - 1) / N`` of the bytes; gloo chooses its own algorithm);
+    - sharded: a reduce-scatter (an all-to-all: ``(N - 1) / N`` of the gradients in
+      ``grad_bytes``) per call (``"gradients"``) or per step (``"optimizer"``), plus
+      the all-gather of the updated weights in the compute dtype, ``(N - 1) / N``."""
+    if nodes <= 1:
+        return 0
+    f = (nodes - 1) / nodes
+    if shard == "none":
+        return int(calls_per_step * 2 * f * 4 * trainable)
+    scatters = calls_per_step if shard == "gradients" else 1
+    return int(scatters * f * grad_bytes * trainable + f * dtype_bytes * trainable)

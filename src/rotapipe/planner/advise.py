@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 from ..config import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import Hardware, ModelCosts, model_costs, model_work
-from ..plan.hostmem import GB, HostMemory, host_memory, lora_params
+from ..plan.hostmem import (GB, SHARD_MODES, HostMemory, bytes_sent, host_memory,
+                            lora_params, per_server)
 from ..plan.partitioner import Direction, Footprint, assemble_plan
 from .autoplan import PlanChoice, PlannerConfig, choose_plan
 
@@ -20,6 +21,23 @@ __all__ = ["PlanAnalysis", "analyze", "default_host_ram", "longest_sequence"]
 def default_host_ram(hw: Hardware) -> int:
     """Host RAM assumed when none is given: 64 GB per device, at least 128 GB."""
     return max(128, 64 * hw.count) * GB
+
+
+@dataclass(frozen=True)
+class ServerMode:
+    """One shard mode of a multi-server run: host memory per server and the bytes each
+    server sends per step, at ``network_gbps`` (:func:`rotapipe.plan.hostmem.bytes_sent`)."""
+
+    shard: str
+    host: HostMemory
+    sent_bytes: int
+    network_gbps: float
+
+    @property
+    def comm_s(self) -> float:
+        """Seconds per step to send ``sent_bytes`` at the link's rate (most of it
+        overlaps the backward: docs/distributed.md)."""
+        return self.sent_bytes * 8 / (self.network_gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,14 @@ class PlanAnalysis:
     """The same, also holding host memory (0: host RAM is short at any length)."""
     mfu: float
     suggestions: tuple[str, ...] = field(default=())
+    nodes: int = 1
+    """Data-parallel servers (``--nodes``); the other fields are per server (its share
+    of the global batch)."""
+    shard: str = "none"
+    """The shard mode ``host`` assumes: the first of none / optimizer / gradients whose
+    host bytes fit (the last when none does)."""
+    servers: tuple[ServerMode, ...] = field(default=())
+    """Per shard mode: host bytes per server and traffic per step (``nodes`` > 1)."""
 
     @property
     def fits_device(self) -> bool:
@@ -74,7 +100,11 @@ class PlanAnalysis:
                "pin": self.host.pin.value, "host_pinned_bytes": self.host.pinned,
                "longest_seq": self.longest_seq,
                "longest_seq_with_host": self.longest_seq_host, "suggestions": list(self.suggestions),
-               "device_error": self.device_error}
+               "device_error": self.device_error, "nodes": self.nodes,
+               "shard": self.shard,
+               "servers": [{"shard": m.shard, "host_bytes": m.host.as_dict(),
+                            "sent_bytes_per_step": m.sent_bytes, "comm_s": m.comm_s,
+                            "network_gbps": m.network_gbps} for m in self.servers]}
         if c is not None:
             r = c.report
             out.update({"plan": c.plan.to_text(), "forward_stages": len(c.plan.forward),
@@ -119,6 +149,18 @@ class PlanAnalysis:
         lines.append(f"longest sequence that fits device memory (1 sequence per "
                      f"microbatch, layer recompute): {self.longest_seq:,} tokens "
                      f"({host_note})")
+        if self.nodes > 1:
+            lines.append(f"per server ({self.nodes} servers, data parallel, "
+                         f"{self.servers[0].network_gbps:g} Gb/s each; exact optimizer):")
+            lines.append(f"  {'shard':>10} {'host RAM (GB)':>14} {'masters':>8} "
+                         f"{'optimizer':>10} {'gradients':>10} {'sent/step (GB)':>15} "
+                         f"{'comm (s)':>9}")
+            for m in self.servers:
+                mark = "  <- fits" if m.shard == self.shard and self.fits_host else ""
+                lines.append(f"  {m.shard:>10} {m.host.total / GB:>14.1f} "
+                             f"{m.host.masters / GB:>8.1f} {m.host.optimizer / GB:>10.1f} "
+                             f"{m.host.gradients / GB:>10.1f} {m.sent_bytes / GB:>15.1f} "
+                             f"{m.comm_s:>9.2f}{mark}")
         lines += [f"suggestion: {s}" for s in self.suggestions]
         return "\n".join(lines)
 
@@ -200,11 +242,35 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
             lora_rank: int | None = None, host_ram: int | None = None,
             microbatches: int | None = None, stale: bool = False,
             memory_fraction: float = 0.9, pin: str = "register",
-            chunk_mb: float = 32.0) -> PlanAnalysis:
+            chunk_mb: float = 32.0, nodes: int = 1,
+            network_gbps: float = 25.0) -> PlanAnalysis:
     """Plan ``model`` on ``hw`` for steps of ``global_batch`` sequences of ``seq``
     tokens (LoRA of ``lora_rank`` if given) and judge the fit; see :class:`PlanAnalysis`.
     Host memory assumes the weights' pin mode ``pin`` (:class:`rotapipe.PinMode`) and
-    copy chunks of ``chunk_mb`` MiB (:func:`rotapipe.plan.host_memory`)."""
+    copy chunks of ``chunk_mb`` MiB (:func:`rotapipe.plan.host_memory`).
+
+    ``nodes`` > 1: data parallel over that many servers linked at ``network_gbps``;
+    each plans its ``global_batch / nodes`` sequences, and the host memory is per
+    server for the first shard mode that fits (:attr:`PlanAnalysis.servers` lists
+    every mode)."""
+    if nodes < 1 or global_batch % nodes:
+        raise ConfigError(f"--nodes {nodes}: the global batch {global_batch} must split "
+                          "evenly over the servers (a multiple of --nodes)")
+    if not network_gbps > 0:
+        raise ConfigError(f"--network-gbps {network_gbps}: use the link rate in Gb/s, > 0")
+    if nodes > 1:
+        a = analyze(model, hw, seq=seq, global_batch=global_batch // nodes,
+                    lora_rank=lora_rank, host_ram=host_ram, microbatches=microbatches,
+                    stale=stale, memory_fraction=memory_fraction, pin=pin,
+                    chunk_mb=chunk_mb)
+        modes = tuple(_server_mode(a, hw, nodes, m, network_gbps) for m in SHARD_MODES)
+        pick = next((m for m in modes if m.host.total <= a.host_limit), modes[-1])
+        out = PlanAnalysis(**{**a.__dict__, "host": pick.host, "nodes": nodes,
+                              "shard": pick.shard, "servers": modes,
+                              "suggestions": ()})
+        return _with_suggestions(out, model, hw, lora_rank,
+                                 (microbatches,) if microbatches else
+                                 _divisors(global_batch // nodes))
     if seq < 1 or global_batch < 1:
         raise ConfigError(f"seq ({seq}) and global batch ({global_batch}) must be >= 1")
     if microbatches is not None and (microbatches < 1 or global_batch % microbatches):
@@ -247,6 +313,21 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
                             device_limit, host_limit, choice, host, error, longest,
                             longest_host, mfu)
     return _with_suggestions(analysis, model, hw, lora_rank, counts)
+
+
+def _server_mode(a: PlanAnalysis, hw, nodes: int, shard: str, gbps: float) -> ServerMode:
+    """Host bytes per server and traffic of ``shard``. Gradient buffers in flight: one
+    stage's fp32 gradients being handed off, or, when sending takes longer than the
+    step's compute, the share of the send and receive buffers (fp32, twice the
+    gradients) still queued when the backward ends."""
+    trainable = a.host.masters // 4
+    sent = bytes_sent(trainable, nodes, shard)
+    comm_s = sent * 8 / (gbps * 1e9)
+    step_s = a.choice.report.step_ms / 1e3 if a.choice is not None else comm_s
+    queued = max(0.0, 1.0 - step_s / comm_s) if comm_s > 0 else 0.0
+    stage = a.host.pinned_buffers // max(1, hw.count)     # one stage, fp32
+    in_flight = max(stage, int(queued * 2 * 4 * trainable))
+    return ServerMode(shard, per_server(a.host, nodes, shard, in_flight), sent, gbps)
 
 
 def _with_suggestions(a: PlanAnalysis, model, hw, lora_rank, counts) -> PlanAnalysis:

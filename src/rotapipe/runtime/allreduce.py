@@ -190,6 +190,20 @@ class GradReducer:
         self.issued += 1
         return work
 
+    def exchange(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                 in_splits: list[int]) -> tuple[object, int]:
+        """Start an asynchronous ``all_to_all_single`` (the sharded modes' reduce-scatter
+        and all-gather, :mod:`rotapipe.runtime.shard`); return ``(work, seq)`` for
+        :meth:`_wait`."""
+        seq = self.issued
+        try:
+            work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group,
+                                          async_op=True)
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
+            raise self._error(seq, "starting an all-to-all", exc) from exc
+        self.issued += 1
+        return work, seq
+
     def _wait(self, work, seq: int, what: str) -> None:
         """Wait for ``work`` (collective number ``seq``) with the deadline."""
         deadline = time.monotonic() + self.config.timeout_s

@@ -34,7 +34,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoints",
-           "resume_from", "check_out_dir"]
+           "resume_from", "check_out_dir", "save_shard", "load_shards", "save_consolidated"]
 
 log = logging.getLogger("rotapipe.train")
 
@@ -237,3 +237,65 @@ def check_compatible(path: pathlib.Path, meta: dict, fingerprint: dict) -> None:
         raise ConfigError(f"checkpoint {path} is from a different model (parameter {name!r}: "
                           f"{a.get(name)} there, {b.get(name)} now): use the original model "
                           "settings (lora, lora_rank, ...) or a new out_dir")
+
+
+# -- sharded state (DataParallelConfig(shard=...)): one file per rank -------------------
+
+_SHARD = re.compile(r"^shard-(\d{5})-of-(\d{5})\.pt$")
+
+
+def save_shard(path: pathlib.Path, shard: dict) -> pathlib.Path:
+    """Write one rank's :func:`rotapipe.distributed.shard_state_dict` into the directory
+    ``path`` as ``shard-<rank>-of-<world>.pt``, atomically (a temporary file, fsynced,
+    then renamed into place): a reader finds the whole file or none."""
+    path.mkdir(parents=True, exist_ok=True)
+    final = path / f"shard-{shard['rank']:05d}-of-{shard['world']:05d}.pt"
+    tmp = path / f".tmp-{final.name}-{os.getpid()}"
+    torch.save(shard, tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    _fsync_dir(path)
+    return final
+
+
+def load_shards(path: pathlib.Path) -> list[dict]:
+    """Every rank's shard in ``path`` (:func:`save_shard`); :class:`CheckpointError`
+    naming the missing ranks when the set is incomplete."""
+    found = {}
+    for f in path.glob("shard-*-of-*.pt") if path.is_dir() else ():
+        m = _SHARD.match(f.name)
+        if m:
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
+    if len(found) != 1:
+        raise CheckpointError(f"{path} holds shards of world sizes {sorted(found)}: expected "
+                              "the shards of one run (shard-<rank>-of-<world>.pt)")
+    (world, files), = found.items()
+    missing = [r for r in range(world) if r not in files]
+    if missing:
+        raise CheckpointError(f"{path}: the shards of rank(s) {missing} of {world} are "
+                              "missing (a rank did not finish writing): resume from an "
+                              "earlier checkpoint")
+    try:
+        return [torch.load(files[r], weights_only=True) for r in range(world)]
+    except Exception as exc:  # noqa: BLE001 - pickle / zip errors
+        raise CheckpointError(f"a shard in {path} cannot be read ({type(exc).__name__})") \
+            from None
+
+
+def save_consolidated(path: pathlib.Path) -> pathlib.Path:
+    """The consolidated export of a sharded checkpoint: the whole fp32 masters of every
+    rank's shard in ``path`` as ``path / "masters.safetensors"`` (one rank writes it,
+    after every shard is written), atomically."""
+    from safetensors.torch import save_file
+
+    from ..distributed import consolidate
+    masters = consolidate(load_shards(path))["masters"]
+    tmp = path / f".tmp-masters-{os.getpid()}.safetensors"
+    save_file({k: v.contiguous() for k, v in masters.items()}, str(tmp))
+    os.replace(tmp, path / "masters.safetensors")
+    _fsync_dir(path)
+    return path / "masters.safetensors"

@@ -1,0 +1,475 @@
+"""Host optimizer state sharded across data-parallel ranks (ZeRO stages 1 and 2).
+
+With ``DataParallelConfig(shard="optimizer" | "gradients")`` every trainable parameter
+(flattened, ``n`` elements) is cut into ``W`` contiguous pieces, rank ``j`` owning
+elements ``[j * n // W, (j + 1) * n // W)`` (:class:`ShardLayout`). A rank keeps the
+fp32 master and the optimizer state of its pieces only: :meth:`RoundPipe.parameters`
+returns the pieces (1-D ``nn.Parameter``), so ``torch.optim.AdamW(pipe.parameters())``
+allocates 1/W of the state. Every rank still holds the full compute-dtype weights its
+workers upload (the module's parameters alias them). Elementwise optimizers (SGD,
+Adam, AdamW and their foreach/fused kernels) step a piece exactly as they would step
+that part of the whole tensor; optimizers that look at whole tensors (Adafactor,
+LAMB, Shampoo) are not exact.
+
+Collectives, per bucket of parameters (the all-reduce's buckets, ``bucket_mb``):
+
+- **reduce-scatter** of gradients: ``all_to_all_single`` sends piece ``j`` of each
+  gradient to rank ``j`` (in ``grad_dtype``), and the owner sums the ``W``
+  contributions in fp32, in rank order. gloo's own ``reduce_scatter`` is ``W``
+  all-reduces of ``n / W`` elements (the bytes of an all-reduce, more latency); the
+  all-to-all sends ``(W - 1) / W * n`` elements per rank, half a ring all-reduce.
+- **all-gather** of the updated weights: each rank sends its pieces, cast to the
+  compute dtype, to every rank (``all_to_all_single`` of its pieces repeated ``W``
+  times: on gloo faster than ``all_gather_into_tensor``), and every rank copies the
+  pieces into its compute copies.
+
+When they run (issue order is the same on every rank, as the all-reduce's; see
+:mod:`rotapipe.runtime.allreduce`):
+
+- ``shard="gradients"``: every call reduce-scatters its gradients at the host lane's
+  hand-offs (overlapped with the shallower stages' backward) and accumulates only its
+  own pieces. ``shard="optimizer"``: calls that do not end a step accumulate the full
+  local gradient (no traffic); the call that ends a step reduce-scatters the local
+  sum; :meth:`ShardedOptimizer.sync_step` (``pipe.step()``) reduce-scatters what was
+  accumulated, at once.
+- ``optimizer_mode="overlap"`` without clipping or dynamic loss scaling steps each
+  hand-off's pieces on the host lane as soon as their reduce-scatter is in, and starts
+  their all-gather; otherwise the step is whole, after the call (the global norm and
+  the overflow check are one all-reduce of the shards' summed squares, in float64).
+- ``stale`` writes the step into the set of compute copies the calls two steps later
+  read (:class:`~rotapipe.runtime.optimizer.HostOptimizer`), all-gathered there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import NonFinite, OptimizerMode, ShardMode
+from ..errors import NonFiniteError
+from ..schedule import Schedule
+from .host import CallGrads, HostState, LossScaler
+from .optimizer import Cost, HostOptimizer, Snapshot, _merged
+
+
+class ShardLayout:
+    """Which elements of each trainable parameter each rank owns (module docstring)."""
+
+    def __init__(self, numels: dict[int, int], world: int, rank: int):
+        self.world, self.rank = world, rank
+        self.bounds = {pid: [j * n // world for j in range(world + 1)]
+                       for pid, n in numels.items()}
+
+    def range(self, pid: int, rank: int | None = None) -> tuple[int, int]:
+        """``[start, end)`` of rank ``rank``'s piece (default: this rank's)."""
+        j = self.rank if rank is None else rank
+        b = self.bounds[pid]
+        return b[j], b[j + 1]
+
+    def length(self, pid: int, rank: int | None = None) -> int:
+        a, b = self.range(pid, rank)
+        return b - a
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent to other ranks (its own piece excluded), since the last
+    :meth:`ShardedOptimizer.reset_traffic`."""
+
+    scatter_bytes: int = 0
+    """Gradients (reduce-scatter)."""
+    gather_bytes: int = 0
+    """Updated weights (all-gather)."""
+    collectives: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.scatter_bytes + self.gather_bytes
+
+
+@dataclass
+class _Exchange:
+    """One bucket's all-to-all in flight."""
+
+    pids: list[int]
+    out: torch.Tensor
+    work: object
+    seq: int
+    what: str
+    done: bool = field(default=False)
+
+
+class ShardedOptimizer(HostOptimizer):
+    """The host optimizer of a sharded data-parallel pipeline: its masters, gradients
+    and collectives (module docstring). Built after :class:`HostState`: it takes the
+    fp32 values of this rank's pieces, then points each trainable parameter at its
+    compute copy, dropping the full fp32 master."""
+
+    def __init__(self, host: HostState, scaler: LossScaler, mode: OptimizerMode,
+                 max_norm: float | None, reducer, shard: ShardMode,
+                 grad_dtype: torch.dtype, bucket_mb: float,
+                 nonfinite: NonFinite = NonFinite.RAISE):
+        super().__init__(host, scaler, mode, max_norm, nonfinite)
+        self.r, self.shard, self.grad_dtype = reducer, shard, grad_dtype
+        params = host.layerset.params
+        self.layout = ShardLayout({pid: params[pid].numel() for pid in host.trainable},
+                                  reducer.world, reducer.rank)
+        self.masters: dict[int, nn.Parameter] = {}
+        """This rank's fp32 pieces (non-empty ones), by parameter index."""
+        with torch.no_grad():
+            for pid in host.trainable:
+                p = params[pid]
+                a, b = self.layout.range(pid)
+                if b > a:
+                    self.masters[pid] = nn.Parameter(p.detach().reshape(-1)[a:b].float()
+                                                     .clone())
+                for view in host.views:
+                    assert view[pid].is_contiguous(), "compute copies are contiguous"
+                if p.data is not host.compute[pid]:
+                    p.data = host.compute[pid]      # the full fp32 master goes
+        self._names = {id(q): host.layerset.param_names[pid] for pid, q in self.masters.items()}
+        limit = max(1, int(bucket_mb * 2**20) // 4)
+        self.buckets: list[list[int]] = []
+        """Every trainable parameter, deepest first, in buckets of at most ``bucket_mb``
+        (the whole-step collectives)."""
+        size = limit
+        for pid in reversed(host.trainable):
+            n = params[pid].numel()
+            if size + n > limit and (not self.buckets or self.buckets[-1]):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(pid)
+            size += n
+        self.samples = 0.0
+        """Loss units accumulated since the last step (global, as HostState.samples)."""
+        self.local: dict[int, torch.Tensor] = {}
+        """``shard="optimizer"``: the full local gradient accumulated since the last step."""
+        self.latest = 0        # the set of compute copies holding the newest weights
+        self.traffic = Traffic()
+
+    # -- what the pipeline reads -----------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's fp32 pieces, in parameter order (what the optimizer steps)."""
+        return list(self.masters.values())
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name of the whole parameter, piece)`` pairs."""
+        return [(self._names[id(q)], q) for q in self.masters.values()]
+
+    def owner_of(self, piece: nn.Parameter) -> tuple[int, int, int]:
+        """``(parameter index, start, end)`` of a piece."""
+        for pid, q in self.masters.items():
+            if q is piece:
+                return (pid, *self.layout.range(pid))
+        raise KeyError("not a piece of this pipeline")
+
+    def reset_traffic(self) -> Traffic:
+        out, self.traffic = self.traffic, Traffic()
+        return out
+
+    # -- HostOptimizer's interface -----------------------------------------------------------
+    def call_hook(self, optimizer, schedule: Schedule, stage_pids, grads: CallGrads,
+                  units: float, step: bool, cost: Cost, reduce=None, view: int = 0):
+        return ShardCall(self, optimizer, schedule, grads, units, step, cost,
+                         view if self.mode is OptimizerMode.STALE else None)
+
+    def sync_step(self, optimizer: torch.optim.Optimizer, cost: Cost,
+                  view: int | None = None) -> bool:
+        """``pipe.step()``: reduce-scatter what ``shard="optimizer"`` accumulated, then
+        one whole step (a collective: every rank calls it)."""
+        if self.shard is ShardMode.OPTIMIZER and self.samples > 0:
+            sent = [self._scatter(pids, lambda pid: self.local.pop(pid, None))
+                    for pids in self.buckets]
+            reduced = self._collect(sent)
+            for pid, q in self.masters.items():
+                q.grad = reduced.get(pid)
+        return self._whole_step(optimizer, cost, view)
+
+    def flush(self) -> None:
+        """Every set of compute copies follows the newest one (no collective)."""
+        views = self.host.views
+        if len(views) > 1:
+            with torch.no_grad():
+                for v, view in enumerate(views):
+                    if v != self.latest:
+                        for pid in self.host.trainable:
+                            view[pid].copy_(views[self.latest][pid])
+            self.latest = 0
+
+    def zero_grad(self) -> None:
+        for q in self.masters.values():
+            q.grad = None
+        self.local.clear()
+        self.samples = 0.0
+
+    def load_full(self, state: dict[int, torch.Tensor]) -> None:
+        """Set the masters from whole fp32 tensors (by parameter index) and every
+        compute copy from them (every rank loads the same tensors: no collective)."""
+        params = self.host.layerset.params
+        with torch.no_grad():
+            for pid, t in state.items():
+                if pid in self.masters:
+                    a, b = self.layout.range(pid)
+                    self.masters[pid].copy_(t.reshape(-1)[a:b])
+                for view in self.host.views:
+                    view[pid].copy_(t.reshape(params[pid].shape))
+        self.latest = 0
+
+    # -- collectives --------------------------------------------------------------------------
+    def _scatter(self, pids: list[int], source) -> _Exchange:
+        """Start the reduce-scatter of ``source(pid)`` (a full fp32 gradient or ``None``)
+        for ``pids``; a presence flag per parameter rides along, so a parameter no rank
+        has a gradient for keeps none."""
+        W, lay = self.layout.world, self.layout
+        grads = [source(pid) for pid in pids]
+        present = torch.tensor([float(g is not None) for g in grads])
+        chunks = []
+        for j in range(W):
+            parts = []
+            for pid, g in zip(pids, grads):
+                a, b = lay.range(pid, j)
+                parts.append(g.reshape(-1)[a:b] if g is not None else torch.zeros(b - a))
+            chunks.append(torch.cat(parts + [present]))
+        splits = [c.numel() for c in chunks]
+        inp = torch.cat(chunks).to(self.grad_dtype)
+        mine = sum(lay.length(pid) for pid in pids) + len(pids)
+        out = torch.empty(W * mine, dtype=self.grad_dtype)
+        work, seq = self.r.exchange(out, inp, [mine] * W, splits)
+        size = inp.element_size()
+        self.traffic.scatter_bytes += (sum(splits) - splits[lay.rank]) * size
+        self.traffic.collectives += 1
+        return _Exchange(pids, out, work, seq,
+                         f"gradient reduce-scatter of {len(pids)} parameters")
+
+    def _collect(self, sent: list[_Exchange], into: dict | None = None,
+                 ready_only: bool = False) -> dict:
+        """Wait for reduce-scatters (``ready_only``: take only those complete now);
+        ``{pid: this rank's piece of the summed gradient}`` (fp32; absent where no rank
+        had a gradient). A collected exchange drops its receive buffer (``W`` times
+        the pieces), so at most the buckets in flight hold one."""
+        into = {} if into is None else into
+        W = self.layout.world
+        for x in sent:
+            if x.done or (ready_only and not x.work.is_completed()):
+                continue
+            self.r._wait(x.work, x.seq, x.what)
+            total = x.out.view(W, -1).sum(0, dtype=torch.float32)   # rank order, fp32
+            flags = total[total.numel() - len(x.pids):]
+            off = 0
+            for k, pid in enumerate(x.pids):
+                n = self.layout.length(pid)
+                if flags[k] > 0 and n > 0:
+                    into[pid] = total[off:off + n]
+                off += n
+            x.done, x.out = True, None
+        return into
+
+    def _gather(self, pids: list[int], views: list[int]) -> _Exchange:
+        """Start the all-gather of this rank's pieces of ``pids`` into the sets of
+        compute copies ``views`` (finished by :meth:`_land`)."""
+        W, lay = self.layout.world, self.layout
+        dtype = self.host.views[views[0]][pids[0]].dtype
+        mine = [self.masters[pid].detach().to(dtype) if pid in self.masters
+                else torch.empty(0, dtype=dtype) for pid in pids]
+        send = torch.cat(mine)
+        splits = [sum(lay.length(pid, i) for pid in pids) for i in range(W)]
+        out = torch.empty(sum(splits), dtype=dtype)
+        work, seq = self.r.exchange(out, send.repeat(W), splits, [send.numel()] * W)
+        self.traffic.gather_bytes += send.numel() * send.element_size() * (W - 1)
+        self.traffic.collectives += 1
+        x = _Exchange(pids, out, work, seq, f"weight all-gather of {len(pids)} parameters")
+        x.views = views
+        return x
+
+    def _land(self, gathers: list[_Exchange]) -> None:
+        """Wait for all-gathers and copy every rank's pieces into the compute copies."""
+        lay = self.layout
+        with torch.no_grad():
+            for x in gathers:
+                if x.done:
+                    continue
+                self.r._wait(x.work, x.seq, x.what)
+                off = 0
+                for i in range(lay.world):
+                    for pid in x.pids:
+                        a, b = lay.range(pid, i)
+                        for v in x.views:
+                            self.host.views[v][pid].view(-1)[a:b].copy_(x.out[off:off + b - a])
+                        off += b - a
+                x.done = True
+
+    def _publish(self, views: list[int]) -> None:
+        self._land([self._gather(pids, views) for pids in self.buckets])
+
+    # -- the whole step -----------------------------------------------------------------------
+    def _whole_step(self, optimizer, cost: Cost, view: int | None) -> bool:
+        """Clip to the global norm (one all-reduce of the shards' summed squares), skip
+        on overflow, step this rank's pieces, all-gather the weights into ``view``
+        (``None``: every set); the masters' ``.grad`` hold the step's gradients."""
+        qs = [q for q in self.masters.values() if q.grad is not None]
+        overflow, norm = False, None
+        # One all-reduce of the shards' squared norms: the global norm for clipping and
+        # the non-finite check (the same sum on every rank, so every rank decides alike).
+        sq = sum((float(q.grad.double().square().sum()) for q in qs), 0.0)
+        total = self.r.global_sum(sq, "sum of the shards' squared gradient norms")
+        if not math.isfinite(total):
+            if not self.scaler.dynamic and self.nonfinite is NonFinite.RAISE:
+                raise NonFiniteError(
+                    "the global gradient norm is not finite; no weight or optimizer "
+                    "state changed. Lower the learning rate, check the data, clip "
+                    "gradients (clip_grad_norm), or set PipeConfig(nonfinite='skip')")
+            overflow = True
+        if self.max_norm is not None and not overflow:
+            norm = math.sqrt(total)
+            coef = self.max_norm / (norm + 1e-6)   # clip_grad_norm_'s formula
+            if coef < 1.0:
+                for q in qs:
+                    q.grad.mul_(coef)
+        if not overflow:
+            optimizer.step()
+            if cost is not None:
+                cost([pid for pid, q in self.masters.items() if q.grad is not None])
+            views = list(range(len(self.host.views))) if view is None else [view]
+            self._publish(views)
+            self.latest = views[0] if view is not None else 0
+        self.skipped(overflow)
+        self.last_norm = norm
+        self.zero_grad()
+        return not overflow
+
+
+class ShardCall:
+    """The optimizer work of one training call of a sharded pipeline (the
+    :class:`~rotapipe.runtime.optimizer.CallHook` interface: :meth:`handoff` on the host
+    lane, :meth:`commit` once the call is complete, :meth:`abort` when it failed)."""
+
+    def __init__(self, owner: ShardedOptimizer, optimizer, schedule: Schedule,
+                 grads: CallGrads, units: float, step: bool, cost: Cost, view: int | None):
+        self.o, self.opt, self.grads, self.units = owner, optimizer, grads, units
+        self.step, self.cost, self.view = step, cost, view
+        self.layout = owner.r._layout(schedule)      # O action key -> buckets (pids)
+        total = owner.samples + units
+        self.keep, self.new = owner.samples / total, units / total
+        self.sends = owner.shard is ShardMode.GRADIENTS or step
+        self.per_stage = step and owner.mode is OptimizerMode.OVERLAP and not owner.whole_step
+        self.sent: list[_Exchange] = []
+        self.gathers: list[_Exchange] = []
+        self.reduced: dict[int, torch.Tensor] = {}
+        self.prev: dict[int, torch.Tensor | None] | None = None
+        self.snapshots: list[Snapshot] = []
+
+    def _source(self, pid: int) -> torch.Tensor | None:
+        """What this rank sends for ``pid``: the call's gradient (``gradients``), or the
+        local sum since the last step (``optimizer``). The staged copy is dropped once
+        it is in the send buffer."""
+        g = self.grads.staged.pop(pid, None)
+        if self.o.shard is ShardMode.OPTIMIZER:
+            return _merged(self.o.local.get(pid), g, self.keep, self.new)
+        return g
+
+    def _final(self, pid: int) -> torch.Tensor | None:
+        """The step's gradient of this rank's piece of ``pid``."""
+        if self.o.shard is ShardMode.OPTIMIZER:
+            return self.reduced.get(pid)        # already merged before it was sent
+        prev = self.prev.get(pid) if self.prev is not None else self.o.masters[pid].grad
+        return _merged(prev, self.reduced.get(pid), self.keep, self.new)
+
+    def handoff(self, key: str) -> None:
+        if not self.sends:
+            return
+        sent = [self.o._scatter(pids, self._source) for pids in self.layout.get(key, ())]
+        self.sent += sent
+        if self.per_stage and sent:
+            self.o._collect(sent, self.reduced)
+            self._step_pieces([pid for x in sent for pid in x.pids])
+        else:
+            self.o._collect(self.sent, self.reduced, ready_only=True)
+
+    def _step_pieces(self, pids: list[int]) -> None:
+        """overlap: step the pieces completed at this hand-off, start their all-gather."""
+        o = self.o
+        if self.prev is None:     # earlier calls' pieces must not be stepped with them
+            self.prev = {pid: q.grad for pid, q in o.masters.items()}
+            for q in o.masters.values():
+                q.grad = None
+        stepped = {}
+        for pid in pids:
+            if pid in o.masters:
+                g = self._final(pid)
+                if g is not None:
+                    stepped[pid] = g
+        if stepped and not all(torch.isfinite(torch.linalg.vector_norm(g))
+                               for g in stepped.values()):
+            # Per-stage steps see this rank's pieces only, and skipping needs every
+            # rank to agree: the call fails here (its peers then fail naming this rank).
+            raise NonFiniteError(
+                f"rank {o.r.rank}: a gradient piece is not finite (overlap steps each "
+                "stage's pieces as they land, so the step cannot be skipped on every "
+                "rank alike; with clipping on, or optimizer_mode sync/stale, the global "
+                "check applies nonfinite='skip')")
+        if stepped:
+            qs = [o.masters[pid] for pid in stepped]
+            self.snapshots.append(Snapshot(self.opt, qs, list(stepped)))
+            for pid, q in zip(stepped, qs):
+                q.grad = stepped[pid]
+            try:
+                self.opt.step()
+            finally:
+                for q in qs:
+                    q.grad = None
+            if self.cost is not None:
+                self.cost(list(stepped))
+        # Every rank gathers the same buckets, stepped here or not.
+        views = [self.view] if self.view is not None else list(range(len(o.host.views)))
+        self.gathers.append(o._gather(pids, views))
+
+    def commit(self) -> None:
+        o = self.o
+        if self.sends:
+            o._collect(self.sent, self.reduced)
+        if not self.step:
+            with torch.no_grad():
+                if o.shard is ShardMode.GRADIENTS:
+                    for pid, q in o.masters.items():
+                        q.grad = self._final(pid)
+                else:
+                    for pid in o.host.trainable:
+                        g = _merged(o.local.get(pid), self.grads.staged.get(pid),
+                                    self.keep, self.new)
+                        if g is not None:
+                            o.local[pid] = g
+            o.samples += self.units
+            return
+        if self.per_stage:
+            o._land(self.gathers)
+            o.latest = self.view if self.view is not None else 0
+            o.scaler.update(False)
+            o.last_norm, o.last_skipped = None, False
+            o.zero_grad()
+            self.snapshots = []
+            return
+        for pid, q in o.masters.items():
+            q.grad = self._final(pid)
+        o.local.clear()
+        o._whole_step(self.opt, self.cost, self.view)
+
+    def abort(self) -> None:
+        """Undo the pieces stepped during the call and put the accumulated gradients
+        back. The ranks are out of step after a failure (data parallelism is retired):
+        the compute copies of other ranks' pieces are not restored."""
+        o = self.o
+        for snap in reversed(self.snapshots):
+            snap.restore()
+        with torch.no_grad():
+            for snap in self.snapshots:
+                for pid in snap.pids:
+                    a, b = o.layout.range(pid)
+                    for view in o.host.views:
+                        view[pid].view(-1)[a:b].copy_(o.masters[pid].detach())
+        self.snapshots = []
+        if self.prev is not None:
+            for pid, g in self.prev.items():
+                o.masters[pid].grad = g

@@ -1,0 +1,197 @@
+"""Sharded host optimizer state (``DataParallelConfig(shard=...)``, runtime/shard.py).
+
+- 2 and 3 gloo ranks on loopback, ``shard="optimizer"`` and ``"gradients"``, every
+  optimizer mode, clipping off and on (triggering every step), two accumulated calls
+  per step with token counts that differ per rank: the weights after 3 steps equal a
+  one-process run with the whole batch (rtol 1e-5, atol 1e-6) and the ranks end
+  bit-identical; ``"optimizer"`` reduce-scatters once per step, ``"gradients"`` once per
+  call (half / all of the gradient bytes).
+- A rank killed mid-step ends the survivors with a DistributedError naming it.
+- Layout, pieces as the optimizer's parameters, config errors (in process).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rotapipe
+from rotapipe import distributed
+from rotapipe.runtime.shard import ShardLayout
+from models import emulated, lm_loss, tiny_transformer, token_batch
+import dist_job
+from test_distributed import RTOL, ATOL, _finish, _launch, _port
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_ranks_equal_one_process_with_the_whole_batch(tmp_path, world):
+    procs = _launch(tmp_path, world, "--shard", "optimizer,gradients")
+    one = distributed.DistInfo(0, 1, 0)
+    mbs = world * dist_job.MICROBATCHES
+    ref = {(mode, clip): dist_job.train_sharded(one, None, mode, clip, mbs)
+           for mode in dist_job.SHARD_MODES for clip in dist_job.SHARD_CLIPS}
+    for p in procs:
+        rc, err = _finish(p, 240)
+        assert rc == 0, err
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    assert len(ranks[0]) == 2 * len(ref)
+    for (shard, mode, clip), got in ranks[0].items():
+        want = ref[(mode, clip)]
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+        if mode == "sync" and clip is not None:
+            assert got["norms"] == pytest.approx(want["norms"], rel=1e-5)
+        assert got["state"].keys() == want["state"].keys()
+        for k, v in want["state"].items():
+            torch.testing.assert_close(got["state"][k], v, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{shard} {mode} {clip} {k}: {m}")
+            for r in range(1, world):
+                assert torch.equal(ranks[r][(shard, mode, clip)]["state"][k],
+                                   got["state"][k]), (shard, mode, clip, r, k)
+    # Two calls per step: "optimizer" sends the step's gradients once, "gradients"
+    # after each call; the weights all-gathered are the same.
+    for mode in dist_job.SHARD_MODES:
+        a, b = ranks[0][("optimizer", mode, None)]["traffic"], \
+            ranks[0][("gradients", mode, None)]["traffic"]
+        assert 2 * a.scatter_bytes == b.scatter_bytes > 0
+        assert a.gather_bytes == b.gather_bytes > 0
+    # Clipping was active.
+    assert not torch.equal(ref[("sync", None)]["state"]["0.emb.weight"],
+                           ref[("sync", dist_job.CLIP)]["state"]["0.emb.weight"])
+
+
+def test_sharded_lost_rank_fails_the_others_naming_it(tmp_path):
+    timeout = 10.0
+    procs = _launch(tmp_path, 2, "--shard", "gradients", "--kill-at", "1", "--timeout",
+                    str(timeout))
+    try:
+        rc, err = _finish(procs[0], 60)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert rc == 3, err
+    assert "DistributedError" in err and "lost_ranks=[1]" in err and "rank 1 lost" in err, err
+    began = float((tmp_path / "rank1.pt.fault").read_text())
+    failed = float(re.search(r"at=([0-9.]+)", err).group(1))
+    assert 0 < failed - began < timeout, (failed - began, err)
+
+
+def test_layout_pieces_cover_every_element_evenly():
+    lay = [ShardLayout({0: 10, 1: 3, 2: 1}, 3, r) for r in range(3)]
+    for pid, n in ((0, 10), (1, 3), (2, 1)):
+        ranges = [lay[r].range(pid) for r in range(3)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(ranges[r][1] == ranges[r + 1][0] for r in range(2))
+        assert max(lay[r].length(pid) for r in range(3)) - \
+            min(lay[r].length(pid) for r in range(3)) <= 1
+
+
+@pytest.fixture
+def one_rank_group():
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pieces_are_the_parameters_and_state_dict_reads_the_weights(one_rank_group):
+    """One rank: the pieces are whole parameters (flattened); the optimizer steps them;
+    the module's parameters hold the compute dtype (bf16 here), the pieces fp32;
+    load_state_dict sets both."""
+    dp = rotapipe.DataParallelConfig(enabled=True, shard="gradients", timeout_s=10)
+    model = tiny_transformer()
+    names = [n for n, _ in model.named_parameters()]
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, data_parallel=dp,
+                                                              precision="bf16")) as pipe:
+        pieces = list(pipe.parameters())
+        assert all(q.dtype == torch.float32 and q.dim() == 1 for q in pieces)
+        assert sum(q.numel() for q in pieces) == sum(p.numel() for p in model.parameters())
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        named = dict(pipe.named_parameters())
+        assert len(named) == len(pieces)
+        full = {k: torch.randn(v.shape) for k, v in model.state_dict().items()}
+        pipe.load_state_dict(full)
+        for name, q in pipe.named_parameters():
+            assert torch.equal(q.detach(), full[name].reshape(-1)), name
+        assert torch.equal(pipe.state_dict()[names[0]], full[names[0]].bfloat16())
+        pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-2))
+        before = [q.detach().clone() for q in pieces]
+        pipe.train_step(*token_batch(8))
+        assert all(not torch.equal(a, q.detach()) for a, q in zip(before, pieces))
+
+
+def test_config_errors():
+    with pytest.raises(rotapipe.ConfigError, match="shard='bogus' is invalid"):
+        rotapipe.DataParallelConfig(shard="bogus")
+    with pytest.raises(rotapipe.ConfigError, match="needs a sharded mode"):
+        rotapipe.DataParallelConfig(grad_dtype="bf16")
+    with pytest.raises(rotapipe.ConfigError, match="grad_dtype"):
+        rotapipe.DataParallelConfig(shard="optimizer", grad_dtype="fp16")
+    assert rotapipe.DataParallelConfig(shard="Optimizer", grad_dtype="bf16").grad_dtype \
+        == torch.bfloat16
+    dp = rotapipe.DataParallelConfig(enabled=False, shard="optimizer")
+    with pytest.raises(rotapipe.ConfigError, match="needs data parallelism"):
+        rotapipe.RoundPipe(tiny_transformer(), lm_loss,
+                           config=emulated(1, 1, data_parallel=dp))
+
+
+def test_resume_reshards_2_to_3_to_1(tmp_path):
+    """Step 0 on 2 ranks, step 1 on 3 ranks (resumed from the 2 shards), step 2 in one
+    process without data parallelism (resumed from the 3 shards): the weights equal an
+    uninterrupted 3-step run. Each phase also writes the consolidated masters."""
+    from safetensors.torch import load_file
+    from rotapipe.train.checkpoint import load_shards
+    root = tmp_path / "ckpt"
+    for phase, world in ((0, 2), (1, 3)):
+        procs = _launch(tmp_path, world, "--reshard", str(phase), str(root))
+        for p in procs:
+            rc, err = _finish(p, 120)
+            assert rc == 0, err
+        assert len(load_shards(root / f"phase{phase}")) == world
+    one = distributed.DistInfo(0, 1, 0)
+    got = dist_job.reshard_phase(one, 2, str(root))
+    want = dist_job.reshard_phase(one, 3, "")        # steps 0, 1, 2 in a row
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
+    # The consolidated export of phase 1 holds whole fp32 tensors named like the masters.
+    masters = load_file(str(root / "phase1" / "masters.safetensors"))
+    shards = load_shards(root / "phase1")
+    assert set(masters) == set(shards[0]["pieces"]) and \
+        all(masters[k].shape == tuple(p["shape"]) for k, p in shards[0]["pieces"].items())
+    # A missing rank's shard is named.
+    (root / "phase1" / "shard-00002-of-00003.pt").unlink()
+    with pytest.raises(rotapipe.errors.CheckpointError, match=r"rank\(s\) \[2\] of 3"):
+        load_shards(root / "phase1")
+
+
+def test_planner_per_server_memory_and_traffic():
+    from rotapipe.plan import hardware
+    from rotapipe.plan.hostmem import GB, bytes_sent
+    from rotapipe.planner.advise import analyze
+    n = 1000
+    assert bytes_sent(n, 2, "none") == 2 * 0.5 * 4 * n
+    assert bytes_sent(n, 2, "gradients", calls_per_step=2) == 2 * 0.5 * 4 * n + 0.5 * 2 * n
+    assert bytes_sent(n, 2, "optimizer", calls_per_step=2) == 0.5 * 4 * n + 0.5 * 2 * n
+    assert bytes_sent(n, 1, "gradients") == 0
+    hw = hardware("rtx4090x8")
+    one = analyze("qwen3-32b", hw, seq=2048, global_batch=8, host_ram=384 * GB)
+    two = analyze("qwen3-32b", hw, seq=2048, global_batch=16, host_ram=384 * GB, nodes=2,
+                  network_gbps=200)
+    assert not one.fits_host and two.fits and two.shard == "optimizer"
+    none, opt, grads = two.servers
+    assert none.host == one.host            # unsharded: every server holds everything
+    assert opt.host.masters == -(-one.host.masters // 2)
+    assert opt.host.optimizer == -(-one.host.optimizer // 2)
+    assert opt.sent_bytes < none.sent_bytes and opt.comm_s < none.comm_s
+    assert "per server (2 servers" in two.to_text()
+    # A slow link leaves gradients queued: more host bytes per server.
+    slow = analyze("qwen3-32b", hw, seq=2048, global_batch=16, host_ram=384 * GB, nodes=2,
+                   network_gbps=25)
+    assert slow.servers[1].host.gradients > opt.host.gradients
+    with pytest.raises(rotapipe.ConfigError, match="multiple of --nodes"):
+        analyze("qwen3-32b", hw, seq=2048, global_batch=15, nodes=2)
