@@ -153,6 +153,12 @@ class ChunkedCopies:
 
         def finish():
             for p, t in dst.items():
+                q = r.host.quantized.get(p)
+                if q is not None:
+                    # NF4: dequantize the uploaded bytes on the device, in the stream
+                    # that uploaded them (the stage's event covers it); the packed copy
+                    # is dropped, the stage holds the compute-dtype weight.
+                    t = q.dequantize(t, r.host.dtype)
                 params[p] = nn.Parameter(t, requires_grad=grad and r.ls.params[p].requires_grad)
             r.stores[a.worker].put(("w", s.name), (params, buffers), f"weights of stage {s}")
         last = chunks[-1].copy
