@@ -161,6 +161,7 @@ class ChunkedCopies:
                     t = q.dequantize(t, r.host.dtype)
                 params[p] = nn.Parameter(t, requires_grad=grad and r.ls.params[p].requires_grad)
             r.stores[a.worker].put(("w", s.name), (params, buffers), f"weights of stage {s}")
+            dst.clear()     # the chunks' closures outlive the copy: hold no tensor
         last = chunks[-1].copy
         chunks[-1].copy = lambda: (last(), finish())
         return chunks
@@ -236,7 +237,11 @@ class ChunkedCopies:
         def finish():
             if "grads" not in got:
                 got["grads"] = r.stores[a.worker].pop(("wgrad", a.stage))
-            r.host_store.put(("wgrad", a.stage), out)
+            r.host_store.put(("wgrad", a.stage), dict(out))
+            # The chunks' closures live as long as the call's action lists: let the
+            # gradients die once the optimizer has stepped them (docs/memory.md).
+            out.clear()
+            got.clear()
         if not chunks:
             return [Chunk(finish)]
         last = chunks[-1].copy

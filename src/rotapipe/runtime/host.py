@@ -129,6 +129,7 @@ class HostState:
                     p.grad.mul_(keep)
                 else:
                     p.grad.mul_(keep).add_(g, alpha=new)
+        grads.staged.clear()      # merged: one fp32 gradient per parameter remains
         self.samples = total
 
     def zero_grad(self) -> None:
