@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..plan.costs import NF4_BLOCK as BLOCK, nf4_bytes
 
 __all__ = ["QUANTIZE", "NF4Weight", "quantize_frozen", "dequantize_frozen", "quantized",
            "nf4_bytes"]
@@ -36,25 +37,8 @@ __all__ = ["QUANTIZE", "NF4Weight", "quantize_frozen", "dequantize_frozen", "qua
 QUANTIZE = ("nf4",)
 """Quantized formats of frozen weights (``wrap_hf(quantize=...)``)."""
 
-BLOCK = 64
-"""Elements per NF4 block (one absmax scale each)."""
-SCALE_BLOCK = 256
-"""Scales per block of the second (8-bit) quantization of the scales."""
 
 _ATTR = "_rotapipe_nf4"
-
-
-def nf4_bytes(numel: int) -> int:
-    """Packed bytes of an :class:`NF4Weight` of ``numel`` elements (the planner's
-    count): half a byte per element, one byte of scale per 64 elements, four per
-    16,384 (the scales' scales), the offset and the two code books (1,092 bytes), each
-    piece 8-byte aligned as :meth:`NF4Weight.quantize` lays them out."""
-    blocks = -(-numel // BLOCK)
-    offset = 0
-    for nbytes in (-(-numel // 2), blocks, 4 * -(-blocks // SCALE_BLOCK), 4, 4 * 16,
-                   4 * 256):
-        offset = -(-offset // 8) * 8 + nbytes
-    return offset
 
 
 def _bnb():
