@@ -275,6 +275,13 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
            "global batch up to 64)")
     a("--lora", action="store_true", help="LoRA fine-tuning instead of full fine-tuning")
     a("--lora-rank", type=_count(), default=16, help="LoRA rank (default: 16)")
+    a("--qlora", action="store_true",
+      help="QLoRA: LoRA on a frozen base held and uploaded as NF4 (implies --lora)")
+    a("--layout", choices=("sync", "overlap", "lean"), default=None,
+      help="host layout of the optimizer side (docs/memory.md; default: the first of "
+           "sync and lean that fits the host RAM)")
+    a("--prefetch", type=_count(), default=1,
+      help="PipeConfig.prefetch, for the lean layout's gradient count (default: 1)")
     a("--host-ram", type=_real(), default=None,
       help="host RAM in GB (default: 64 GB per device, at least 128)")
     a("--stale", action="store_true",
@@ -313,7 +320,8 @@ def plan(args: argparse.Namespace) -> int:
     hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
                   **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     result = analyze(args.model, hw, seq=args.seq, global_batch=args.global_batch,
-                     lora_rank=args.lora_rank if args.lora else None,
+                     lora_rank=args.lora_rank if args.lora or args.qlora else None,
+                     qlora=args.qlora, layout=args.layout, prefetch=args.prefetch,
                      host_ram=int(args.host_ram * GB) if args.host_ram is not None else None,
                      microbatches=args.microbatches, stale=args.stale,
                      memory_fraction=args.memory_fraction, pin=args.pin,

@@ -271,6 +271,16 @@ class PipeConfig:
     nonfinite: NonFinite | str = NonFinite.RAISE
     """A non-finite loss or gradient: ``"raise"`` (the call fails, nothing changes) or
     ``"skip"`` (the step is skipped and counted): :class:`NonFinite`."""
+    undo_steps: bool = True
+    """``overlap`` and ``stale``: copy each stage's weights and optimizer state just
+    before stepping them, so that a call that fails after some stages stepped is undone
+    exactly (the copies live until the call completes: 12 bytes per trained parameter
+    with Adam, more than its gradients). ``False``, the lean host layout
+    (docs/memory.md): no copies; a call that fails after a stage stepped leaves the
+    model partly stepped, and the pipeline then refuses further training calls until
+    a checkpoint is loaded into a new pipeline. Clipping under ``overlap`` still redoes
+    the step exactly: it needs no copy of the weights then (the step waits for the
+    global norm)."""
     timeout_s: float = 600.0
     """A call whose workers make no progress for this long fails instead of hanging;
     a worker still stuck in an action this long after a failure retires the pipeline
@@ -330,6 +340,7 @@ class PipeConfig:
                      allowed="a chunk size in MiB > 0 (e.g. 32)")
         check.boolean("check_races", self.check_races)
         check.boolean("gate_copies", self.gate_copies)
+        check.boolean("undo_steps", self.undo_steps)
         prec = self.precision
         if isinstance(prec, (str, torch.dtype)):      # shorthand for its compute_dtype
             object.__setattr__(self, "precision", PrecisionConfig(compute_dtype=prec))

@@ -134,7 +134,8 @@ class RoundPipe:
         check_stage_budget(plan, self.layerset, self.host, self.devices)
         self.scaler = LossScaler(config.precision)
         self._host_opt = HostOptimizer(self.host, self.scaler, config.optimizer_mode,
-                                       config.clip_grad_norm, config.nonfinite)
+                                       config.clip_grad_norm, config.nonfinite,
+                                       undo=config.undo_steps)
         self._calls = CallRunner(self.layerset, self.host, loss_fn, self.devices, config,
                                  plan, side_inputs=side_inputs,
                                  tail_context=self.tail_context, pinning=self.pinning)

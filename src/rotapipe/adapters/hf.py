@@ -31,6 +31,7 @@ from torch import nn
 
 from ..config import PipeConfig
 from ..errors import ConfigError
+from ..model.quant import QUANTIZE, quantize_frozen
 from ..model.work import set_work
 from ..plan.costs import model_work
 from .errors import AdapterError
@@ -174,7 +175,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
             moe_aux_loss: bool | None = None, layers_path: str | None = None,
             norm_path: str | None = None,
             logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            verify: str = "tail") -> HFModel:
+            verify: str = "tail", quantize: str | None = None) -> HFModel:
     """Adapt a ``transformers`` causal LM (or a ``peft.PeftModel`` around one).
 
     Args:
@@ -195,6 +196,14 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
             for the same final hidden states. ``"full"``: also the whole model's logits
             on a few tokens against its own forward (a full forward pass: the way to
             trust a new architecture). A model on the meta device is not checked.
+        quantize: ``"nf4"``: QLoRA. After the checks, every frozen weight matrix of
+            the decoder blocks (attention and MLP projections, MoE experts; not the
+            routers, norms, embedding or LM head) becomes 4-bit NormalFloat in host
+            memory, uploaded packed and dequantized on the worker
+            (:mod:`rotapipe.model.quant`, bitsandbytes). Trainable weights (the LoRA
+            adapters) are left as they are. The model's own forward no longer runs
+            outside the pipeline (the weights are in the pipeline's host state);
+            ``save_pretrained`` of a PEFT model still writes the adapter.
 
     Raises:
         AdapterError: a piece is not found, or the checks find that the adapter would
@@ -202,6 +211,9 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
     """
     if verify not in VERIFY:
         raise AdapterError(f"verify={verify!r}: use one of {', '.join(map(repr, VERIFY))}")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise AdapterError(f"quantize={quantize!r}: use one of "
+                           f"{', '.join(map(repr, QUANTIZE))} or None")
     base = _unwrap_peft(model)
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") \
         else base.config
@@ -262,6 +274,15 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
     if verify == "full" and not meta:
         with torch.random.fork_rng(devices=[]):
             verify_full(wrapped)
+    if quantize is not None:
+        # After the checks (they run the model's forward on the original weights).
+        router_mods = {id(b.get_submodule(name)) for b, rs in zip(blocks, routers)
+                       for name, _ in rs}
+        if not quantize_frozen(blocks, skip=lambda mod, name: id(mod) in router_mods):
+            raise AdapterError(f"quantize={quantize!r} quantizes frozen weight matrices "
+                               "of the decoder blocks, and this model has none (every "
+                               "weight trains): add LoRA adapters first (peft."
+                               "get_peft_model), or drop quantize for full fine-tuning")
     return wrapped
 
 

@@ -270,23 +270,48 @@ def _attended(seq: int, window: int | None) -> float:
     return (window * (window + 1) / 2 + (seq - window) * window) / seq
 
 
+NF4_BLOCK = 64
+"""Elements per NF4 block (one absmax scale each; QLoRA's and bitsandbytes' default)."""
+NF4_SCALE_BLOCK = 256
+"""Scales per block of the second (8-bit) quantization of the scales."""
+
+
+def nf4_bytes(numel: int) -> int:
+    """Packed bytes of an :class:`rotapipe.model.quant.NF4Weight` of ``numel`` elements (the planner's
+    count): half a byte per element, one byte of scale per 64 elements, four per
+    16,384 (the scales' scales), the offset and the two code books (1,092 bytes), each
+    piece 8-byte aligned as ``NF4Weight.quantize`` lays them out."""
+    blocks = -(-numel // NF4_BLOCK)
+    offset = 0
+    for nbytes in (-(-numel // 2), blocks, 4 * -(-blocks // NF4_SCALE_BLOCK), 4, 4 * 16,
+                   4 * 256):
+        offset = -(-offset // 8) * 8 + nbytes
+    return offset
+
+
 def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size: int = 1,
-                dtype_bytes: int = 2) -> ModelCosts:
+                dtype_bytes: int = 2, quantize: str | None = None) -> ModelCosts:
     """:class:`ModelCosts` of a Hugging Face decoder on ``hardware``: times from FLOPs at
     ``hardware.flops``, transfers at the host link bandwidth, for microbatches of
-    ``microbatch_size`` sequences of ``seq`` tokens."""
+    ``microbatch_size`` sequences of ``seq`` tokens. ``quantize="nf4"`` (QLoRA): the
+    decoder blocks' weights upload as NF4 bytes (:func:`rotapipe.model.quant.nf4_bytes`)
+    and are dequantized on the device, where they take ``weight_bytes`` as before."""
+    if quantize not in (None, "nf4"):
+        raise ConfigError(f"quantize={quantize!r}: use 'nf4' or None")
     if seq < 1 or microbatch_size < 1:
         raise ConfigError(f"seq={seq} and microbatch_size={microbatch_size} must be >= 1")
     tokens = seq * microbatch_size
     ms_per_flop = 1e3 / hardware.flops
     ms_per_byte = 1e3 / hardware.link_bytes_per_s
     layers = []
-    for w in model_work(config, seq, dtype_bytes):
+    works = model_work(config, seq, dtype_bytes)
+    for i, w in enumerate(works):
         fwd = w.forward_flops * tokens * ms_per_flop
         weight_bytes = w.params * dtype_bytes
+        moved = nf4_bytes(w.params) if quantize and 0 < i < len(works) - 1 else weight_bytes
         out_bytes = int(w.output_bytes * tokens)
         layers.append(LayerCost(w.name, fwd, w.backward_flops * tokens * ms_per_flop, fwd,
-                                weight_bytes * ms_per_byte, out_bytes * ms_per_byte,
+                                moved * ms_per_byte, out_bytes * ms_per_byte,
                                 weight_bytes, int(w.saved_bytes * tokens), out_bytes))
     input_bytes = 8 * tokens
     return ModelCosts(tuple(layers), tokens, input_bytes * ms_per_byte, input_bytes)

@@ -24,7 +24,22 @@ What lives in host memory (see :mod:`rotapipe.runtime.host`):
 - **transient** (pin mode ``"copy"``): while a weight is copied into its new
   page-locked storage the original still exists: one tensor held twice, at most.
 
-Frozen parameters (LoRA's base weights) have only their compute-dtype copy.
+Frozen parameters (LoRA's base weights) have only their compute-dtype copy; under
+QLoRA (``quantized``) the decoder blocks' frozen weights are NF4 bytes instead
+(:func:`~rotapipe.plan.costs.nf4_bytes`, about 0.52 bytes per parameter).
+
+The optimizer's host layout (:data:`LAYOUTS`, docs/memory.md) decides the gradients:
+
+- ``"sync"`` (the default ``PipeConfig``): the fp32 gradient of every trainable
+  parameter, twice while calls accumulate (``staged_grads``);
+- ``"overlap"``: the same gradients, plus the snapshot ``overlap`` takes of the
+  weights and optimizer state of each stage it steps, so a failed call can be undone
+  (``PipeConfig(undo_steps=True)``, its default): ``4 * (1 + optimizer_states)``
+  bytes per trainable parameter at the end of a call;
+- ``"lean"``: ``overlap`` with ``undo_steps=False`` and one call per step: each
+  stage's gradients die at its step, so the host holds about ``prefetch + 2``
+  stages' gradients (when the host lane keeps up with the workers; clipping keeps the
+  whole model's once, as ``"sync"`` without accumulation).
 
 What is page-locked (:attr:`HostMemory.pinned`; the kernel can neither swap nor evict
 it) depends on the pin mode (:class:`rotapipe.PinMode`, ``PipeConfig.pin``):
@@ -48,10 +63,13 @@ from dataclasses import dataclass
 
 from ..config import PinMode
 from ..errors import ConfigError
-from .costs import ModelCosts, _get, load_config
+from .costs import ModelCosts, _get, load_config, nf4_bytes
 from .partition import Plan
 
-__all__ = ["HostMemory", "host_memory", "lora_params", "GB"]
+__all__ = ["HostMemory", "host_memory", "lora_params", "GB", "LAYOUTS"]
+
+LAYOUTS = ("sync", "overlap", "lean")
+"""Host layouts of the optimizer side (module docstring)."""
 
 GB = 10**9
 """Host RAM is sold and reported in decimal gigabytes."""
@@ -73,13 +91,17 @@ class HostMemory:
     """The largest weight held twice while it is copied (pin mode ``"copy"``)."""
     pin: PinMode = PinMode.REGISTER
     """The pin mode the bytes assume."""
+    snapshots: int = 0
+    """``overlap``'s undo copies of stepped weights and optimizer state."""
+    layout: str = "sync"
+    """The optimizer host layout the bytes assume (:data:`LAYOUTS`)."""
 
     @property
     def total(self) -> int:
         """Peak host bytes: every kind, the transient included."""
         return (self.weights + self.masters + self.optimizer + self.gradients
                 + self.pinned_buffers + self.checkpoints + self.bounce_buffers
-                + self.transient)
+                + self.transient + self.snapshots)
 
     @property
     def pinned(self) -> int:
@@ -98,12 +120,12 @@ class HostMemory:
                 "optimizer": self.optimizer, "gradients": self.gradients,
                 "pinned_buffers": self.pinned_buffers, "checkpoints": self.checkpoints,
                 "bounce_buffers": self.bounce_buffers, "transient": self.transient,
-                "total": self.total}
+                "snapshots": self.snapshots, "total": self.total}
 
     def describe(self) -> str:
         """``612.3 GB = weights 65.5 + masters 131.0 + ...`` in decimal GB (the bounce
         buffers and transient only where the pin mode has them)."""
-        optional = ("bounce_buffers", "transient")
+        optional = ("bounce_buffers", "transient", "snapshots")
         parts = " + ".join(f"{k.replace('_', ' ')} {v / GB:.1f}"
                            for k, v in self.as_dict().items()
                            if k != "total" and (v or k not in optional))
@@ -148,7 +170,9 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
                 trainable_params: Sequence[int] | None = None, dtype_bytes: int = 2,
                 optimizer_states: int = 2, grad_bytes: int = 4,
                 staged_grads: bool = True, pin: PinMode | str = PinMode.REGISTER,
-                chunk_mb: float = 32.0, largest_tensor: int | None = None) -> HostMemory:
+                chunk_mb: float = 32.0, largest_tensor: int | None = None,
+                quantized: bool = False, layout: str = "sync",
+                prefetch: int = 1) -> HostMemory:
     """Host bytes of a run of ``plan`` over ``costs`` with ``microbatches`` microbatches.
 
     ``trainable_params`` per layer (default: every parameter, full fine-tuning; LoRA:
@@ -160,7 +184,16 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
     ``pin``: the weights' pin mode (module docstring); ``chunk_mb``: the bounce buffers'
     chunk in MiB (``PipeConfig.copy_chunk_mb``); ``largest_tensor``: compute-dtype bytes
     of the largest weight, the ``"copy"`` transient (default: the largest layer's
-    weights, an upper bound: the runtime copies tensor by tensor)."""
+    weights, an upper bound: the runtime copies tensor by tensor).
+
+    ``quantized``: QLoRA, the decoder blocks' frozen weights held as NF4 (needs
+    ``trainable_params``). ``layout``: the optimizer's host layout (:data:`LAYOUTS`);
+    ``prefetch``: ``PipeConfig.prefetch``, for ``"lean"``."""
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout={layout!r}: use one of {', '.join(map(repr, LAYOUTS))}")
+    if quantized and trainable_params is None:
+        raise ConfigError("quantized=True is QLoRA: pass the adapters' trainable_params "
+                          "(rotapipe.plan.lora_params)")
     mode = _pin_mode(pin)
     if not chunk_mb > 0:
         raise ConfigError(f"chunk_mb={chunk_mb!r}: use the copy chunk in MiB, > 0 (e.g. 32)")
@@ -172,7 +205,9 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
                           f"{len(layers)} layers")
     full = trainable_params is None
     n_train = sum(trainable)
-    weights = sum(params) * dtype_bytes + (0 if full else n_train * dtype_bytes)
+    base = [nf4_bytes(n) if quantized and 0 < i < len(params) - 1 else n * dtype_bytes
+            for i, n in enumerate(params)]
+    weights = sum(base) + (0 if full else n_train * dtype_bytes)
     # Pinned staging for weight-gradient downloads: two stages' worth per worker, of
     # the largest stage that produces gradients (the tail and backward stages).
     grad_stages = (plan.tail,) + plan.backward
@@ -185,9 +220,18 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
         if plan.tail.start > 0 else costs.input_bytes
     if largest_tensor is None:
         largest_tensor = max(l.weight_bytes for l in layers)
+    gradients = grad_bytes * n_train * (2 if staged_grads else 1)
+    if layout == "lean":
+        # Stages whose gradients wait on the host at once: the one being stepped, the
+        # one downloading, and those the prefetch lets run ahead.
+        per_stage = [sum(trainable[s.start:s.stop]) for s in grad_stages]
+        gradients = grad_bytes * min(n_train, (prefetch + 2) * max(per_stage))
     return HostMemory(weights=weights, masters=4 * n_train,
                       optimizer=4 * optimizer_states * n_train,
-                      gradients=grad_bytes * n_train * (2 if staged_grads else 1),
+                      gradients=gradients,
+                      snapshots=(4 * (1 + optimizer_states) * n_train
+                                 if layout == "overlap" else 0),
+                      layout=layout,
                       pinned_buffers=2 * workers * stage_bytes,
                       checkpoints=microbatches * per_mb,
                       bounce_buffers=(2 * workers * int(chunk_mb * 2**20)

@@ -69,6 +69,8 @@ class PlanAnalysis:
     host bytes fit (the last when none does)."""
     servers: tuple[ServerMode, ...] = field(default=())
     """Per shard mode: host bytes per server and traffic per step (``nodes`` > 1)."""
+    qlora: bool = False
+    """LoRA on an NF4-quantized frozen base (``--qlora``)."""
 
     @property
     def fits_device(self) -> bool:
@@ -93,7 +95,8 @@ class PlanAnalysis:
     def as_dict(self) -> dict:
         c = self.choice
         out = {"model": self.model, "hardware": self.hardware, "seq": self.seq,
-               "global_batch": self.global_batch, "lora": self.lora, "fits": self.fits,
+               "global_batch": self.global_batch, "lora": self.lora, "qlora": self.qlora,
+               "layout": self.host.layout, "fits": self.fits,
                "fits_device": self.fits_device, "fits_host": self.fits_host,
                "binding": self.binding, "device_limit_bytes": self.device_limit,
                "host_limit_bytes": self.host_limit, "host_bytes": self.host.as_dict(),
@@ -121,7 +124,7 @@ class PlanAnalysis:
     def to_text(self) -> str:
         c, gib = self.choice, 2**30
         lines = [f"{self.model} on {self.hardware}, {self.global_batch} x {self.seq} tokens "
-                 f"per step, {'LoRA' if self.lora else 'full fine-tuning'}"]
+                 f"per step, {'QLoRA (NF4 base)' if self.qlora else 'LoRA' if self.lora else 'full fine-tuning'}"]
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"verdict: {verdict} (binding constraint: {self.binding} memory)")
         if c is not None:
@@ -133,6 +136,7 @@ class PlanAnalysis:
                      f"have {self.host_limit / GB:.0f}" + ("" if self.fits_host else
                                                            " (does not fit)"))
         lines.append(f"  {self.host.describe()}")
+        lines.append(f"  host layout: {LAYOUT_TEXT[self.host.layout]}")
         lines.append(f"  {self.host.describe_pinned()}")
         if c is not None:
             r, p = c.report, c.plan
@@ -171,10 +175,24 @@ run the loss ``loss_chunk_tokens`` tokens at a time (256 MiB of logits; see
 docs/huggingface.md), so full-sequence logits never exist."""
 
 
-def _costs(model, hw: Hardware, seq: int, microbatch_size: int = 1) -> ModelCosts:
+LAYOUT_TEXT = {
+    "sync": "sync (the default optimizer_mode: exact; fp32 gradients of the whole model, "
+            "twice while calls accumulate)",
+    "overlap": "overlap with undo_steps=True (exact; gradients of the whole model plus "
+               "snapshots of stepped weights and optimizer state)",
+    "lean": "lean: PipeConfig(optimizer_mode='overlap', undo_steps=False), one call per "
+            "step (exact; each stage's gradients freed at its step; a failed call needs "
+            "the last checkpoint)",
+}
+"""How ``rotapipe plan`` names each host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`)."""
+
+
+def _costs(model, hw: Hardware, seq: int, microbatch_size: int = 1,
+           quantize: str | None = None) -> ModelCosts:
     """:func:`model_costs` with the head's activations as the chunked loss keeps them:
     its input and output gradient (two hidden states per token) plus one chunk."""
-    costs = model_costs(model, hw, seq=seq, microbatch_size=microbatch_size)
+    costs = model_costs(model, hw, seq=seq, microbatch_size=microbatch_size,
+                        quantize=quantize)
     head = costs.layers[-1]
     hidden = 2 * costs.layers[-2].output_bytes
     saved = min(head.saved_bytes, hidden + LOSS_CHUNK_BYTES)
@@ -205,7 +223,8 @@ def _fits_device(costs: ModelCosts, memory: int, grad_bytes) -> bool:
 def longest_sequence(model, hw: Hardware, *, global_batch: int, device_limit: int,
                      host_limit: int | None = None, lora_rank: int | None = None,
                      limit: int = 1 << 20, pin: str = "register",
-                     chunk_mb: float = 32.0) -> int:
+                     chunk_mb: float = 32.0, qlora: bool = False,
+                     layout: str = "sync") -> int:
     """Longest sequence (multiple of 128) for which some plan fits device memory with
     one sequence per microbatch and, if ``host_limit`` is given, host memory holds the
     model state and every checkpoint (0: none)."""
@@ -218,7 +237,8 @@ def longest_sequence(model, hw: Hardware, *, global_batch: int, device_limit: in
         if host_limit is None:
             return True
         host = host_memory(costs, _singles_plan(len(costs.layers)), global_batch,
-                           hw.count, trainable_params=trainable, pin=pin, chunk_mb=chunk_mb)
+                           hw.count, trainable_params=trainable, pin=pin, chunk_mb=chunk_mb,
+                           quantized=qlora, layout=layout)
         return host.total <= host_limit
 
     lo, hi = 0, limit // 128   # in units of 128 tokens: ok(lo * 128), not ok(hi * 128)
@@ -242,8 +262,9 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
             lora_rank: int | None = None, host_ram: int | None = None,
             microbatches: int | None = None, stale: bool = False,
             memory_fraction: float = 0.9, pin: str = "register",
-            chunk_mb: float = 32.0, nodes: int = 1,
-            network_gbps: float = 25.0) -> PlanAnalysis:
+            chunk_mb: float = 32.0, nodes: int = 1, network_gbps: float = 25.0,
+            qlora: bool = False, layout: str | None = None,
+            prefetch: int = 1) -> PlanAnalysis:
     """Plan ``model`` on ``hw`` for steps of ``global_batch`` sequences of ``seq``
     tokens (LoRA of ``lora_rank`` if given) and judge the fit; see :class:`PlanAnalysis`.
     Host memory assumes the weights' pin mode ``pin`` (:class:`rotapipe.PinMode`) and
@@ -252,7 +273,14 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     ``nodes`` > 1: data parallel over that many servers linked at ``network_gbps``;
     each plans its ``global_batch / nodes`` sequences, and the host memory is per
     server for the first shard mode that fits (:attr:`PlanAnalysis.servers` lists
-    every mode)."""
+    every mode).
+
+    ``qlora``: the LoRA base is NF4 (needs ``lora_rank``). ``layout``: the optimizer's
+    host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`); ``None``: the first of
+    ``"sync"`` and ``"lean"`` whose host memory fits (the cheapest exact layout)."""
+    if qlora and lora_rank is None:
+        raise ConfigError("qlora needs a LoRA rank: QLoRA trains LoRA adapters on the "
+                          "quantized base")
     if nodes < 1 or global_batch % nodes:
         raise ConfigError(f"--nodes {nodes}: the global batch {global_batch} must split "
                           "evenly over the servers (a multiple of --nodes)")
@@ -262,7 +290,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
         a = analyze(model, hw, seq=seq, global_batch=global_batch // nodes,
                     lora_rank=lora_rank, host_ram=host_ram, microbatches=microbatches,
                     stale=stale, memory_fraction=memory_fraction, pin=pin,
-                    chunk_mb=chunk_mb)
+                    chunk_mb=chunk_mb, qlora=qlora, layout=layout, prefetch=prefetch)
         modes = tuple(_server_mode(a, hw, nodes, m, network_gbps) for m in SHARD_MODES)
         pick = next((m for m in modes if m.host.total <= a.host_limit), modes[-1])
         out = PlanAnalysis(**{**a.__dict__, "host": pick.host, "nodes": nodes,
@@ -285,24 +313,32 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     config = PlannerConfig(hw.count, device_limit, counts, stale=stale, grad_bytes=grads,
                            tail_jobs=(1, 2, 3, 4))
 
+    quantize = "nf4" if qlora else None
+
     def costs_for(M: int) -> ModelCosts:
-        return _costs(model, hw, seq, global_batch // M)
+        return _costs(model, hw, seq, global_batch // M, quantize)
+
+    def host_for(costs, plan, M) -> HostMemory:
+        hosts = [host_memory(costs, plan, M, hw.count, trainable_params=trainable, pin=pin,
+                             chunk_mb=chunk_mb, quantized=qlora, layout=name,
+                             prefetch=prefetch)
+                 for name in ((layout,) if layout else ("sync", "lean"))]
+        return next((h for h in hosts if h.total <= host_limit), hosts[-1])
 
     choice, error = None, None
     try:
         choice = choose_plan(costs_for, config)
-        host = host_memory(choice.costs, choice.plan, choice.microbatches, hw.count,
-                           trainable_params=trainable, pin=pin, chunk_mb=chunk_mb)
+        host = host_for(choice.costs, choice.plan, choice.microbatches)
     except PlanError as exc:
         error = str(exc)
         costs = costs_for(max(counts))
-        host = host_memory(costs, _singles_plan(len(costs.layers)), max(counts), hw.count,
-                           trainable_params=trainable, pin=pin, chunk_mb=chunk_mb)
+        host = host_for(costs, _singles_plan(len(costs.layers)), max(counts))
     longest = longest_sequence(model, hw, global_batch=global_batch,
                                device_limit=device_limit, lora_rank=lora_rank)
     longest_host = longest_sequence(model, hw, global_batch=global_batch,
                                     device_limit=device_limit, host_limit=host_limit,
-                                    lora_rank=lora_rank, pin=pin, chunk_mb=chunk_mb)
+                                    lora_rank=lora_rank, pin=pin, chunk_mb=chunk_mb,
+                                    qlora=qlora, layout=host.layout)
     mfu = 0.0
     if choice is not None:
         flops = sum(w.forward_flops + w.backward_flops for w in model_work(model, seq))
@@ -311,7 +347,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
         mfu = flops * choice.report.tokens_per_s / (hw.count * peak)
     analysis = PlanAnalysis(str(model), hw.name, seq, global_batch, lora_rank is not None,
                             device_limit, host_limit, choice, host, error, longest,
-                            longest_host, mfu)
+                            longest_host, mfu, qlora=qlora)
     return _with_suggestions(analysis, model, hw, lora_rank, counts)
 
 
@@ -352,6 +388,14 @@ def _with_suggestions(a: PlanAnalysis, model, hw, lora_rank, counts) -> PlanAnal
                              hw.count, trainable_params=t, pin=a.host.pin)
             out.append(f"LoRA (--lora, rank 16) needs {lo.total / GB:.0f} GB of host RAM: "
                        "frozen weights have no master, gradient or optimizer state")
+        if lora_rank is not None and not a.qlora:
+            costs = a.choice.costs if a.choice else _costs(model, hw, a.seq)
+            plan = a.choice.plan if a.choice else _singles_plan(len(costs.layers))
+            q = host_memory(costs, plan, a.choice.microbatches if a.choice else max(counts),
+                            hw.count, trainable_params=lora_params(model, lora_rank),
+                            pin=a.host.pin, quantized=True, layout=a.host.layout)
+            out.append(f"QLoRA (--qlora) needs {q.total / GB:.0f} GB of host RAM: the "
+                       f"frozen base as NF4 ({q.weights / GB:.0f} GB of weights)")
         if a.host.checkpoints > 0.2 * a.host.total:
             out.append("fewer tokens per step (shorter --seq or smaller --global-batch): "
                        f"activation checkpoints take {a.host.checkpoints / GB:.0f} GB")

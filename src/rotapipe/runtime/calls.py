@@ -70,8 +70,7 @@ def check_stage_budget(plan: Plan, layerset: LayerSet, host: HostState,
         return
     budget = min(budgets)
     for s in plan.jobs():
-        need = sum(host.compute[p].numel() * host.compute[p].element_size()
-                   for p in layerset.stage_params(s.layers))
+        need = sum(host.device_bytes(p) for p in layerset.stage_params(s.layers))
         if need > budget:
             raise ConfigError(
                 f"stage {s} needs {need / 2**20:.2f} MiB for its weights alone, over the "

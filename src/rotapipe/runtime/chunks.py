@@ -153,8 +153,15 @@ class ChunkedCopies:
 
         def finish():
             for p, t in dst.items():
+                q = r.host.quantized.get(p)
+                if q is not None:
+                    # NF4: dequantize the uploaded bytes on the device, in the stream
+                    # that uploaded them (the stage's event covers it); the packed copy
+                    # is dropped, the stage holds the compute-dtype weight.
+                    t = q.dequantize(t, r.host.dtype)
                 params[p] = nn.Parameter(t, requires_grad=grad and r.ls.params[p].requires_grad)
             r.stores[a.worker].put(("w", s.name), (params, buffers), f"weights of stage {s}")
+            dst.clear()     # the chunks' closures outlive the copy: hold no tensor
         last = chunks[-1].copy
         chunks[-1].copy = lambda: (last(), finish())
         return chunks
@@ -230,7 +237,11 @@ class ChunkedCopies:
         def finish():
             if "grads" not in got:
                 got["grads"] = r.stores[a.worker].pop(("wgrad", a.stage))
-            r.host_store.put(("wgrad", a.stage), out)
+            r.host_store.put(("wgrad", a.stage), dict(out))
+            # The chunks' closures live as long as the call's action lists: let the
+            # gradients die once the optimizer has stepped them (docs/memory.md).
+            out.clear()
+            got.clear()
         if not chunks:
             return [Chunk(finish)]
         last = chunks[-1].copy

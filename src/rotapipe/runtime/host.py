@@ -18,6 +18,7 @@ import torch
 
 from ..config import PrecisionConfig
 from ..model import LayerSet
+from ..model.quant import NF4Weight, quantized
 from .pinning import HostPinning
 
 
@@ -37,6 +38,9 @@ class HostState:
         self.pinning = pinning
         self.compute: list[torch.Tensor] = []
         self._separate: list[int] = []     # params whose compute copy is not the master
+        self.quantized: dict[int, NF4Weight] = {}
+        """Frozen weights kept as NF4 (:mod:`rotapipe.model.quant`): their compute copy
+        is the packed uint8 bytes, which workers upload and dequantize."""
         keep = pinning.keep if pinning is not None else (lambda t: t)
         for pid, p in enumerate(layerset.params):
             if p.requires_grad:
@@ -54,6 +58,11 @@ class HostState:
                         c.copy_(p.data)
                     self.compute.append(c)
                     self._separate.append(pid)
+            elif quantized(p) is not None:
+                q = quantized(p)
+                q.packed = keep(q.packed)       # page-locked in its mode, like any weight
+                self.quantized[pid] = q
+                self.compute.append(q.packed)
             else:
                 if p.is_floating_point() and p.dtype != self.dtype:
                     p.data = p.data.to(self.dtype)
@@ -76,6 +85,15 @@ class HostState:
         self.samples = 0.0
         """Loss items (samples, or ``loss_weight`` units) whose gradients ``param.grad``
         holds since the last step/zero_grad."""
+
+    def device_bytes(self, pid: int) -> int:
+        """Bytes parameter ``pid`` takes on a worker: its compute copy, or for an NF4
+        weight the dequantized weight in the compute dtype."""
+        q = self.quantized.get(pid)
+        if q is not None:
+            return q.shape.numel() * self.dtype.itemsize
+        c = self.compute[pid]
+        return c.numel() * c.element_size()
 
     def is_pinned(self, pid: int) -> bool:
         """Whether the compute copy of parameter ``pid`` (what workers upload) is page-
@@ -111,6 +129,7 @@ class HostState:
                     p.grad.mul_(keep)
                 else:
                     p.grad.mul_(keep).add_(g, alpha=new)
+        grads.staged.clear()      # merged: one fp32 gradient per parameter remains
         self.samples = total
 
     def zero_grad(self) -> None:

@@ -90,6 +90,7 @@ class ActionRunner:
                  pinned: Callable[[int], bool] = lambda pid: True,
                  pinned_empty: Callable[[int], torch.Tensor] | None = None):
         self.ls, self.host, self.loss_fn = layerset, host, loss_fn
+        self._trainable = frozenset(host.trainable)
         self.devices, self.shells, self.stages = devices, shells, stages
         self.states: dict[int, CallState] = {}
         self._tls = threading.local()
@@ -189,7 +190,10 @@ class ActionRunner:
         shells = self.shells[a.worker]
         for l in s.layers:
             shells[l].bind(params, buffers)
-        versions = {pid: t._version for pid, t in params.items()}
+        # Trainable weights only: PEFT wrappers of 3-D expert weights add their delta
+        # into the frozen base in place and take it out again (net no change).
+        trainable = self._trainable
+        versions = {pid: t._version for pid, t in params.items() if pid in trainable}
         try:
             with ExitStack() as stack:
                 for device_type, dtype in self.ctx.autocast:
@@ -203,7 +207,7 @@ class ActionRunner:
     def _check_unchanged(self, a: Action, params: dict, versions: dict) -> None:
         """Refuse a layer that changed a parameter in place (its version counter moved):
         the change went to this worker's copy of the weights and would be lost."""
-        changed = [pid for pid, t in params.items() if t._version != versions[pid]]
+        changed = [pid for pid, v in versions.items() if params[pid]._version != v]
         if changed:
             names = [self.ls.param_names[pid] for pid in changed]
             layer = int(names[0].split(".", 1)[0])

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..config import NonFinite, OptimizerMode
-from ..errors import NonFiniteError
+from ..errors import CheckpointError, NonFiniteError
 from ..schedule import ActionKind as K, Schedule
 from .host import CallGrads, HostState, LossScaler
 
@@ -46,9 +46,15 @@ class HostOptimizer:
     attach the optimizer late, timed emulation sets the hook."""
 
     def __init__(self, host: HostState, scaler: LossScaler, mode: OptimizerMode,
-                 max_norm: float | None, nonfinite: NonFinite = NonFinite.RAISE):
+                 max_norm: float | None, nonfinite: NonFinite = NonFinite.RAISE,
+                 undo: bool = True):
         self.host, self.scaler, self.mode, self.max_norm = host, scaler, mode, max_norm
         self.nonfinite = nonfinite
+        self.undo = undo
+        """``PipeConfig.undo_steps``: snapshot what each speculative step changes."""
+        self.broken: str | None = None
+        """Set when a call failed after stepping some stages without snapshots: the
+        model is partly stepped and later training calls are refused."""
         self.last_norm: float | None = None
         """Global gradient norm (before clipping) of the last step taken, when
         clipping is on (``None`` otherwise)."""
@@ -124,7 +130,13 @@ class HostOptimizer:
                   view: int = 0) -> CallHook:
         """The optimizer work of one training call (``step``: the call ends a step;
         ``reduce``: its data-parallel all-reduce)."""
+        if self.broken is not None:
+            raise CheckpointError(self.broken)
         stale = self.mode is OptimizerMode.STALE
+        if step and self.mode is OptimizerMode.OVERLAP and self.whole_step and not self.undo:
+            # Lean layout with clipping (or dynamic scaling): no speculative steps to
+            # undo; one exact whole step once the call is complete (not overlapped).
+            return WholeStep(self, optimizer, grads, units, cost, None, reduce)
         if step and (self.mode is OptimizerMode.OVERLAP or stale and not self.whole_step):
             return OverlapStep(self, optimizer, schedule, stage_pids, grads, units, cost,
                                reduce, view=view if stale else None)
@@ -210,6 +222,8 @@ class WholeStep(CallHook):
         step_params(self.owner, self.opt, list(host.trainable), merged, self.cost)
         host.write_back(view=self.view)
         host.zero_grad()
+        merged.clear()
+        self.grads.staged.clear()     # the call object outlives its step: drop them now
 
 
 def _merged(prev: torch.Tensor | None, g: torch.Tensor | None, keep: float,
@@ -335,6 +349,8 @@ class OverlapStep(CallHook):
         self.final: dict[int, torch.Tensor] = {}     # pid -> gradient the step used
         self.norms: dict[int, torch.Tensor] = {}     # pid -> its L2 norm (clipping)
         self.snapshots: list[Snapshot] = []
+        self.undo = owner.undo if owner is not None else True
+        self.stepped: list[int] = []     # without undo: what a failure leaves stepped
         self.overflow = False
 
     def _begin(self) -> None:
@@ -379,13 +395,24 @@ class OverlapStep(CallHook):
         if stepped and not self.overflow and \
                 not self.owner.finite({pid: self.final[pid] for pid in stepped}, self.norms):
             self.overflow = True
+            if not self.undo and self.stepped:
+                # The lean layout kept no copies: the stages stepped before cannot be
+                # undone, so the step cannot be skipped. Fail the call instead (the
+                # pipeline then refuses training until a checkpoint is loaded).
+                raise NonFiniteError(
+                    "a gradient is not finite after some stages were already stepped, and "
+                    "undo_steps=False kept no copies to undo them: the step cannot be "
+                    "skipped. Resume from the last checkpoint (with undo_steps=True, or "
+                    "clipping on, a non-finite step is skipped cleanly)")
         if not stepped or self.overflow:
             return
         params = [self.params[pid] for pid in stepped]
         # stale: the set of compute copies written may differ from the masters (it
         # holds the weights the failed call's retry must read): keep it too.
         view = None if self.view is None else self.host.views[self.view]
-        self.snapshots.append(Snapshot(self.opt, params, stepped, view))
+        if self.undo:
+            self.snapshots.append(Snapshot(self.opt, params, stepped, view))
+        self.stepped += stepped
         for pid, p in zip(stepped, params):
             p.grad = self.final[pid]
         try:
@@ -394,6 +421,12 @@ class OverlapStep(CallHook):
             for p in params:
                 p.grad = None
         self.host.write_back(stepped, view=self.view)
+        if self.max_norm is None:
+            # No redo can need them: the gradients die here, as each stage lands, so
+            # the host never holds the whole model's (docs/memory.md).
+            for pid in stepped:
+                del self.final[pid]
+                self.grads.staged.pop(pid, None)
         if self.cost is not None:
             self.cost(stepped)
 
@@ -435,7 +468,17 @@ class OverlapStep(CallHook):
         return bool(self.max_norm / (total + 1e-6) < 1.0)
 
     def abort(self) -> None:
-        """The call failed: undo every step and put the accumulated gradients back."""
+        """The call failed: undo every step and put the accumulated gradients back
+        (without snapshots, ``undo_steps=False``: mark the pipeline as partly stepped)."""
+        if not self.undo and self.stepped and self.owner is not None:
+            n = len(set(self.stepped))
+            self.owner.broken = (
+                f"a training call failed after the overlap optimizer had stepped {n} of "
+                f"{len(self.host.trainable)} trainable parameters, and "
+                "PipeConfig(undo_steps=False) keeps no copy to undo them: the model is "
+                "partly stepped. Build a new pipeline from the last checkpoint (or keep "
+                "undo_steps=True, which costs a copy of each stage's weights and "
+                "optimizer state while a call runs)")
         self._undo()
 
     def _undo(self, grads: bool = True) -> None:

@@ -51,6 +51,10 @@ class TrainConfig:
     """From scratch: bytes of training text the tokenizer is trained on."""
     lora: bool = False
     """Train a LoRA adapter (peft) instead of every weight; export writes the adapter."""
+    qlora: bool = False
+    """QLoRA: a LoRA adapter (as ``lora``, implied) on a frozen base kept in host memory
+    as 4-bit NormalFloat, uploaded packed and dequantized on the workers
+    (``wrap_hf(quantize="nf4")``, bitsandbytes; docs/memory.md)."""
     lora_rank: int = 8
     """LoRA rank ``r``."""
     lora_alpha: float = 16.0
@@ -179,7 +183,7 @@ class TrainConfig:
             check.text(n, getattr(self, n))
         check.text("sample_prompt", self.sample_prompt, empty=not self.sample_tokens,
                    allowed="a non-empty prompt (or sample_tokens=0)")
-        for n in ("lora", "trace", "export", "progress"):
+        for n in ("lora", "qlora", "trace", "export", "progress"):
             check.boolean(n, getattr(self, n))
         if self.resume not in (True, False, "auto"):
             raise ConfigError(f"resume={self.resume!r}: use True (continue the latest "

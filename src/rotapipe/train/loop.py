@@ -36,7 +36,7 @@ __all__ = ["train", "TrainResult", "RESUME_FIXED"]
 log = logging.getLogger("rotapipe.train")
 
 RESUME_FIXED = ("model", "layers", "dim", "heads", "kv_heads", "ffn", "vocab",
-                "tokenizer_bytes", "lora", "lora_rank", "lora_alpha", "lora_targets",
+                "tokenizer_bytes", "lora", "qlora", "lora_rank", "lora_alpha", "lora_targets",
                 "data", "text_field", "prompt_field", "response_field", "seq", "holdout",
                 "batch", "seed", "optimizer")
 """Fields a resumed run must share with its checkpoint (the rest may change, e.g. steps)."""
@@ -140,7 +140,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     if resume is not None:
         check_compatible(resume, meta, fingerprint(model))
     from ..adapters import wrap_hf
-    wrapped = wrap_hf(model, verify="full" if cfg.verify else "tail")
+    wrapped = wrap_hf(model, verify="full" if cfg.verify else "tail",
+                      quantize="nf4" if cfg.qlora else None)
     pipe = wrapped.pipe(cfg.pipe_config())
     try:
         opt = _optimizer(cfg, pipe)
@@ -244,7 +245,7 @@ def _describe(cfg, pipe, wrapped, tokenizer, files, eval_ids, setup_s, echo) -> 
     n = sum(p.numel() for p in pipe.parameters())
     what = cfg.model or f"Qwen3 from scratch ({cfg.layers} layers, hidden {cfg.dim})"
     data = "the Python standard library's .py files" if cfg.data == "stdlib" else cfg.data
-    echo(f"model: {what}, {n / 1e6:.2f}M trainable parameters{' (LoRA)' if cfg.lora else ''}"
+    echo(f"model: {what}, {n / 1e6:.2f}M trainable parameters{' (QLoRA)' if cfg.qlora else ' (LoRA)' if cfg.lora else ''}"
          f", vocab {len(tokenizer)}, {cfg.dtype}")
     echo(f"data: {data} ({len(files)} files), {cfg.seq}-token sequences, held-out "
          f"{eval_ids.shape[0]} sequences; setup {setup_s:.1f} s")
@@ -367,7 +368,7 @@ class _Job:
         final = self.out / "final"
         self.wrapped.save_pretrained(str(final))
         self.tokenizer.save_pretrained(str(final))
-        self.echo(f"exported {'LoRA adapter' if self.cfg.lora else 'model'} to {final}")
+        self.echo(f"exported {'LoRA adapter' if self.cfg.lora or self.cfg.qlora else 'model'} to {final}")
 
 
 def _loop(job: _Job) -> TrainResult:

@@ -66,7 +66,7 @@ def build_tokenizer(cfg: TrainConfig, files, saved: pathlib.Path | None = None):
 
 def build_model(cfg: TrainConfig, tokenizer) -> nn.Module:
     """The causal LM on the CPU, fp32, initialised from ``cfg.seed`` when from scratch;
-    a PEFT model around it with ``cfg.lora``."""
+    a PEFT model around it with ``cfg.lora`` or ``cfg.qlora``."""
     import transformers
 
     if cfg.model is not None:
@@ -83,7 +83,7 @@ def build_model(cfg: TrainConfig, tokenizer) -> nn.Module:
             pad_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
             attn_implementation="sdpa")
         model = transformers.Qwen3ForCausalLM(config)
-    if cfg.lora:
+    if cfg.lora or cfg.qlora:
         import peft
         targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
             [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
