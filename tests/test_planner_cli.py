@@ -28,12 +28,17 @@ def test_plan_json_for_a_small_model_fits(capsys):
 
 def test_plan_says_how_much_host_ram_and_suggests_lora(capsys):
     rc = main(["plan", "qwen3-32b", "--hardware", "rtx4090x1", "--host-ram", "512",
-               "--microbatches", "16"])
+               "--microbatches", "16", "--layout", "sync"])
     text = capsys.readouterr().out
-    assert rc == 3                     # does not fit
+    assert rc == 3                     # does not fit with the default (sync) layout
     assert "binding constraint: host memory" in text
     assert "needs 7" in text and "GB of host RAM, you have 512" in text
     assert "suggestion: LoRA" in text
+    # Without --layout the planner takes the lean layout, which fits, and names it.
+    rc = main(["plan", "qwen3-32b", "--hardware", "rtx4090x1", "--host-ram", "512",
+               "--microbatches", "16"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "host layout: lean" in text and "undo_steps=False" in text
     rc, out = _json(capsys, "qwen3-32b", "--hardware", "rtx4090x1", "--host-ram", "512",
                     "--microbatches", "16", "--lora")
     assert rc == 0 and out["fits"] and out["lora"]
