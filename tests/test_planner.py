@@ -4,6 +4,7 @@ planning time, host-memory arithmetic and measured-cost refinement."""
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -19,7 +20,7 @@ from rotapipe.plan.balance import greedy_compute_plan
 from rotapipe.plan.partitioner import Direction, Footprint, candidate_plans, min_max_cut
 from rotapipe.planner.autoplan import (PlannerConfig, all_plans, choose_plan, device_need,
                                    simulate_plan)
-from rotapipe.planner.exact import step_lower_bound
+from rotapipe.planner.exact import call_lower_bound, step_lower_bound
 
 FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -145,12 +146,77 @@ def _check_exact(rng, n, workers):
 
 
 def test_step_lower_bound_never_exceeds_the_simulated_step():
+    """Every plan of random small models, the tail split into 1-3 jobs."""
     rng = random.Random(7)
-    for n, workers, mbs in [(1, 2, 3), (3, 1, 2), (4, 3, 4), (5, 2, 1), (5, 4, 3)]:
+    for n, workers, mbs in [(1, 2, 3), (3, 1, 2), (4, 3, 4), (5, 2, 1), (5, 4, 3), (4, 2, 5)]:
         costs = _random_model(rng, n)
         for plan in _every_plan(n):
-            sim = simulate_plan(plan, costs, workers, mbs).step_ms
-            assert step_lower_bound(plan, costs, workers, mbs) <= sim * (1 + 1e-9), plan
+            for k in range(1, min(mbs, 3) + 1):
+                split = replace(plan, tail_jobs=k)
+                sim = simulate_plan(split, costs, workers, mbs).step_ms
+                assert step_lower_bound(split, costs, workers, mbs) <= sim * (1 + 1e-9), split
+
+
+def test_call_lower_bound_never_exceeds_any_plans_step():
+    """The bound of a microbatch count and tail split holds for every plan whose tail
+    is at most ``max_tail`` layers (the planner skips the whole group with it)."""
+    rng = random.Random(3)
+    for n, workers, mbs in [(1, 2, 3), (2, 1, 1), (4, 3, 4), (5, 2, 4), (4, 2, 5), (3, 4, 6)]:
+        costs = _random_model(rng, n)
+        for plan in _every_plan(n):
+            tail = n - plan.tail.start
+            for k in range(1, min(mbs, 3) + 1):
+                sim = simulate_plan(replace(plan, tail_jobs=k), costs, workers, mbs).step_ms
+                for longest in (None, tail, tail + 1):
+                    bound = call_lower_bound(costs, workers, mbs, tail_jobs=k,
+                                             max_tail=longest)
+                    assert bound <= sim * (1 + 1e-9), (plan, k, longest)
+
+
+def _same_choice(a, b):
+    assert (a.plan.to_text(), a.microbatches, a.grain) == (b.plan.to_text(), b.microbatches,
+                                                          b.grain)
+    assert a.step_ms == b.step_ms and a.report == b.report
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(12, 20), workers=st.integers(2, 8), seed=st.integers(0, 10**6))
+def test_pruned_search_chooses_what_simulating_every_candidate_chooses(n, workers, seed):
+    """Ranked candidates (no exact search) over microbatch counts, grains and tail
+    splits, heavy heads and costly uploads among them: skipping what the bounds rule
+    out changes neither the plan nor its simulated step."""
+    rng = random.Random(seed)
+    costs = _random_model(rng, n - 1)
+    head = costs.layers[-1]
+    costs = replace(costs, layers=costs.layers + (replace(
+        head, name="head", forward_ms=rng.uniform(2, 30), backward_ms=rng.uniform(4, 60)),))
+    config = PlannerConfig(workers, 10**6, (1, 2, 4, 8), exhaustive=0,
+                           tail_jobs=(1, 2, 3, 4))
+    scaled = lambda m: replace(costs, layers=tuple(   # noqa: E731 -- microbatch of 8/m
+        replace(l, forward_ms=l.forward_ms * 8 / m, recompute_ms=l.recompute_ms * 8 / m,
+                backward_ms=l.backward_ms * 8 / m) for l in costs.layers))
+    pruned = choose_plan(scaled, config)
+    every = choose_plan(scaled, replace(config, prune=False))
+    _same_choice(pruned, every)
+    assert pruned.simulated <= every.simulated
+
+
+@pytest.mark.parametrize("model,lora", [("qwen3-1.7b", None), ("llama-3.1-8b", None),
+                                        ("gpt-oss-20b", None), ("qwen3-32b", None),
+                                        ("qwen3-235b-a22b", 16)])
+def test_pruning_keeps_the_planners_choice_on_the_shipped_models(model, lora):
+    """The paper's five models as ``rotapipe plan`` plans them (8x RTX 4090, 16 x 2048
+    tokens, tails split up to 4 jobs): the pruned search picks the plan, grain and
+    step that simulating every ranked candidate picks, after far fewer simulations."""
+    hw = hardware("rtx4090x8")
+    grads = tuple(2 * x for x in lora_params(model, lora)) if lora else None
+    config = PlannerConfig(8, int(0.9 * hw.device.memory_bytes), (16,), grad_bytes=grads,
+                           tail_jobs=(1, 2, 3, 4))
+    costs = model_costs(model, hw, seq=2048)
+    pruned = choose_plan(lambda m: costs, config)
+    every = choose_plan(lambda m: costs, replace(config, prune=False))
+    _same_choice(pruned, every)
+    assert pruned.simulated <= every.simulated // 2
 
 
 @pytest.mark.parametrize("n,workers,seed", [(1, 2, 5), (2, 3, 6), (7, 1, 0), (7, 2, 1),

@@ -117,6 +117,25 @@ def test_link_priority_activations_cut_between_weight_chunks():
     assert [sp.end - sp.start for sp in tl.spans if sp.action.kind is K.UPLOAD_WEIGHTS] == [2, 2]
 
 
+def test_a_copy_made_runnable_by_a_zero_time_action_competes_at_that_instant():
+    """At 1 ms the gradient download ends: the free it gates takes no time, and the
+    activation upload waiting on that free becomes runnable at the same instant as the
+    weight upload waiting on the download. The activation goes first, whichever
+    resource the engine looks at first."""
+    costs = ModelCosts(tuple(LayerCost(f"l{i}", 1.0, 1.0, 1.0, upload_ms=2.0, hop_ms=1.0)
+                             for i in range(3)), 1)
+    s = Schedule(even_plan(3, 1, 1), 1, 1, (
+        Action(K.DOWNLOAD_GRAD, 0, "T", 0, 1),
+        Action(K.FREE, 0, "F0", deps=("DG:T:m0@1",)),
+        Action(K.UPLOAD_WEIGHTS, 0, "F0", host_deps=("DG:T:m0@1",)),
+        Action(K.UPLOAD_ACT, 0, "F0", 0, 2, host_deps=("X:F0",)),
+    ), "t")
+    tl = simulate(s, costs).timeline
+    assert tl.end["X:F0"] == 1.0
+    assert (tl.start["UA:F0:m0@2"], tl.end["UA:F0:m0@2"]) == (1.0, 2.0)
+    assert (tl.start["UW:F0"], tl.end["UW:F0"]) == (2.0, 6.0)
+
+
 def test_bubble_categories_of_gpipe():
     """GPipe, p=2, m=2, f=1, b=2: device 0 idles 1 at the switch... worked by hand."""
     costs = ModelCosts.uniform(2, 1.0, 2.0)

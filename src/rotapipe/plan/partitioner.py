@@ -37,7 +37,7 @@ from .costs import ModelCosts
 from .partition import INPUT_DEPTH, Plan, Stage, StageKind
 
 __all__ = ["Footprint", "Direction", "min_max_cut", "candidate_plans", "estimate_step_ms",
-           "assemble_plan", "check_layers_fit",
+           "assemble_plan", "check_layers_fit", "candidate_tail_sizes",
            "INPUT_DEPTH"]
 
 
@@ -276,34 +276,72 @@ def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) ->
     resident) and the link is free; microbatch ``m`` starts when the worker is free,
     the weights are in, and microbatch ``m`` of the previous job has crossed to the
     host and back. With ``calls > 1``: the mean period of overlapping calls."""
-    c, M = fp.costs, fp.microbatches
-    jobs = []
-    for s in plan.jobs():
-        up = fp._sum("up", s.start, s.stop)
-        if s.kind is StageKind.FORWARD:
-            jobs.append((0.0, fp._sum("f", s.start, s.stop), up, 2 * c.boundary_hop_ms(s.start)))
-        elif s.kind is StageKind.TAIL:
-            fused = fp._sum("f", s.start, s.stop) + c.sum("backward_ms", s.start, s.stop)
-            jobs.append((0.0, fused, up, 2 * c.boundary_hop_ms(s.start)))
+    return _estimate(fp, [(s.start, s.stop) for s in plan.forward], plan.tail.start,
+                     [(s.start, s.stop) for s in plan.backward], plan.tail_jobs, workers,
+                     calls)
+
+
+def _job_terms(fp: Footprint, kind: StageKind, a: int, b: int) -> tuple[float, ...]:
+    """(early, per-microbatch time, weight upload, hop in) of a job over ``[a, b)``:
+    ``early`` is the recompute a backward job may run before its input gradient."""
+    cache = fp.__dict__.setdefault("_values", {})
+    key = ("job", kind, a, b)
+    t = cache.get(key)
+    if t is None:
+        c = fp.costs
+        up = fp._sum("up", a, b)
+        if kind is StageKind.FORWARD:
+            t = (0.0, fp._sum("f", a, b), up, 2 * c.boundary_hop_ms(a))
+        elif kind is StageKind.TAIL:
+            t = (0.0, fp._sum("f", a, b) + c.sum("backward_ms", a, b), up,
+                 2 * c.boundary_hop_ms(a))
         else:
-            rb = fp._sum("rb", s.start, s.stop)
-            b = c.sum("backward_ms", s.start, s.stop)
-            jobs.append((rb - b, b, up, 2 * c.boundary_hop_ms(s.stop)))
+            rb = fp._sum("rb", a, b)
+            bw = c.sum("backward_ms", a, b)
+            t = (rb - bw, bw, up, 2 * c.boundary_hop_ms(b))
+        cache[key] = t
+    return t
+
+
+def _estimate(fp: Footprint, fwd, tail: int, bwd, tail_jobs: int, workers: int,
+              calls: int) -> float:
+    """:func:`estimate_step_ms` of the plan with forward runs ``fwd``, the tail from
+    layer ``tail`` in ``tail_jobs`` jobs and backward runs ``bwd`` (no :class:`Plan`
+    built: the candidate search scores thousands)."""
+    M, n = fp.microbatches, len(fp.costs.layers)
+    if tail_jobs > M:
+        raise PlanError(f"the tail is split into {tail_jobs} jobs but a call has only "
+                        f"{M} microbatches: use at least {tail_jobs} microbatches "
+                        "or fewer tail jobs")
+    F, B, T = StageKind.FORWARD, StageKind.BACKWARD, StageKind.TAIL
+    jobs = [_job_terms(fp, F, a, b) for a, b in fwd]
+    jobs += [_job_terms(fp, T, tail, n)] * tail_jobs
+    jobs += [_job_terms(fp, B, a, b) for a, b in reversed(bwd)]
+    whole = range(M)
+    mbs = [whole] * len(fwd) + [range(i, M, tail_jobs) for i in range(tail_jobs)] + \
+        [whole] * len(bwd)
     free = [0.0] * workers
     link = [0.0] * workers
     ended: list[float] = []
     ends, g = [], 0
-    mbs = [plan.tail_microbatches(s.index, M) if s.kind is StageKind.TAIL else range(M)
-           for s in plan.jobs()]
+    back = 2 * workers
     for _ in range(calls):
         ready = [0.0] * M
         for j, (early, t, up, hop) in enumerate(jobs):
             w = g % workers
-            two_back = ended[g - 2 * workers] if g >= 2 * workers else 0.0
-            link[w] = max(link[w], two_back) + up
-            f = max(free[w], link[w])
+            two_back = ended[g - back] if g >= back else 0.0
+            lw = link[w]
+            lw = link[w] = (lw if lw >= two_back else two_back) + up
+            f = free[w]
+            if lw > f:
+                f = lw
+            if not j:
+                hop = 0.0
+            # f = max(f + early, ready[m] + hop) + t, written out (the hot loop).
             for m in mbs[j]:
-                f = max(f + early, ready[m] + (hop if j else 0.0)) + t
+                x = ready[m] + hop
+                f += early
+                f = (f if f >= x else x) + t
                 ready[m] = f
             free[w] = f
             ended.append(f)
@@ -329,8 +367,8 @@ def _caps(fp: Footprint, n_body: int, memory: int) -> list[int]:
 
 def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
                     max_tail_layers: int = 3, spread: int = 2,
-                    tail_layers: int | None = None,
-                    tail_jobs: int = 1) -> list[tuple[float, Plan]]:
+                    tail_layers: int | None = None, tail_jobs: int = 1,
+                    limit: int | None = None) -> list[tuple[float, Plan]]:
     """Fitting RoundPipe plans for ``fp``, best first by :func:`estimate_step_ms`.
 
     Tries fused tails of 1..``max_tail_layers`` layers and longer ones (sizes growing
@@ -340,22 +378,24 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
     single job (RoundPipe's rule) up to ``spread`` workers' worth more; each count gets
     its exact min-max cut. ``tail_layers`` fixes the tail's length instead;
     ``tail_jobs`` splits the tail into that many jobs (each a share of the
-    microbatches), which lowers the heaviest job the stages are sized against. Raises
-    :class:`PlanError` (naming the layer) if nothing fits."""
+    microbatches), which lowers the heaviest job the stages are sized against.
+    ``limit``: return only the best ``limit``. Raises :class:`PlanError` (naming the
+    layer) if nothing fits."""
     L = len(fp.costs.layers)
     check_layers_fit(fp, memory)
     if L == 1:
         plan = assemble_plan(1, [], 0, [])
         if fp.needs(Direction.BACKWARD, 0, 1, fp.resident(Direction.BACKWARD, 0, 1)) > memory:
             raise _fit_error(fp, Direction.BACKWARD, 0, 1, 0, memory)
-        return [(estimate_step_ms(plan, fp, workers, calls), plan)]
-    seen: dict[str, tuple[float, Plan]] = {}
+        return [(estimate_step_ms(plan, fp, workers, calls), plan)][:limit]
+    seen: dict[tuple, float] = {}   # (tail start, forward runs, backward runs) -> estimate
     tried: set = set()
     error: PlanError | None = None
     if tail_layers is not None and not 1 <= tail_layers < L:
         raise PlanError(f"a fused tail of {tail_layers} layers leaves no layer of the "
                         f"{L} for the forward stages: use 1..{L - 1} tail layers")
-    sizes = [tail_layers] if tail_layers else _tail_sizes(fp, workers, max_tail_layers)
+    sizes = candidate_tail_sizes(fp, workers, tail_layers=tail_layers,
+                                 max_tail_layers=max_tail_layers)
     for tail in sizes:
         body = L - tail
         tail_res = fp.resident(Direction.BACKWARD, body, L)
@@ -379,18 +419,27 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
             fwds, bwds = cuts[Direction.FORWARD], cuts[Direction.BACKWARD]
 
             def score(fwd, bwd):
-                plan = assemble_plan(L, fwd, body, bwd, tail_jobs)
-                text = plan.to_text()
-                if text not in seen:
-                    seen[text] = (estimate_step_ms(plan, fp, workers, calls), plan)
-                return seen[text][0]
+                key = (body, tuple(fwd), tuple(bwd))
+                if key not in seen:
+                    seen[key] = _estimate(fp, fwd, body, bwd, tail_jobs, workers, calls)
+                return seen[key]
 
             best_f = min(fwds, key=lambda f: score(f, bwds[len(bwds) // 2]))
             best_b = min(bwds, key=lambda b: score(best_f, b))
             min(fwds, key=lambda f: score(f, best_b))
     if not seen:
         raise error or PlanError("no plan fits")
-    return sorted(seen.values(), key=lambda x: (round(x[0], 6), len(x[1].jobs())))
+    # Ties (rounded) go to fewer jobs, then to the first scored.
+    order = sorted(seen.items(), key=lambda kv: (round(kv[1], 6),
+                                                 len(kv[0][1]) + tail_jobs + len(kv[0][2])))
+    return [(est, assemble_plan(L, fwd, body, bwd, tail_jobs))
+            for (body, fwd, bwd), est in order[:limit]]
+
+
+def candidate_tail_sizes(fp: Footprint, workers: int, *, tail_layers: int | None = None,
+                         max_tail_layers: int = 3) -> list[int]:
+    """The fused-tail lengths :func:`candidate_plans` tries (see there)."""
+    return [tail_layers] if tail_layers else _tail_sizes(fp, workers, max_tail_layers)
 
 
 def _tail_sizes(fp: Footprint, workers: int, short: int) -> list[int]:
@@ -416,11 +465,19 @@ def _cuts_for(fp, direction, body, workers, cap, memory, tail_cost, spread):
     k0 = max(k0, len(fewest))
     ks = range(max(len(fewest), k0 - 1), min(body, k0 + spread * workers) + 1)
     out, last_err = [], None
+    cache = fp.__dict__.setdefault("_values", {})
     for k in ks:
-        try:
-            out.append(min_max_cut(fp, direction, 0, body, k, cap=cap, memory=memory)[1])
-        except PlanError as exc:
-            last_err = exc
+        # Memoised per footprint: the planner cuts the same runs for every tail split.
+        key = ("cut", direction, body, k, cap, memory)
+        if key not in cache:
+            try:
+                cache[key] = min_max_cut(fp, direction, 0, body, k, cap=cap, memory=memory)[1]
+            except PlanError as exc:
+                cache[key] = exc
+        if isinstance(cache[key], PlanError):
+            last_err = cache[key]
+        else:
+            out.append(cache[key])
     if not out:
         raise last_err
     return out

@@ -9,9 +9,9 @@ It sits above the simulator: ``plan`` (arithmetic) -> ``schedule`` -> ``sim`` ->
 
 from .advise import PlanAnalysis, analyze, longest_sequence
 from .autoplan import PlanChoice, PlannerConfig, choose_plan, simulate_plan
-from .exact import exact_search, step_lower_bound
+from .exact import call_lower_bound, exact_search, step_lower_bound
 from .measured import MeasuredCosts, Pass, PlanRefiner
 
 __all__ = ["MeasuredCosts", "Pass", "PlanAnalysis", "PlanChoice", "PlanRefiner",
-           "PlannerConfig", "analyze", "choose_plan", "exact_search", "longest_sequence",
-           "simulate_plan", "step_lower_bound"]
+           "PlannerConfig", "analyze", "call_lower_bound", "choose_plan", "exact_search",
+           "longest_sequence", "simulate_plan", "step_lower_bound"]

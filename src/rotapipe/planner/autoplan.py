@@ -11,6 +11,9 @@ simulated (:mod:`rotapipe.planner.exact`).
 
 from __future__ import annotations
 
+import heapq
+import math
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -19,10 +22,10 @@ from ..errors import ConfigError, PlanError
 from ..plan import ModelCosts, Plan, StageKind
 from ..plan.hostmem import HostMemory, host_memory
 from ..plan.partitioner import (Direction, Footprint, assemble_plan, candidate_plans,
-                                estimate_step_ms)
+                                candidate_tail_sizes, estimate_step_ms)
 from ..schedule import roundpipe_schedule, roundpipe_stale_schedule
 from ..sim.engine import run
-from .exact import exact_search
+from .exact import _plan_bound, _Terms, call_lower_bound, exact_search
 from ..sim.report import Report, report
 from ..sim.timing import ActionTimes
 
@@ -67,6 +70,10 @@ class PlannerConfig:
     workers or the microbatches are skipped, and so are all splits when a one-layer
     tail's job is under a quarter of a worker's share of the step). Split tails are
     ranked candidates: the exact search covers single-job tails."""
+    prune: bool = True
+    """Skip what lower bounds prove slower than the best plan simulated so far (the
+    choice is the same). ``False`` simulates every ranked candidate: the reference
+    the tests compare the pruned search with."""
 
     def __post_init__(self):
         if self.workers < 1 or self.memory_bytes < 1 or self.refine < 1:
@@ -95,7 +102,7 @@ class PlanChoice:
     device_bytes: int
     """Peak device bytes of the busiest worker by the planner's (sufficient) bound."""
     simulated: int = 0
-    """Candidate plans simulated."""
+    """Candidate plans simulated (the rest were proven slower by a lower bound)."""
     alternatives: tuple[tuple[int, str, float], ...] = field(default=(), repr=False)
     """(microbatches, grain, simulated step ms) of every simulated candidate."""
 
@@ -170,75 +177,141 @@ def choose_plan(costs_for: Callable[[int], ModelCosts], config: PlannerConfig) -
 
     Exact (the fastest simulated step of every fitting plan) when the plan space is at
     most ``config.exhaustive`` plans and calls do not overlap (:mod:`.exact`);
-    otherwise the best simulated of the top ``config.refine`` ranked candidates."""
-    ranked: list[tuple[float, int, RecomputeGrain, Plan, ModelCosts, Footprint]] = []
-    found: list[tuple[Report, int, RecomputeGrain, Plan, ModelCosts, Footprint]] = []
-    errors: list[tuple[int, int, PlanError]] = []
+    otherwise the best simulated of the top ``config.refine`` ranked candidates of
+    every microbatch count, grain and tail split. With the exact optimizer, lower
+    bounds skip what cannot win (:func:`_search`): the choice is the one simulating
+    every candidate would make."""
     calls = 6 if config.stale else 1
-    W, memory = config.workers, config.memory_bytes
-    simulated = 0
+    found, errors, simulated = _search(list(_groups(costs_for, config)), config)
+    if not found:   # the fewest tokens per microbatch tried, the first grain
+        raise min(errors, key=lambda e: e[0])[1]
+    found.sort(key=lambda f: f[0])
+    best = None
+    for cand in found:   # first of equals: the order above is the preference order
+        if best is None or cand[1].step_ms < best[1].step_ms - 1e-9:
+            best = cand
+    _, rep, g, plan = best
+    return PlanChoice(plan, g.M, g.grain, g.costs, rep,
+                      estimate_step_ms(plan, g.fp, config.workers, calls),
+                      device_need(plan, g.fp), simulated,
+                      tuple((f[2].M, f[2].grain.value, f[1].step_ms) for f in found))
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The plans of one microbatch count, grain and tail-job count: searched exactly,
+    or ranked by :func:`candidate_plans` and the best few simulated."""
+
+    rank: int
+    """Preference order among groups (loop order: counts, grains, split tails, then
+    the single-job tail)."""
+    M: int
+    grain: RecomputeGrain
+    tail_jobs: int
+    costs: ModelCosts
+    fp: Footprint
+    exact: bool
+    bound: float
+    """No plan of the group simulates faster (0: unknown, with overlapping calls)."""
+
+
+def _groups(costs_for, config: PlannerConfig):
+    W, rank = config.workers, 0
     for M in config.microbatch_counts:
         base = costs_for(M)
-        space = plan_space(len(base.layers))
+        L = len(base.layers)
+        exact = plan_space(L) <= config.exhaustive and not config.stale
         for grain in config.grains:
             costs = _grain_costs(base, grain)
             fp = Footprint.of(base, M, grain, config.grad_bytes)
-            L = len(base.layers)
             share = (fp.cost(Direction.FORWARD, 0, L) + fp.cost(Direction.BACKWARD, 0, L)) / W
             # Split the tail only where its job weighs on the step (a large vocabulary's
             # head next to small blocks): at least a quarter of a worker's share.
             heavy = L > 1 and fp.tail_cost(L - 1) >= _HEAVY_TAIL * share
-            for k in config.tail_jobs:
-                if k == 1 or k > min(W, M) or not heavy:
-                    continue
-                try:
-                    cands = candidate_plans(fp, W, memory, calls=calls, tail_jobs=k,
-                                            tail_layers=config.tail_layers)
-                except PlanError:
-                    continue            # the single-job tail reports what does not fit
-                ranked += [(est, M, grain, plan, costs, fp)
-                           for est, plan in cands[:config.refine]]
-            if space <= config.exhaustive and not config.stale:
-                hit = exact_search(costs, fp, W, M, memory,
-                                   lambda p, c=costs, m=M: simulate_plan(p, c, W, m),
-                                   config.tail_layers)
-                if hit is None:
-                    errors.append((M, len(errors),
-                                   _no_fit_error(fp, W, memory, config.tail_layers)))
-                    continue
-                plan, rep, n = hit
-                simulated += n
-                found.append((rep, M, grain, plan, costs, fp))
+            splits = [k for k in config.tail_jobs if k != 1 and k <= min(W, M) and heavy]
+            for k in splits + [1]:
+                longest = None if exact and k == 1 else max(
+                    candidate_tail_sizes(fp, W, tail_layers=config.tail_layers), default=None)
+                bound = 0.0 if config.stale or not config.prune else \
+                    call_lower_bound(costs, W, M, tail_jobs=k, max_tail=longest)
+                yield _Group(rank, M, grain, k, costs, fp, exact and k == 1, bound)
+                rank += 1
+
+
+def _beaten(bound: float, best: float) -> bool:
+    """Whether a step of at least ``bound`` loses to ``best`` (rounding slack: a bound
+    may exceed its own step by an ulp or so; an equal step is never skipped)."""
+    return bound * (1 - 1e-9) > best + 1e-6
+
+
+def _search(groups: list[_Group], config: PlannerConfig):
+    """Simulate only what can still win, best-first: a queue of groups (by
+    :func:`call_lower_bound`) and of their ranked candidates (by their
+    :func:`step_lower_bound`), lowest bound first. A group is expanded (ranked, or
+    searched exactly) when it comes up; a candidate is simulated. Everything left once the lowest bound exceeds
+    the best simulated step is slower than it. Returns (found, errors, plans
+    simulated); ``found`` holds (preference key, report, group, plan)."""
+    W, memory = config.workers, config.memory_bytes
+    found: list[tuple[tuple[int, ...], Report, _Group, Plan]] = []
+    errors: list[tuple[tuple[int, int], PlanError]] = []
+    best, simulated = math.inf, 0
+    # (bound, sequence number, group, candidate index or -1 for the group, plan)
+    queue: list[tuple[float, int, _Group, int, Plan | None]] = [
+        (g.bound, i, g, -1, None) for i, g in enumerate(groups)]
+    heapq.heapify(queue)
+    seq = len(queue)
+    while queue:
+        bound, _, g, i, plan = heapq.heappop(queue)
+        if _beaten(bound, best):
+            break
+        if plan is not None:
+            rep = simulate_plan(plan, g.costs, W, g.M, stale=config.stale)
+            simulated += 1
+            found.append(((1, g.rank, i), rep, g, plan))
+            best = min(best, rep.step_ms)
+        elif g.exact:
+            hit = exact_search(g.costs, g.fp, W, g.M, memory,
+                               lambda p, c=g.costs, m=g.M: simulate_plan(p, c, W, m),
+                               config.tail_layers)
+            if hit is None:
+                errors.append(((-g.M, g.rank),
+                               _no_fit_error(g.fp, W, memory, config.tail_layers)))
                 continue
+            simulated += hit[2]
+            found.append(((0, g.rank, 0), hit[1], g, hit[0]))
+            best = min(best, hit[1].step_ms)
+        else:
             try:
-                cands = candidate_plans(fp, W, memory, calls=calls,
-                                        tail_layers=config.tail_layers)
+                plans = _ranked(g, config)
             except PlanError as exc:
-                errors.append((M, len(errors), exc))
+                if g.tail_jobs == 1:    # the single-job tail reports what does not fit
+                    errors.append(((-g.M, g.rank), exc))
                 continue
-            ranked += [(est, M, grain, plan, costs, fp)
-                       for est, plan in cands[:config.refine]]
-            if space <= min(config.exhaustive, _STALE_EXHAUSTIVE):   # every fitting plan
-                ranked += [(0.0, M, grain, plan, costs, fp) for plan in all_plans(len(base.layers))
-                           if device_need(plan, fp) <= memory and config.tail_layers in
-                           (None, plan.num_layers - plan.tail.start)]
-    if not ranked and not found:   # the fewest tokens per microbatch tried, the first grain
-        raise min(errors, key=lambda e: (-e[0], e[1]))[2]
-    seen = set()
-    for est, M, grain, plan, costs, fp in ranked:
-        if (M, grain, plan.to_text()) in seen:
-            continue
-        seen.add((M, grain, plan.to_text()))
-        found.append((simulate_plan(plan, costs, W, M, stale=config.stale), M, grain, plan,
-                      costs, fp))
-    best = None
-    for cand in found:   # first of equals: the order above is the preference order
-        if best is None or cand[0].step_ms < best[0].step_ms - 1e-9:
-            best = cand
-    rep, M, grain, plan, costs, fp = best
-    return PlanChoice(plan, M, grain, costs, rep, estimate_step_ms(plan, fp, W, calls),
-                      device_need(plan, fp), simulated + len(seen),
-                      tuple((m, g.value, r.step_ms) for r, m, g, *_ in found))
+            terms = None if config.stale or not config.prune else _Terms(g.costs, g.M)
+            for i, p in enumerate(plans):
+                heapq.heappush(queue, (0.0 if terms is None else _plan_bound(p, terms, W),
+                                       seq, g, i, p))
+                seq += 1
+    return found, errors, simulated
+
+
+def _ranked(g: _Group, config: PlannerConfig) -> list[Plan]:
+    """The group's candidates to simulate, in ranking order: the best
+    ``config.refine`` by the job-grain estimate (and, for a small model with
+    overlapping calls, every fitting plan)."""
+    cands = candidate_plans(g.fp, config.workers, config.memory_bytes,
+                            calls=6 if config.stale else 1, tail_jobs=g.tail_jobs,
+                            tail_layers=config.tail_layers, limit=config.refine)
+    plans: dict[str, Plan] = {}
+    for _, p in cands:
+        plans.setdefault(p.to_text(), p)
+    L = len(g.costs.layers)
+    if g.tail_jobs == 1 and plan_space(L) <= min(config.exhaustive, _STALE_EXHAUSTIVE):
+        for p in all_plans(L):     # every fitting plan
+            if device_need(p, g.fp) <= config.memory_bytes and config.tail_layers in (
+                    None, p.num_layers - p.tail.start):
+                plans.setdefault(p.to_text(), p)
+    return list(plans.values())
 
 
 def _no_fit_error(fp: Footprint, workers: int, memory: int,
