@@ -4,7 +4,9 @@ LoRA adapter), or a Qwen3-architecture model from scratch with a BPE trained on 
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 
 import torch
 from torch import nn
@@ -13,18 +15,71 @@ from ..errors import ConfigError
 from .config import TrainConfig
 from .data import TextFields, train_tokenizer
 
-__all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length"]
+__all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
+           "resolve_model", "adapter_dir"]
 
 
 def _model_dir(cfg: TrainConfig) -> pathlib.Path:
-    p = pathlib.Path(cfg.model)
+    return resolve_model(cfg.model)
+
+
+def resolve_model(name: str) -> pathlib.Path:
+    """The local directory of ``model``: the directory itself, or for a hub id
+    (``org/name``) its snapshot in the Hugging Face cache (``HF_HUB_CACHE`` /
+    ``HF_HOME``), downloaded first unless ``HF_HUB_OFFLINE=1``."""
+    p = pathlib.Path(name)
     if not p.is_dir():
-        raise ConfigError(f"model directory {cfg.model!r} does not exist: pass a local "
-                          "Hugging Face model directory, or leave model unset to train "
-                          "from scratch")
+        if not _HUB_ID.fullmatch(name) or p.exists():
+            raise ConfigError(f"model {name!r} is not a directory nor a hub id (org/name): "
+                              "pass a local Hugging Face model directory, a hub id, or leave "
+                              "model unset to train from scratch")
+        p = _from_hub(name)
     if not (p / "config.json").is_file():
-        raise ConfigError(f"model directory {cfg.model!r} has no config.json: pass the "
+        raise ConfigError(f"model directory {name!r} has no config.json: pass the "
                           "directory save_pretrained wrote")
+    return p
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+"""What a fine-tuning run needs from a hub repository (not .bin/.pth/.gguf copies)."""
+
+
+def _from_hub(repo: str) -> pathlib.Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ConfigError(f"model {repo!r} is a hub id, and resolving it needs "
+                          "huggingface_hub: pip install huggingface_hub, or pass a local "
+                          "directory") from None
+    try:       # the cache first: works offline, no request
+        return pathlib.Path(snapshot_download(repo, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError and kin)
+        pass
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise ConfigError(f"model {repo!r} is not in the Hugging Face cache and "
+                          "HF_HUB_OFFLINE is set: download it first (hf download "
+                          f"{repo}) where there is network, point HF_HOME at that cache, "
+                          "or pass a local directory")
+    try:
+        return pathlib.Path(snapshot_download(repo, allow_patterns=_HUB_FILES))
+    except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors differ
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise ConfigError(f"model {repo!r} is neither a local directory nor in the Hugging "
+                          f"Face cache, and downloading it failed ({type(exc).__name__}: "
+                          f"{first}): check the id, log in (hf auth login) for a gated "
+                          "model, or pass a local directory") from None
+
+
+def adapter_dir(cfg: TrainConfig) -> pathlib.Path | None:
+    """``resume_from_adapter`` checked: a PEFT adapter directory."""
+    if cfg.resume_from_adapter is None:
+        return None
+    p = pathlib.Path(cfg.resume_from_adapter)
+    if not (p / "adapter_config.json").is_file():
+        raise ConfigError(f"resume_from_adapter {cfg.resume_from_adapter!r} "
+                          f"{'has no adapter_config.json' if p.is_dir() else 'is not a directory'}"
+                          ": pass the directory a LoRA run exported (its final/)")
     return p
 
 
@@ -83,7 +138,11 @@ def build_model(cfg: TrainConfig, tokenizer) -> nn.Module:
             pad_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
             attn_implementation="sdpa")
         model = transformers.Qwen3ForCausalLM(config)
-    if cfg.lora:
+    adapter = adapter_dir(cfg)
+    if adapter is not None:
+        import peft
+        model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    elif cfg.lora:
         import peft
         targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
             [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
