@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import pathlib
 import typing
 from dataclasses import dataclass, fields
@@ -387,6 +388,8 @@ def _coerce(name: str, value):
     t = field_types()[name]
     if value is None or isinstance(value, t) or (name == "resume" and value == "auto"):
         return value
+    if isinstance(t, type) and issubclass(t, enum.Enum) and isinstance(value, str):
+        return value                       # a choice by name: TrainConfig checks it
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     raise ConfigError(f"config field {name!r} = {value!r} should be of type {t.__name__}")
