@@ -193,3 +193,56 @@ def test_resume_from_adapter_continues_the_lora(tmp_path, model_dir):
     with pytest.raises(ConfigError, match="no adapter_config.json"):
         train(TrainConfig(**common, out_dir=str(tmp_path / "c"), steps=1,
                           resume_from_adapter=str(tmp_path)), echo=lambda s: None)
+
+
+def _wandb_history(run_file: pathlib.Path) -> list[dict]:
+    """The history records of a W&B ``.wandb`` file: a LevelDB-style log (a 7-byte file
+    header, 32 KiB blocks, each record chunk behind a 7-byte header: crc32, length,
+    kind 1 full / 2 first / 3 middle / 4 last) of ``wandb_internal_pb2.Record``s."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos, chunks, buf = run_file.read_bytes(), 32768, 7, [], b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        if kind == 0 and n == 0:
+            pos += left - 7
+            continue
+        buf += data[pos:pos + n]
+        pos += n
+        if kind in (1, 4):
+            chunks.append(buf)
+            buf = b""
+    rows = []
+    for raw in chunks:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                         for i in record.history.item})
+    return rows
+
+
+def test_wandb_offline_run_holds_the_logged_scalars(tmp_path, model_dir, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    data = sft_jsonl(tmp_path / "s.jsonl", 100)
+    out = tmp_path / "o"
+    train(TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=0.1,
+                      out_dir=str(out), steps=3, eval_interval=3, report_to="wandb"),
+          echo=lambda s: None)
+    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    history = _wandb_history(run_file)
+    logged = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
+    rows = _metrics(out)
+    assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-9)) for r in rows
+                      if "loss" in r]
+    assert [h["_step"] for h in history if "eval/eval_loss" in h] == [0, 3]

@@ -134,8 +134,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     # -- checks before any work ------------------------------------------------------
     check_out_dir(out)
     check_sinks(cfg.report_to)
-    if not cfg.progress:
-        _quiet_third_party()
+    if not (cfg.progress and sys.stderr.isatty()):
+        _quiet_third_party()              # no weight-loading bars in a log file either
     files = source_files(cfg.data)
     check_data(files, fields)
     eval_files = source_files(cfg.eval_data) if cfg.eval_data else None
@@ -198,8 +198,8 @@ def _quiet(*args, **kwargs) -> None:
 
 
 def _quiet_third_party() -> None:
-    """``progress=False``: no progress bars from transformers or huggingface_hub either
-    (weight loading, downloads)."""
+    """``progress=False`` or no terminal: no progress bars from transformers or
+    huggingface_hub either (weight loading and saving, downloads)."""
     try:
         import transformers
         transformers.utils.logging.disable_progress_bar()
@@ -532,7 +532,9 @@ def _loop(job: _Job) -> TrainResult:
             sample = generate_sample(job.wrapped, job.tokenizer, cfg)
             how = "greedy" if not cfg.temperature else \
                 f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}"
-            job.echo(f"sample ({how}, prompt {cfg.sample_prompt!r}):\n{sample}")
+            chat = " as the user's message" if getattr(job.tokenizer, "chat_template",
+                                                         None) else ""
+            job.echo(f"sample ({how}, prompt {cfg.sample_prompt!r}{chat}):\n{sample}")
     if main and job.step > job.start:
         png = plot_loss(metrics_path, job.out / "loss.png")
         if png is not None:
@@ -601,7 +603,8 @@ def generate_sample(wrapped, tokenizer, cfg: TrainConfig) -> str:
     parameters are the trained fp32 masters): greedy, or sampled with ``temperature`` and
     ``top_p`` (seeded by ``seed``); stops at the end-of-text token (and the model's own
     end tokens); special tokens are not shown. A tokenizer with a chat template gets the
-    prompt as the user's message, with the assistant header after it."""
+    prompt as the user's message, with the assistant header after it, and the reply
+    alone is returned."""
     from .data import Tokens
 
     model = wrapped.model
@@ -629,4 +632,6 @@ def generate_sample(wrapped, tokenizer, cfg: TrainConfig) -> str:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                              pad_token_id=tokenizer.eos_token_id,
                              eos_token_id=sorted(stop), **sampling)
-    return tokenizer.decode(out[0], skip_special_tokens=True)
+    # A chat: the reply alone (the prompt is the template's, with its headers).
+    start = ids.shape[1] if getattr(tokenizer, "chat_template", None) else 0
+    return tokenizer.decode(out[0, start:], skip_special_tokens=True)
