@@ -96,9 +96,13 @@ def test_holdout_0_with_eval_data_trains_on_3000_records(tmp_path, model_dir):
     p = run(["--model", str(model_dir), "--data", str(data), "--holdout", "0",
              "--eval-data", str(other), "--steps", "4", "--eval-interval", "2",
              "--out-dir", str(out), "--seq", "48", "--batch", "4", "--microbatches", "2",
-             "--workers", "2", "--backend", "emulated", "--no-progress"], timeout=300)
+             "--workers", "2", "--backend", "emulated", "--log-every", "2"], timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "evaluation on" in p.stdout and "eval loss" in p.stdout
+    # Not a terminal: no progress bar frames, ours or transformers' (weight loading and
+    # saving), only the log_every lines.
+    assert "\r" not in p.stdout + p.stderr and "it/s]" not in p.stdout + p.stderr
+    assert "step     2  loss" in p.stdout and "step     4  loss" in p.stdout
     evals = [r["eval_loss"] for r in _metrics(out) if "eval_loss" in r]
     assert len(evals) == 3 and all(math.isfinite(e) for e in evals)
     # No held-out split: every record trains (3000 records, none held out).
