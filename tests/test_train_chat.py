@@ -143,7 +143,8 @@ def test_each_document_attends_only_to_itself(tmp_path, packing):
 def test_short_heldout_split_is_one_padded_sequence(tmp_path):
     tok = chat_tokenizer()
     data = sft_jsonl(tmp_path / "s.jsonl", 3)
-    b = eval_set([data], tok, 8, seq=256, holdout=1.0, fields=FIELDS, packing="documents")
+    # n=4: one held-out lane (4 sequences a lane), so the 3 records share it.
+    b = eval_set([data], tok, 4, seq=256, holdout=1.0, fields=FIELDS, packing="documents")
     assert b.ids.shape == (1, 256)
     real = (b.labels[0] != IGNORE).sum().item()
     assert 0 < real < 60 and (b.labels[0, -10:] == IGNORE).all()
@@ -166,3 +167,53 @@ def test_json_parquet_and_saved_dataset_give_the_same_records(tmp_path):
     with pytest.raises(InputError, match="is a list of records"):
         (tmp_path / "bad.json").write_text('{"text": "a"}')
         list(iter_records(tmp_path / "bad.json"))
+
+
+def test_template_that_rewrites_history_gives_one_document_per_turn(tmp_path):
+    """Qwen3's template drops the thinking block of earlier assistant turns once later
+    turns follow: such a chat becomes one document per assistant turn, its history as
+    the template renders it when that turn is generated, only that turn counted."""
+    tok = chat_tokenizer(words=list(train_words()) + ["<think>", "</think>"])
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if m['role'] == 'assistant' and loop.last %}<think> </think> {% endif %}"
+        "{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    msgs = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "cat dog"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "red fox"}]
+    docs = Tokens(tok).documents({"messages": msgs}, FIELDS, "x:1")
+    want = [
+        [("<s>", 0), ("<|user|>", 0), ("hi", 0), ("there", 0), ("<|end|>", 0),
+         ("<|assistant|>", 0), ("<think>", 1), ("</think>", 1), ("cat", 1), ("dog", 1),
+         ("<|end|>", 1)],
+        [("<s>", 0), ("<|user|>", 0), ("hi", 0), ("there", 0), ("<|end|>", 0),
+         ("<|assistant|>", 0), ("cat", 0), ("dog", 0), ("<|end|>", 0),
+         ("<|user|>", 0), ("more", 0), ("<|end|>", 0),
+         ("<|assistant|>", 0), ("<think>", 1), ("</think>", 1), ("red", 1), ("fox", 1),
+         ("<|end|>", 1)]]
+    assert len(docs) == 2
+    for (ids, labels), w in zip(docs, want):
+        assert _tokens(tok, ids) == [t for t, _ in w]
+        assert labels == [i if c else IGNORE for i, (_, c) in zip(ids, w)]
+    # Packed, each turn's document has its own positions; padded, each is its own row
+    # (the second waits in the cursor, which a checkpoint keeps).
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": msgs}) + "\n")
+    s = PackedStream([path], tok, seq=40, seed=0, holdout=0.0, fields=FIELDS,
+                     packing="documents")
+    ids, _, pos, _ = s.next_row()
+    assert pos[:29] == list(range(11)) + list(range(18))
+    s = PackedStream([path], tok, seq=24, seed=0, holdout=0.0, fields=FIELDS, packing="pad")
+    first = s.next_row()
+    state = s.state_dict()
+    again = PackedStream([path], tok, seq=24, seed=0, holdout=0.0, fields=FIELDS,
+                         packing="pad")
+    again.load_state_dict(state)
+    second = again.next_row()
+    assert sum(first[3]) == 11 and sum(second[3]) == 18
+    assert second[0][:18] == docs[1][0]
+
+
+def train_words():
+    from train_util import WORDS
+    return WORDS

@@ -292,14 +292,19 @@ def record_text(record, fields: TextFields, where: str) -> tuple[str, str | None
     return (value, None) if kind == "text" else value
 
 
+class RendersDifferently(InputError):
+    """The chat template renders a turn differently once later turns follow."""
+
+
 def chat_segments(tokenizer, messages: list[dict], where: str) -> list[tuple[str, bool]]:
     """The conversation rendered by the tokenizer's chat template, cut into
     ``(text, is the assistant's)`` pieces.
 
     The assistant's text of message ``i`` is what rendering ``messages[:i + 1]`` adds to
     rendering ``messages[:i]`` with the generation prompt (which renders the assistant
-    header): so the header is not trained on, the turn's end marker is. Templates that
-    render earlier turns differently once later ones follow are refused."""
+    header): so the header is not trained on, the turn's end marker is. A template that
+    renders earlier turns differently once later ones follow (Qwen3 drops the thinking
+    block of earlier turns) raises :class:`RendersDifferently`."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"{where}: a chat record needs a tokenizer with a chat template, "
                           "and this one has none: use the model's instruct tokenizer, set "
@@ -321,14 +326,38 @@ def chat_segments(tokenizer, messages: list[dict], where: str) -> list[tuple[str
         head = render(messages[:i], True) if i else ""
         upto = render(messages[:i + 1], False)
         if not (full.startswith(upto) and upto.startswith(head) and len(head) >= done):
-            raise InputError(f"{where}: the chat template renders message {i} differently "
-                             "once later messages follow, so its assistant tokens cannot be "
-                             "found: split the conversation into one record per assistant "
-                             "turn, or use a template that renders turns the same way")
+            raise RendersDifferently(f"{where}: the chat template renders message {i} "
+                                     "differently once later messages follow")
         segments += [(full[done:len(head)], False), (full[len(head):len(upto)], True)]
         done = len(upto)
     segments.append((full[done:], False))
     return [(t, c) for t, c in segments if t]
+
+
+def chat_documents(tokenizer, messages: list[dict], where: str
+                   ) -> list[list[tuple[str, bool]]]:
+    """A chat as documents of :func:`chat_segments` pieces: one document, or, when the
+    template renders earlier turns differently once later ones follow, one document
+    per assistant turn (its history as the template renders it when that turn is
+    generated, only that turn counted: what the model sees at inference)."""
+    try:
+        return [chat_segments(tokenizer, messages, where)]
+    except RendersDifferently:
+        pass
+    docs = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = tokenizer.apply_chat_template(messages[:i], tokenize=False,
+                                             add_generation_prompt=True) if i else ""
+        upto = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not upto.startswith(head):
+            raise InputError(f"{where}: the chat template's generation prompt for message "
+                             f"{i} is not how it renders that message, so the assistant "
+                             "tokens cannot be found: use a template whose "
+                             "add_generation_prompt output starts the assistant turn")
+        docs.append([(t, c) for t, c in ((head, False), (upto[len(head):], True)) if t])
+    return docs
 
 
 class Tokens:
@@ -356,21 +385,32 @@ class Tokens:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = self.eos if pad is None else pad
 
-    def record(self, record, fields: TextFields, where: str) -> tuple[list[int], list[int]]:
+    def documents(self, record, fields: TextFields, where: str
+                  ) -> list[tuple[list[int], list[int]]]:
+        """The record's documents as ``(ids, labels)``: one, or one per assistant turn of
+        a chat whose template renders history differently (:func:`chat_documents`)."""
         kind, value = record_parts(record, fields, where)
         head = [] if self.bos is None else [self.bos]
         if kind == "text":
             ids = self.encode(value) + [self.eos]
-            return head + ids, [IGNORE] * len(head) + ids
+            return [(head + ids, [IGNORE] * len(head) + ids)]
         if kind == "pair":
             p, r = head + self.encode(value[0]), self.encode(value[1]) + [self.eos]
-            return p + r, [IGNORE] * len(p) + r
-        ids, labels = [], []
-        for text, counts in chat_segments(self.tokenizer, value, where):
-            t = self.encode(text)
-            ids += t
-            labels += t if counts else [IGNORE] * len(t)
-        return ids, labels
+            return [(p + r, [IGNORE] * len(p) + r)]
+        docs = []
+        for segments in chat_documents(self.tokenizer, value, where):
+            ids, labels = [], []
+            for text, counts in segments:
+                t = self.encode(text)
+                ids += t
+                labels += t if counts else [IGNORE] * len(t)
+            docs.append((ids, labels))
+        return docs
+
+    def record(self, record, fields: TextFields, where: str) -> tuple[list[int], list[int]]:
+        """A record that is one document as ``(ids, labels)`` (several: concatenated)."""
+        docs = self.documents(record, fields, where)
+        return [i for d in docs for i in d[0]], [x for d in docs for x in d[1]]
 
 
 # -- tokenizer -----------------------------------------------------------------------------
@@ -428,6 +468,7 @@ class PackedStream:
         self.carry_ids: list[int] = []
         self.carry_labels: list[int] = []
         self.carry_pos: list[int] = []
+        self.pending: list[tuple[list[int], list[int]]] = []   # pad: documents not yet out
         self._records: Iterator | None = None
 
     # -- cursor ------------------------------------------------------------------------
@@ -435,7 +476,8 @@ class PackedStream:
         """Where the stream is: the next record to read and the partial sequence."""
         return {"epoch": self.epoch, "file_pos": self.file_pos, "record": self.record,
                 "carry_ids": list(self.carry_ids), "carry_labels": list(self.carry_labels),
-                "carry_pos": list(self.carry_pos)}
+                "carry_pos": list(self.carry_pos),
+                "pending": [[list(a), list(b)] for a, b in self.pending]}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.file_pos = int(state["epoch"]), int(state["file_pos"])
@@ -443,6 +485,7 @@ class PackedStream:
         self.carry_ids = list(state["carry_ids"])
         self.carry_labels = list(state["carry_labels"])
         self.carry_pos = list(state.get("carry_pos", range(len(self.carry_ids))))
+        self.pending = [(list(a), list(b)) for a, b in state.get("pending", [])]
         self._records = None
 
     def order(self, epoch: int) -> list[pathlib.Path]:
@@ -454,9 +497,9 @@ class PackedStream:
         return files
 
     # -- reading -------------------------------------------------------------------------
-    def _next_record(self) -> tuple[list[int], list[int]] | None:
-        """The next record of the split as ``(ids, labels)``, or None at the end of a
-        held-out pass. Advances the cursor."""
+    def _next_record(self) -> list[tuple[list[int], list[int]]] | None:
+        """The next record of the split as its documents' ``(ids, labels)``, or None at
+        the end of a held-out pass. Advances the cursor."""
         empty_epochs = 0
         while True:
             order = self.order(self.epoch)
@@ -481,18 +524,21 @@ class PackedStream:
                         self.lanes > 1 and lane_of(path, i, self.lanes) != self.lane):
                     continue
                 empty_epochs = 0
-                return self.tokens.record(rec, self.fields, f"{path}:{i + 1}")
+                return self.tokens.documents(rec, self.fields, f"{path}:{i + 1}")
             self.file_pos, self.record, self._records = self.file_pos + 1, 0, None
 
     def next_row(self) -> tuple[list[int], list[int], list[int] | None, list[int] | None] | None:
         """``(ids, labels, position ids or None, attention mask or None)`` of the next
         ``seq``-token sequence; None when a held-out pass ends."""
         pad = self.tokens.pad
-        if self.packing == "pad":                   # one record, cut at seq, padded
-            got = self._next_record()
-            if got is None:
-                return None
-            ids, labels = got[0][:self.seq], got[1][:self.seq]
+        if self.packing == "pad":                   # one document, cut at seq, padded
+            if not self.pending:
+                got = self._next_record()
+                if got is None:
+                    return None
+                self.pending = got
+            doc = self.pending.pop(0)
+            ids, labels = doc[0][:self.seq], doc[1][:self.seq]
             n = self.seq - len(ids)
             return ids + [pad] * n, labels + [IGNORE] * n, None, [1] * len(ids) + [0] * n
         while len(self.carry_ids) < self.seq:
@@ -501,9 +547,10 @@ class PackedStream:
                 if self.heldout and self.carry_ids:       # the short last sequence
                     break
                 return None
-            self.carry_ids += got[0]
-            self.carry_labels += got[1]
-            self.carry_pos += range(len(got[0]))
+            for ids, labels in got:
+                self.carry_ids += ids
+                self.carry_labels += labels
+                self.carry_pos += range(len(ids))
         n = min(self.seq, len(self.carry_ids))
         fill = self.seq - n
         ids = self.carry_ids[:n] + [pad] * fill
@@ -599,13 +646,15 @@ def eval_batch(files, tokenizer, n: int, **kwargs) -> tuple[torch.Tensor, torch.
 
 
 def count_split(files, tokenizer, *, holdout: float, fields: TextFields) -> tuple[int, int]:
-    """``(records, tokens)`` of the training split (one tokenizing pass): what sets the
-    schedule length when ``epochs`` does."""
+    """``(documents, tokens)`` of the training split (one tokenizing pass): what sets
+    the schedule length when ``epochs`` does. A document is a record, or one assistant
+    turn of a chat expanded by :func:`chat_documents`."""
     tokens = Tokens(tokenizer)
     records = total = 0
     for path in files:
         for i, rec in iter_records(path):
             if not is_heldout(path, i, holdout):
-                records += 1
-                total += len(tokens.record(rec, fields, f"{path}:{i + 1}")[0])
+                docs = tokens.documents(rec, fields, f"{path}:{i + 1}")
+                records += len(docs)
+                total += sum(len(d[0]) for d in docs)
     return records, total
