@@ -14,6 +14,7 @@ import pathlib
 import pytest
 import torch
 
+from rotapipe.errors import ConfigError
 from rotapipe.train import TrainConfig, train
 from rotapipe.train.data import IGNORE, TextFields, TrainBatches, count_split
 from train_util import (chat_jsonl, chat_tokenizer, env, run, sft_jsonl, tiny_model_dir)
@@ -116,15 +117,19 @@ def test_holdout_0_with_eval_data_trains_on_3000_records(tmp_path, model_dir):
     assert p.returncode == 0 and "no evaluation" in p.stdout, p.stdout + p.stderr
 
 
-def _hub_cache(root: pathlib.Path, repo: str, model_dir: pathlib.Path) -> pathlib.Path:
+def _hub_cache(root: pathlib.Path, repo: str, model_dir: pathlib.Path,
+               kind: str = "models") -> pathlib.Path:
     """A Hugging Face hub cache holding ``repo`` as huggingface_hub lays it out:
-    ``models--org--name/{refs/main, snapshots/<commit>/...}``."""
+    ``models--org--name/{refs/main, snapshots/<commit>/...}`` (``datasets--`` for a
+    dataset repository)."""
     commit = "0123456789abcdef0123456789abcdef01234567"
-    repo_dir = root / ("models--" + repo.replace("/", "--"))
+    repo_dir = root / (f"{kind}--" + repo.replace("/", "--"))
     snap = repo_dir / "snapshots" / commit
     snap.mkdir(parents=True)
-    for f in model_dir.iterdir():
-        (snap / f.name).write_bytes(f.read_bytes())
+    for f in model_dir.rglob("*"):
+        if f.is_file():
+            (snap / f.relative_to(model_dir)).parent.mkdir(parents=True, exist_ok=True)
+            (snap / f.relative_to(model_dir)).write_bytes(f.read_bytes())
     (repo_dir / "refs").mkdir()
     (repo_dir / "refs" / "main").write_text(commit)
     return root
@@ -193,7 +198,6 @@ def test_resume_from_adapter_continues_the_lora(tmp_path, model_dir):
     again = json.loads((tmp_path / "b" / "final" / "adapter_config.json").read_text())
     assert again["r"] == cfg["r"] == 4
     assert any("+ adapter" in line and "(LoRA)" in line for line in lines)
-    from rotapipe.errors import ConfigError
     with pytest.raises(ConfigError, match="no adapter_config.json"):
         train(TrainConfig(**common, out_dir=str(tmp_path / "c"), steps=1,
                           resume_from_adapter=str(tmp_path)), echo=lambda s: None)
@@ -250,3 +254,42 @@ def test_wandb_offline_run_holds_the_logged_scalars(tmp_path, model_dir, monkeyp
     assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-9)) for r in rows
                       if "loss" in r]
     assert [h["_step"] for h in history if "eval/eval_loss" in h] == [0, 3]
+
+
+def test_hub_dataset_splits_resolve_from_the_cache(tmp_path, model_dir, monkeypatch):
+    """data and eval_data as hub dataset ids: the train and test splits of a dataset
+    repository in the cache (looked up without a request)."""
+    import huggingface_hub.constants
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    chat_jsonl(repo / "data" / "train-00000.jsonl", 120, seed=1)
+    chat_jsonl(repo / "data" / "test-00000.jsonl", 10, seed=2)
+    (repo / "README.md").write_text("a dataset card\n")
+    cache = _hub_cache(tmp_path / "hub", "tiny-org/chats", repo, kind="datasets")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from rotapipe.train.data import source_files
+    (train_file,) = source_files("tiny-org/chats")
+    (test_file,) = source_files("tiny-org/chats:test")
+    assert train_file.name == "train-00000.jsonl" and test_file.name == "test-00000.jsonl"
+    with pytest.raises(ConfigError, match="no 'validation' split"):
+        source_files("tiny-org/chats:validation")
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache and HF_HUB_OFFLINE"):
+        source_files("tiny-org/other")
+    lines = []
+    result = train(TrainConfig(**RUN, model=str(model_dir), data="tiny-org/chats",
+                               eval_data="tiny-org/chats:test", holdout=0.0, steps=2,
+                               eval_interval=2, out_dir=str(tmp_path / "o")),
+                   echo=lines.append)
+    assert result.step == 2 and result.eval_first is not None
+    assert any("evaluation on tiny-org/chats:test" in line for line in lines), lines
+
+
+def test_an_empty_heldout_split_trains_without_evaluation(tmp_path, model_dir, caplog):
+    data = sft_jsonl(tmp_path / "s.jsonl", 40)
+    lines = []
+    result = train(TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=1e-9,
+                               steps=1, out_dir=str(tmp_path / "o")), echo=lines.append)
+    assert result.step == 1 and result.eval_first is None
+    assert any("no evaluation (the held-out split is empty)" in line for line in lines)
+    assert "holds no tokens that count" in caplog.text

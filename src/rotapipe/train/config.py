@@ -89,8 +89,9 @@ class TrainConfig:
     # -- data ------------------------------------------------------------------------
     data: str = "stdlib"
     """Comma-separated data files (.jsonl, .json, .parquet, or text: .txt .md .py .rst),
-    directories of them, or saved Hugging Face dataset directories; stdlib: the Python
-    standard library's .py files."""
+    directories of them, saved Hugging Face dataset directories, or hub dataset ids
+    (org/name, or org/name:split; default split train) resolved through the Hugging
+    Face cache; stdlib: the Python standard library's .py files."""
     eval_data: str | None = None
     """Evaluation files (same forms as data), used whole; None: the held-out split of
     data (see holdout)."""

@@ -25,6 +25,7 @@ import hashlib
 import json
 import pathlib
 import random
+import re
 import sysconfig
 import typing
 from collections.abc import Iterator, Sequence
@@ -109,6 +110,8 @@ def source_files(spec: str) -> list[pathlib.Path]:
             files += found
         elif p.is_file():
             files.append(p)
+        elif _hub_dataset_spec(part):
+            files += hub_dataset_files(part)
         else:
             raise ConfigError(f"data file {part!r} does not exist: check the path "
                               "(data is a comma-separated list of files or directories)")
@@ -169,6 +172,38 @@ def _json_list(path: pathlib.Path) -> list:
         raise InputError(f"{path} holds a JSON {type(values).__name__}: a .json data file "
                          "is a list of records (one object per record), or use JSONL")
     return values
+
+
+def _hub_dataset_spec(part: str) -> bool:
+    from .hub import is_hub_id
+    return is_hub_id(part.split(":", 1)[0])
+
+
+def hub_dataset_files(spec: str) -> list[pathlib.Path]:
+    """``org/name[:split]``: the record files of that split (default ``train``) of a
+    dataset repository in the Hugging Face cache (downloaded into it when not cached
+    and not offline). A file belongs to a split when the split's name is a part of its
+    path (``data/train-00000.parquet``, ``train/x.jsonl``, ``train.jsonl``); a
+    repository without split names in its paths is one split."""
+    from .hub import snapshot
+
+    repo, _, split = spec.partition(":")
+    root = snapshot(repo, "data", repo_type="dataset",
+                    patterns=[f"*{x}" for x in RECORD_SUFFIXES] + ["*.md"])
+    found = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in RECORD_SUFFIXES)
+    words = lambda f: set(re.split(r"[-_./]", f.relative_to(root).as_posix().lower()))
+    named = [f for f in found if words(f) & _SPLITS]
+    chosen = [f for f in named if (split or "train") in words(f)] if named else \
+        (found if not split else [])
+    if not chosen:
+        raise ConfigError(f"dataset {repo!r} in the Hugging Face cache has no "
+                          f"{split or 'train'!r} split among its .jsonl/.json/.parquet files "
+                          f"({', '.join(str(f.relative_to(root)) for f in found[:5]) or 'none'})"
+                          ": name another split (org/name:test)")
+    return chosen
+
+
+_SPLITS = {"train", "test", "validation", "valid", "dev", "eval"}
 
 
 def is_dataset_dir(path: pathlib.Path) -> bool:

@@ -229,7 +229,11 @@ def _eval_set(cfg: TrainConfig, files, eval_files, tokenizer, fields) -> Batch |
                         what=f"eval_data {cfg.eval_data!r}", **kwargs)
     if cfg.holdout == 0:
         return None
-    return eval_set(files, tokenizer, cfg.eval_sequences, holdout=cfg.holdout, **kwargs)
+    try:
+        return eval_set(files, tokenizer, cfg.eval_sequences, holdout=cfg.holdout, **kwargs)
+    except ConfigError as exc:       # a small data set whose hash split came out empty
+        log.warning("%s; training without evaluation", exc)
+        return None
 
 
 def _join(cfg: TrainConfig) -> distributed.DistInfo:
@@ -316,7 +320,8 @@ def _describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) 
          + (f"; {'pretrained-model' if cfg.pretrained else 'from-scratch'} defaults: "
             f"{', '.join(k.replace('_', ' ') for k in chosen)}" if chosen else ""))
     if held is None:
-        evaluation = "no evaluation (holdout 0 and no eval_data)"
+        evaluation = "no evaluation (" + ("holdout 0 and no eval_data" if not cfg.holdout
+                                          else "the held-out split is empty") + ")"
     elif cfg.eval_data:
         evaluation = f"evaluation on {cfg.eval_data}: {held.ids.shape[0]} sequences"
     else:

@@ -4,9 +4,7 @@ LoRA adapter), or a Qwen3-architecture model from scratch with a BPE trained on 
 
 from __future__ import annotations
 
-import os
 import pathlib
-import re
 
 import torch
 from torch import nn
@@ -14,6 +12,7 @@ from torch import nn
 from ..errors import ConfigError
 from .config import TrainConfig
 from .data import TextFields, train_tokenizer
+from .hub import is_hub_id, snapshot
 
 __all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
            "resolve_model", "adapter_dir"]
@@ -29,46 +28,19 @@ def resolve_model(name: str) -> pathlib.Path:
     ``HF_HOME``), downloaded first unless ``HF_HUB_OFFLINE=1``."""
     p = pathlib.Path(name)
     if not p.is_dir():
-        if not _HUB_ID.fullmatch(name) or p.exists():
+        if not is_hub_id(name):
             raise ConfigError(f"model {name!r} is not a directory nor a hub id (org/name): "
                               "pass a local Hugging Face model directory, a hub id, or leave "
                               "model unset to train from scratch")
-        p = _from_hub(name)
+        p = snapshot(name, "model", patterns=_HUB_FILES)
     if not (p / "config.json").is_file():
         raise ConfigError(f"model directory {name!r} has no config.json: pass the "
                           "directory save_pretrained wrote")
     return p
 
 
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 """What a fine-tuning run needs from a hub repository (not .bin/.pth/.gguf copies)."""
-
-
-def _from_hub(repo: str) -> pathlib.Path:
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ConfigError(f"model {repo!r} is a hub id, and resolving it needs "
-                          "huggingface_hub: pip install huggingface_hub, or pass a local "
-                          "directory") from None
-    try:       # the cache first: works offline, no request
-        return pathlib.Path(snapshot_download(repo, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError and kin)
-        pass
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        raise ConfigError(f"model {repo!r} is not in the Hugging Face cache and "
-                          "HF_HUB_OFFLINE is set: download it first (hf download "
-                          f"{repo}) where there is network, point HF_HOME at that cache, "
-                          "or pass a local directory")
-    try:
-        return pathlib.Path(snapshot_download(repo, allow_patterns=_HUB_FILES))
-    except Exception as exc:  # noqa: BLE001 - network, auth and not-found errors differ
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        raise ConfigError(f"model {repo!r} is neither a local directory nor in the Hugging "
-                          f"Face cache, and downloading it failed ({type(exc).__name__}: "
-                          f"{first}): check the id, log in (hf auth login) for a gated "
-                          "model, or pass a local directory") from None
 
 
 def adapter_dir(cfg: TrainConfig) -> pathlib.Path | None:
