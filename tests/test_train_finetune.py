@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 from rotapipe.errors import ConfigError
 from rotapipe.train import TrainConfig, train
 from rotapipe.train.data import IGNORE, TextFields, TrainBatches, count_split
-from train_util import (chat_jsonl, chat_tokenizer, env, run, sft_jsonl, tiny_model_dir)
+from train_util import chat_jsonl, chat_tokenizer, run, sft_jsonl, tiny_model_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,28 +134,21 @@ def _hub_cache(root: pathlib.Path, repo: str, model_dir: pathlib.Path,
     return root
 
 
-def test_hub_id_resolves_offline_from_the_cache(tmp_path, model_dir):
+def test_hub_id_resolves_offline_from_the_cache(tmp_path, model_dir, monkeypatch):
     cache = _hub_cache(tmp_path / "hub", "tiny-org/tiny-chat", model_dir)
     data = sft_jsonl(tmp_path / "s.jsonl", 100)
     base = ["--data", str(data), "--steps", "1", "--seq", "48", "--batch", "4",
             "--microbatches", "2", "--backend", "emulated", "--no-progress"]
-    extra = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    old = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        p = run(["--model", "tiny-org/tiny-chat", "--out-dir", str(tmp_path / "o"), *base])
-        assert p.returncode == 0, p.stdout + p.stderr
-        assert "model: tiny-org/tiny-chat" in p.stdout
-        p = run(["--model", "tiny-org/not-cached", "--out-dir", str(tmp_path / "o2"), *base])
-        assert p.returncode == 2
-        assert "'tiny-org/not-cached' is not in the Hugging Face cache and HF_HUB_OFFLINE " \
-               "is set" in p.stderr and "Traceback" not in p.stderr
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # The run is a subprocess: huggingface_hub reads HF_HUB_CACHE when it is imported.
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    p = run(["--model", "tiny-org/tiny-chat", "--out-dir", str(tmp_path / "o"), *base])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "model: tiny-org/tiny-chat" in p.stdout
+    p = run(["--model", "tiny-org/not-cached", "--out-dir", str(tmp_path / "o2"), *base])
+    assert p.returncode == 2
+    assert "'tiny-org/not-cached' is not in the Hugging Face cache and HF_HUB_OFFLINE " \
+           "is set" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path, model_dir):
@@ -181,7 +173,7 @@ def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path, model_dir):
 
 
 def test_resume_from_adapter_continues_the_lora(tmp_path, model_dir):
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     data = sft_jsonl(tmp_path / "s.jsonl", 150)
     common = dict(**RUN, model=str(model_dir), data=str(data), holdout=0.1,
                   eval_interval=3, lr=1e-2, warmup=1)
