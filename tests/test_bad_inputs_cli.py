@@ -190,7 +190,7 @@ def data(tmp_path) -> pathlib.Path:
 @pytest.mark.parametrize("setting, fragments", [
     ({"lr": "nan"}, ["lr=nan: use a finite number > 0"]),
     ({"lr": "inf"}, ["lr=inf"]),
-    ({"holdout": "inf"}, ["holdout=inf", "fraction in (0, 1)"]),
+    ({"holdout": "inf"}, ["holdout=inf", "fraction in [0, 1)"]),
     ({"beta2": "nan"}, ["beta2=nan"]),
     ({"grad_clip": "inf"}, ["grad_clip=inf"]),
     ({"time_limit": "nan"}, ["time_limit=nan"]),

@@ -139,7 +139,7 @@ def test_precision_strings_by_value():
     ("grad_clip", NAN, "finite norm > 0, or 0"),
     ("time_limit", NAN, "seconds > 0 or None"),
     ("dist_timeout", INF, "seconds > 0"),
-    ("holdout", INF, "fraction in (0, 1)"),
+    ("holdout", INF, "fraction in [0, 1)"),
     ("heads", True, "(got bool)"),
     ("steps", 10.0, "positive int"),
     ("data", "", "non-empty string"),
@@ -190,7 +190,8 @@ def test_config_file_values_are_checked_the_same(tmp_path):
 def test_messages_name_field_value_and_allowed():
     """The format every field check shares: ``field=value: use <allowed>``."""
     msg = refused(lambda: TrainConfig(lr=NAN), "lr=nan")
-    assert re.fullmatch(r"lr=nan: use a finite number > 0", msg), msg
+    # None: the run chooses (a pretrained model gets another default than from scratch)
+    assert re.fullmatch(r"lr=nan: use a finite number > 0 or None", msg), msg
     msg = refused(lambda: PipeConfig(device_memory="8GiB"))
     assert re.fullmatch(r"device_memory='8GiB': use a whole number of bytes > 0 .* or None "
                         r"\(got str\)", msg), msg

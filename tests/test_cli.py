@@ -62,3 +62,56 @@ def test_example_script_trains(capsys, monkeypatch):
     out = capsys.readouterr().out
     losses = [float(v) for v in re.findall(r"loss ([\d.]+)", out)]
     assert len(losses) >= 2 and losses[-1] < losses[0], out
+
+
+def test_version_and_top_level_help_do_not_import_torch():
+    code = ("import sys; from rotapipe.cli import main\n"
+            "for argv in (['--version'], ['--help']):\n"
+            "    try: main(argv)\n"
+            "    except SystemExit as e: assert e.code == 0\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**__import__("os").environ,
+                                          "PYTHONPATH": str(ROOT / "src")})
+    assert out.stdout.startswith("rotapipe 0.1.0")
+    assert out.stdout.strip().endswith("False False"), out.stdout
+
+
+def test_train_help_is_plain_text_with_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out
+    for flag, choices in (("--dtype", "{fp32,bf16,fp16}"), ("--backend", "{auto,cuda,emulated}"),
+                          ("--optimizer", "{adamw,sgd}"), ("--grain", "{stage,layer}"),
+                          ("--packing", "{documents,concat,pad}"),
+                          ("--optimizer-mode", "{sync,overlap,stale}")):
+        assert f"{flag} {choices}" in out, flag
+    assert "--eval-data" in out and "--resume-from-adapter DIR" in out
+
+
+def test_dtype_typo_suggests_the_flags_own_value(capsys):
+    assert main(["train", "--dtype", "bf17"]) == 2
+    assert "did you mean 'bf16'?" in capsys.readouterr().err
+
+
+def test_missing_hf_extras_give_the_install_hint(capsys, monkeypatch, tmp_path):
+    # transformers cannot be imported: the one-line error says what to install.
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    data = text_jsonl(tmp_path / "d.jsonl", 50)
+    rc = main(["train", *flags(data=str(data), out_dir=str(tmp_path / "o"), steps=1)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    assert "transformers is not installed: pip install 'rotapipe[hf]'" in err, err
+
+
+def test_recipes_load_and_plan_takes_model_like_train(capsys):
+    from rotapipe.cli import recipe_path
+    from rotapipe.train import load_config
+    full, lora = (load_config(recipe_path(n)) for n in ("full", "lora"))
+    assert not full.lora and lora.lora and lora.lr == 2e-4 and full.epochs == 1
+    assert main(["plan", "--model", "qwen3-1.7b", "--lora"]) == 0
+    by_flag = capsys.readouterr().out
+    assert main(["plan", "qwen3-1.7b", "--lora"]) == 0
+    assert capsys.readouterr().out == by_flag and "LoRA" in by_flag
+    assert main(["plan", "qwen3-1.7b", "--model", "qwen3-1.7b"]) == 2

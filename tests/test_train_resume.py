@@ -133,3 +133,19 @@ def test_checkpoint_from_a_different_model_is_refused(tmp_path):
     # Fresh run into a directory that holds checkpoints: refused, with the fix.
     fresh = run(flags(data=str(data), out_dir=out, steps=2))
     assert fresh.returncode == 2 and "--resume" in fresh.stderr
+
+
+def test_resumed_summary_counts_this_runs_tokens(tmp_path):
+    """The closing line of a resumed run divides the tokens *it* trained on by its own
+    training time (not every token since step 0)."""
+    from rotapipe.train import TrainConfig, train
+    from train_util import TINY
+    data = text_jsonl(tmp_path / "d.jsonl", 120)
+    common = dict(**TINY, data=str(data), out_dir=str(tmp_path / "o"), eval_interval=2)
+    train(TrainConfig(**common, steps=4), echo=lambda s: None)
+    lines = []
+    result = train(TrainConfig(**common, steps=6, resume=True), echo=lines.append)
+    per_step = TINY["batch"] * TINY["seq"]
+    assert result.tokens == 6 * per_step                        # the run's total
+    summary = next(line for line in lines if line.startswith("held-out loss"))
+    assert f" {2 * per_step} tokens, " in summary and "over steps 0..6" in summary, summary

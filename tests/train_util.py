@@ -84,3 +84,64 @@ def deadline(seconds: float):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
 
+
+
+# -- a tiny pretrained-model directory with a chat tokenizer -------------------------------
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+                 "{{ m['content'] }}<|end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+"""Llama-3-like in shape: BOS from the template, a role header, the turn ends with the
+end-of-text token."""
+SPECIALS = ["<s>", "<|end|>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+
+def chat_tokenizer(words=WORDS):
+    """A word-level tokenizer (whitespace split, so tokens are predictable) that adds
+    ``<s>`` to plain text itself, with ``<|end|>`` as end-of-text and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + ["<unk>"] + sorted(set(words) | {
+        "reverse:", "=>", "hi", "there", "more"}))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|end|>",
+                                   pad_token="<pad>", unk_token="<unk>",
+                                   additional_special_tokens=SPECIALS[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_model_dir(path: pathlib.Path, tokenizer=None, seed: int = 0, layers: int = 2,
+                   dim: int = 32) -> pathlib.Path:
+    """A randomly initialised tiny Qwen3 and ``tokenizer`` saved as a model directory."""
+    import torch
+    import transformers
+
+    tokenizer = tokenizer or chat_tokenizer()
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=dim, intermediate_size=2 * dim,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=dim // 2, max_position_embeddings=256, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def chat_jsonl(path: pathlib.Path, n: int = 200, seed: int = 0) -> pathlib.Path:
+    """Chats whose assistant turns reverse the user's words (two turns each)."""
+    rnd = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            msgs = []
+            for _ in range(2):
+                words = [rnd.choice(WORDS) for _ in range(3)]
+                msgs += [{"role": "user", "content": " ".join(words)},
+                         {"role": "assistant", "content": " ".join(reversed(words))}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path

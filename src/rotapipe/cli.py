@@ -69,8 +69,13 @@ def _real(low: float | None = 0.0, high: float | None = None, *, low_open: bool 
     return convert
 
 
+def _plain(text: str) -> str:
+    """Docstring text as plain help text (no reStructuredText literals)."""
+    return text.replace("``", "")
+
+
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    from .train.config import TrainConfig, field_docs, field_types
+    from .train.config import CHOICES, REPORT_TO, TrainConfig, field_docs, field_types
 
     p.add_argument("--config", metavar="FILE", default=None,
                    help="TOML (or YAML/JSON) file of settings; flags override it")
@@ -78,14 +83,20 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    help="the demo, which is also what the defaults do: a small Qwen3 from "
                         "scratch on the Python standard library's source (every GPU, or 2 "
                         "emulated CPU workers)")
+    p.add_argument("--recipe", metavar="NAME", default=None,
+                   help="a named recipe shipped with rotapipe (full, lora: fine-tuning "
+                        "settings for a pretrained --model); --config and flags override it")
     docs, types = field_docs(), field_types()
     defaults = TrainConfig()
     g = p.add_argument_group("settings (rotapipe.train.TrainConfig; every one also a config "
                              "file key)")
+    choices = {**CHOICES, "report_to": REPORT_TO}
     for name, t in types.items():
         flag = "--" + name.replace("_", "-")
         default = getattr(defaults, name)
-        text = f"{docs.get(name, '')} (default: {default})".replace("%", "%%")
+        if hasattr(default, "value"):                  # an enum member: its value
+            default = default.value
+        text = _plain(f"{docs.get(name, '')} (default: {default})").replace("%", "%%")
         if name == "resume":       # --resume, --resume auto, --no-resume
             g.add_argument(flag, dest=name, nargs="?", const=True, type=_resume_mode,
                            default=argparse.SUPPRESS, metavar="auto", help=text)
@@ -94,9 +105,14 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         elif t is bool:
             g.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=text)
+        elif name in choices:           # checked (in any case) by TrainConfig
+            g.add_argument(flag, dest=name, type=str, default=argparse.SUPPRESS,
+                           metavar="{" + ",".join(choices[name]) + "}", help=text)
         else:
+            metavar = {"model": "DIR|ORG/NAME", "resume_from_adapter": "DIR",
+                       "out_dir": "DIR"}.get(name, t.__name__.upper())
             g.add_argument(flag, dest=name, type=_none_or(t), default=argparse.SUPPRESS,
-                           metavar=t.__name__.upper(), help=text)
+                           metavar=metavar, help=text)
 
 
 def _resume_mode(text: str) -> str:
@@ -122,10 +138,27 @@ def train(args: argparse.Namespace) -> int:
     from .train.config import field_types
 
     overrides = {k: v for k, v in vars(args).items() if k in field_types()}
-    cfg = load_config(args.config, overrides)
+    base = load_config(recipe_path(args.recipe)) if args.recipe else None
+    cfg = load_config(args.config, overrides, base=base)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     run_training(cfg)              # Ctrl-C: the job saves a checkpoint and returns
     return 0
+
+
+def recipe_path(name: str):
+    """The TOML file of the recipe ``name`` (``rotapipe/recipes/NAME.toml``)."""
+    import difflib
+    import pathlib
+
+    folder = pathlib.Path(__file__).parent / "recipes"
+    path = folder / f"{name}.toml"
+    if not path.is_file():
+        names = sorted(f.stem for f in folder.glob("*.toml"))
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"--recipe {name!r} is not a recipe: {hint}use one of "
+                          f"{', '.join(names)} (or --config FILE)")
+    return path
 
 
 def _simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -264,8 +297,11 @@ def _check_out_folder(path: str) -> None:
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("model", help="config.json path, a Hugging Face model folder, or a known name "
-                    "(qwen3-1.7b, llama-3.1-8b, qwen3-32b, qwen3-235b-a22b)")
+    what = ("config.json path, a Hugging Face model folder, or a known name (qwen3-1.7b, "
+            "llama-3.1-8b, qwen3-32b, qwen3-235b-a22b)")
+    a("model", nargs="?", default=None, help=what + "; the same as --model")
+    a("--model", dest="model_flag", metavar="MODEL", default=None,
+      help="the model, as in train and simulate")
     a("--hardware", default="rtx4090x8",
       help="DEVICExN: rtx4090, a100, a800, h100-pcie (default: rtx4090x8)")
     a("--seq", type=_count(), default=2048, help="tokens per sequence (default: 2048)")
@@ -274,7 +310,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="microbatches per step (default: the planner tries every divisor of the "
            "global batch up to 64)")
     a("--lora", action="store_true", help="LoRA fine-tuning instead of full fine-tuning")
-    a("--lora-rank", type=_count(), default=16, help="LoRA rank (default: 16)")
+    a("--lora-rank", type=_count(), default=8, help="LoRA rank (default: 8, as train)")
     a("--qlora", action="store_true",
       help="QLoRA: LoRA on a frozen base held and uploaded as NF4 (implies --lora)")
     a("--layout", choices=("sync", "overlap", "lean"), default=None,
@@ -317,9 +353,13 @@ def plan(args: argparse.Namespace) -> int:
     from .plan.hostmem import GB
     from .planner.advise import analyze
 
+    if (args.model is None) == (args.model_flag is None):
+        raise ConfigError("give the model once: rotapipe plan --model MODEL (or rotapipe "
+                          "plan MODEL)" + (", not both" if args.model else ""))
+    model = args.model or args.model_flag
     hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
                   **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
-    result = analyze(args.model, hw, seq=args.seq, global_batch=args.global_batch,
+    result = analyze(model, hw, seq=args.seq, global_batch=args.global_batch,
                      lora_rank=args.lora_rank if args.lora or args.qlora else None,
                      qlora=args.qlora, layout=args.layout, prefetch=args.prefetch,
                      host_ram=int(args.host_ram * GB) if args.host_ram is not None else None,
@@ -355,10 +395,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="rotapipe", description="RoundPipe pipeline training on stateless workers.",
         parents=[debug], epilog="exit codes: 0 success, 1 the run failed, 2 a flag or "
         "setting is wrong, 3 (plan) does not fit, 130 interrupted")
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"rotapipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Only the chosen command's flags are built: they import torch and the library, which
+    # `rotapipe --help` and `--version` do not need.
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if a in COMMANDS), None)
     for name, (add_arguments, run, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[debug])
-        add_arguments(p)
+        if name == chosen:
+            add_arguments(p)
         p.set_defaults(run=run)
     args = parser.parse_args(argv)
     try:
@@ -374,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
 
 
+_HF_EXTRAS = ("transformers", "peft", "safetensors", "tokenizers", "huggingface_hub")
+
+
 def _error_line(exc: Exception) -> tuple[int, str]:
     """``(exit code, message)`` of an error that ends a command: the library's own
     messages as they are; an OS error as its reason and path; anything else, which is a
@@ -385,6 +435,12 @@ def _error_line(exc: Exception) -> tuple[int, str]:
     if isinstance(exc, OSError) and exc.strerror:
         where = f": {exc.filename}" if exc.filename else ""
         return EXIT_FAILED, f"{exc.strerror}{where}"
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        top = exc.name.split(".")[0]
+        if top in _HF_EXTRAS:
+            return EXIT_FAILED, (f"{top} is not installed: pip install 'rotapipe[hf]' (the "
+                                 "Hugging Face extras: transformers, peft, safetensors)")
+        return EXIT_FAILED, f"the {top!r} package is not installed: pip install {top}"
     if isinstance(exc, MemoryError):
         return EXIT_FAILED, "out of host memory: use a smaller model, batch or sequence"
     first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""

@@ -186,9 +186,10 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
         ignore_index: label value that does not count (HF: -100).
         moe_aux_loss: add the load-balancing loss; default ``config.output_router_logits``
             (as the model's own forward does).
-        layers_path / norm_path: dotted paths (from the causal-LM model, e.g.
-            ``"model.layers"``, ``"model.norm"``; ``""`` for no final norm) when the
-            decoder list or final norm cannot be found automatically.
+        layers_path: dotted path of the decoder list (from the causal-LM model, e.g.
+            ``"model.layers"``) when it cannot be found automatically.
+        norm_path: dotted path of the final norm (e.g. ``"model.norm"``; ``""`` for
+            no final norm) when it cannot be found automatically.
         logits_fn: an elementwise transform the model's forward applies to the logits
             that rotapipe does not know (:mod:`.families` lists the ones it does).
         verify: ``"tail"`` (always done): the model's forward, run with stub blocks,

@@ -5,15 +5,18 @@
     rotapipe train --config run.toml --lr 1e-3            # the same on the command line
 
 The defaults are the demo: a small Qwen3 trained from scratch on the Python standard
-library's own source files (``data="stdlib"``) on 2 emulated workers. Each component
-reads its own part (:meth:`TrainConfig.pipe_config`, :meth:`TrainConfig.data_config`),
-never the whole object.
+library's own source files (``data="stdlib"``) on 2 emulated workers. Settings left at
+``None`` take a value that depends on the run (:meth:`TrainConfig.effective`): a
+pretrained ``model`` gets fine-tuning defaults (:data:`PRETRAINED`), a model from
+scratch the demo's (:data:`FROM_SCRATCH`). Each component reads its own part
+(:meth:`TrainConfig.pipe_config`), never the whole object.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import pathlib
 import typing
 from dataclasses import dataclass, fields
@@ -23,7 +26,25 @@ from ..config import (BackendKind, DataParallelConfig, NonFinite, OptimizerMode,
 from .. import _validate as check
 from ..errors import ConfigError
 
-__all__ = ["TrainConfig", "load_config", "field_docs"]
+__all__ = ["TrainConfig", "load_config", "field_docs", "FROM_SCRATCH", "PRETRAINED",
+           "REPORT_TO", "CHOICES"]
+
+FROM_SCRATCH = {"lr": 4e-3, "warmup": 20, "weight_decay": 0.1, "steps": 400,
+                "sample_prompt": "def "}
+"""Defaults of a model trained from scratch (the demo): a high learning rate, a fixed
+number of steps (``steps`` is derived from ``epochs`` when that is set instead)."""
+PRETRAINED = {"lr": 2e-5, "lora_lr": 2e-4, "warmup_fraction": 0.03, "weight_decay": 0.0,
+              "epochs": 1}
+"""Defaults with a pretrained ``model``: learning rate 2e-5 (LoRA: 2e-4), warmup over 3%
+of the steps, no weight decay, one epoch over the training data (the schedule length
+is counted from the data), no sample unless ``sample_prompt`` is given."""
+REPORT_TO = ("none", "tensorboard", "wandb")
+"""Metric sinks besides ``metrics.jsonl``."""
+CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "optimizer": ("adamw", "sgd"),
+           "optimizer_mode": ("sync", "overlap", "stale"), "backend": ("auto", "cuda",
+                                                                       "emulated"),
+           "grain": ("stage", "layer"), "packing": ("documents", "concat", "pad")}
+"""The allowed values of the settings that are closed sets (listed in ``--help``)."""
 
 
 @dataclass(frozen=True)
@@ -32,9 +53,9 @@ class TrainConfig:
 
     # -- model -----------------------------------------------------------------------
     model: str | None = None
-    """Local Hugging Face model directory to fine-tune; ``None``: a Qwen3-architecture
-    model trained from scratch with the sizes below and a byte-level BPE tokenizer
-    trained on the data."""
+    """Hugging Face model to fine-tune: a local directory, or a hub id (org/name) already
+    in the Hugging Face cache; None: a Qwen3-architecture model trained from scratch
+    with the sizes below and a byte-level BPE tokenizer trained on the data."""
     layers: int = 4
     """From scratch: decoder layers."""
     dim: int = 128
@@ -60,26 +81,43 @@ class TrainConfig:
     lora_alpha: float = 16.0
     """LoRA scaling ``alpha`` (the update is scaled by ``alpha / r``)."""
     lora_targets: str = "all-linear"
-    """Comma-separated module names LoRA wraps, or ``all-linear``."""
+    """Comma-separated module names LoRA wraps, or all-linear."""
+    resume_from_adapter: str | None = None
+    """A LoRA adapter directory (PEFT format, e.g. a previous run's final/) to continue
+    training; implies lora (its rank and targets are the adapter's)."""
     verify: bool = False
     """Before training, check the whole model's logits on a few tokens against its own
     Hugging Face forward (``wrap_hf(verify="full")``): the way to trust a new
     architecture."""
     # -- data ------------------------------------------------------------------------
     data: str = "stdlib"
-    """Comma-separated text files, directories of them (``.txt .md .py .rst``), or
-    ``.jsonl`` files; ``stdlib``: the Python standard library's ``.py`` files."""
+    """Comma-separated data files (.jsonl, .json, .parquet, or text: .txt .md .py .rst),
+    directories of them, saved Hugging Face dataset directories, or hub dataset ids
+    (org/name, or org/name:split; default split train) resolved through the Hugging
+    Face cache; stdlib: the Python standard library's .py files."""
+    eval_data: str | None = None
+    """Evaluation files (same forms as data), used whole; None: the held-out split of
+    data (see holdout)."""
+    messages_field: str = "messages"
+    """The field holding a chat: a list of {"role", "content"} rendered with the
+    tokenizer's chat template, the loss on assistant turns only."""
     text_field: str = "text"
     """JSONL: the field holding a document's text."""
     prompt_field: str = "prompt"
     """JSONL: the prompt of a prompt/response pair (masked out of the loss)."""
     response_field: str = "response"
-    """JSONL: the response of a prompt/response pair (the loss is on these tokens)."""
+    """JSONL: the response of a prompt/response pair (the loss is on these tokens; a
+    completion field is accepted too)."""
     seq: int = 128
-    """Tokens per packed training sequence."""
+    """Tokens per training sequence."""
+    packing: str = "documents"
+    """documents: records concatenated into sequences, each attending only to itself
+    (position ids restart); concat: attending across records; pad: one record per
+    sequence, cut at seq and padded."""
     holdout: float = 0.02
-    """Fraction of documents held out for evaluation (chosen by a hash of the file
-    path and line, so the split never changes with the seed or the file order)."""
+    """Fraction of records held out for evaluation (chosen by a hash of the file path
+    and record index, so the split never changes with the seed or the file order); 0:
+    none (evaluate on eval_data, or not at all)."""
     eval_sequences: int = 64
     """Held-out sequences each evaluation runs on (the same ones every time)."""
     # -- batch and precision ---------------------------------------------------------
@@ -99,14 +137,17 @@ class TrainConfig:
     stage stepped as its gradients land, and the next call starts while this one
     drains) or ``stale`` (the authors' one-step-stale step, calls overlapping); see
     docs/optimizer.md."""
-    lr: float = 4e-3
-    """Peak learning rate."""
+    lr: float | None = None
+    """Peak learning rate; None: 4e-3 from scratch, 2e-5 for a pretrained model, 2e-4
+    with LoRA."""
     min_lr_ratio: float = 0.1
     """The cosine decays to ``lr * min_lr_ratio`` at the last step."""
-    warmup: int = 20
-    """Linear warmup steps from ``lr / warmup`` up to ``lr``."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay (AdamW)."""
+    warmup: int | None = None
+    """Linear warmup steps from lr / warmup up to lr; None: 20 from scratch, 3% of the
+    steps for a pretrained model."""
+    weight_decay: float | None = None
+    """Decoupled weight decay (AdamW); None: 0.1 from scratch, 0 for a pretrained
+    model."""
     beta1: float = 0.9
     """AdamW beta1 (SGD: momentum)."""
     beta2: float = 0.95
@@ -121,16 +162,21 @@ class TrainConfig:
     max_skipped_steps: int = 20
     """Stop the run after this many optimizer steps in a row were skipped (non-finite
     loss or gradients, or fp16 overflows)."""
-    steps: int = 400
-    """Optimizer steps (the cosine schedule's length)."""
+    steps: int | None = None
+    """Optimizer steps (the cosine schedule's length); None: counted from epochs, or 400
+    from scratch."""
     epochs: int | None = None
-    """Also stop after this many passes over the training data (``None``: no limit)."""
+    """Passes over the training data: sets steps when steps is None (and stops the run
+    after that many passes); None: 1 for a pretrained model, no limit from scratch."""
     time_limit: float | None = None
     """Stop (and save) after this many seconds of training (``None``: no limit)."""
     # -- evaluation, checkpoints, output --------------------------------------------
     eval_interval: int = 25
     """Evaluate held-out loss and perplexity every this many steps (and at 0 and end;
-    ``0``: never)."""
+    0: never)."""
+    report_to: str = "none"
+    """Also log the metrics to: none, tensorboard (event files in out_dir/tensorboard),
+    wandb (when installed; WANDB_MODE=offline works), or both, comma-separated."""
     out_dir: str = "runs/train"
     """Output directory: metrics.jsonl, checkpoints/, final/ (the exported model)."""
     save_interval: int = 100
@@ -147,9 +193,16 @@ class TrainConfig:
     export: bool = True
     """Write the final model (or LoRA adapter) with ``save_pretrained`` to out_dir/final."""
     sample_tokens: int = 60
-    """Tokens of the greedy sample generated at the end (``0``: none)."""
-    sample_prompt: str = "def "
-    """Prompt of the sample."""
+    """Most new tokens of the sample generated at the end (it stops at the end-of-text
+    token; 0: none)."""
+    sample_prompt: str | None = None
+    """Prompt of the sample (a chat model: the user's message, rendered with the chat
+    template); None: 'def ' from scratch, no sample for a pretrained model."""
+    temperature: float = 0.0
+    """Sampling temperature of the sample (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches
+    top_p (1: all)."""
     # -- runtime ---------------------------------------------------------------------
     workers: int | None = None
     """Workers; ``None``: every CUDA GPU, else 2 emulated CPU workers."""
@@ -162,27 +215,42 @@ class TrainConfig:
     log_every: int = 50
     """Print a line every this many steps."""
     progress: bool = True
-    """Show a tqdm progress bar (loss, tokens/s, lr, device memory)."""
+    """Show a tqdm progress bar (loss, tokens/s, lr, device memory) when stderr is a
+    terminal; False also silences the progress bars of transformers and
+    huggingface_hub."""
     dist_timeout: float = 300.0
     """Under ``torchrun`` (``WORLD_SIZE`` > 1): seconds a rank waits for a dead or hung
     peer in any collective before failing with an error naming it."""
 
     def __post_init__(self):
         for n in ("layers", "dim", "heads", "vocab", "seq", "eval_sequences", "batch",
-                  "microbatches", "steps", "keep", "lora_rank", "tokenizer_bytes",
-                  "log_every", "max_skipped_steps"):
+                  "microbatches", "keep", "lora_rank", "tokenizer_bytes", "log_every",
+                  "max_skipped_steps"):
             check.integer(n, getattr(self, n))
-        for n in ("kv_heads", "ffn", "epochs"):
+        for n in ("kv_heads", "ffn", "epochs", "steps"):
             check.integer(n, getattr(self, n), optional=True)
-        for n in ("warmup", "eval_interval", "save_interval", "sample_tokens", "seed"):
+        for n in ("eval_interval", "save_interval", "sample_tokens", "seed"):
             check.integer(n, getattr(self, n), minimum=0)
+        check.integer("warmup", self.warmup, minimum=0, optional=True)
         check.text("model", self.model, optional=True,
-                   allowed="a Hugging Face model directory")
+                   allowed="a Hugging Face model directory or hub id")
+        for n in ("resume_from_adapter", "eval_data"):
+            check.text(n, getattr(self, n), optional=True)
         for n in ("data", "lora_targets", "text_field", "prompt_field", "response_field",
-                  "out_dir"):
+                  "messages_field", "out_dir"):
             check.text(n, getattr(self, n))
-        check.text("sample_prompt", self.sample_prompt, empty=not self.sample_tokens,
-                   allowed="a non-empty prompt (or sample_tokens=0)")
+        if self.sample_prompt is not None:
+            check.text("sample_prompt", self.sample_prompt, empty=not self.sample_tokens,
+                       allowed="a non-empty prompt (or sample_tokens=0)")
+        sinks = [t.strip().lower() for t in str(self.report_to).split(",") if t.strip()]
+        bad = [t for t in sinks if t not in REPORT_TO]
+        if not isinstance(self.report_to, str) or bad or not sinks:
+            raise ConfigError(f"report_to={self.report_to!r}: use {', '.join(REPORT_TO)} "
+                              "or a comma-separated list (tensorboard,wandb)")
+        object.__setattr__(self, "report_to", ",".join(sinks))
+        if self.resume_from_adapter is not None and not self.model:
+            raise ConfigError("resume_from_adapter needs model: the base model the adapter "
+                              "was trained on (--model DIR --resume-from-adapter ADAPTER)")
         for n in ("lora", "qlora", "trace", "export", "progress"):
             check.boolean(n, getattr(self, n))
         if self.resume not in (True, False, "auto"):
@@ -190,12 +258,14 @@ class TrainConfig:
                               "checkpoint, which must exist), 'auto' (continue it if there "
                               "is one, else start) or False")
         positive = dict(low=0, low_open=True)
-        check.number("lr", self.lr, **positive)
+        check.number("lr", self.lr, optional=True, **positive)
+        check.number("temperature", self.temperature, low=0)
+        check.number("top_p", self.top_p, low=0, high=1, low_open=True)
         check.number("lora_alpha", self.lora_alpha, **positive)
-        check.number("holdout", self.holdout, low=0, high=1, low_open=True, high_open=True,
-                     allowed="a fraction in (0, 1)")
+        check.number("holdout", self.holdout, low=0, high=1, high_open=True,
+                     allowed="a fraction in [0, 1)")
         check.number("min_lr_ratio", self.min_lr_ratio, low=0, high=1)
-        check.number("weight_decay", self.weight_decay, low=0)
+        check.number("weight_decay", self.weight_decay, low=0, optional=True)
         check.number("beta1", self.beta1, low=0, high=1, high_open=True)
         check.number("beta2", self.beta2, low=0, high=1, high_open=True)
         check.number("grad_clip", self.grad_clip, low=0,
@@ -216,7 +286,8 @@ class TrainConfig:
             raise ConfigError(f"batch={self.batch} is not a multiple of microbatches="
                               f"{self.microbatches}: every microbatch gets the same "
                               "number of sequences")
-        for n, allowed in (("optimizer", ("adamw", "sgd")),):
+        for n, allowed in (("optimizer", CHOICES["optimizer"]),
+                           ("packing", CHOICES["packing"])):
             value = getattr(self, n)
             key = value.strip().lower() if isinstance(value, str) else value
             if key not in allowed:
@@ -231,8 +302,49 @@ class TrainConfig:
         try:
             resolve_dtype(self.dtype)
         except ConfigError:
-            raise ConfigError(f"dtype={self.dtype!r}: use 'fp32', 'bf16' or 'fp16'") from None
+            close = difflib.get_close_matches(str(self.dtype).lower(), CHOICES["dtype"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"dtype={self.dtype!r}: use 'fp32', 'bf16' or 'fp16'"
+                              f"{hint}") from None
         self.pipe_config()          # workers and the rest checked there
+
+    # -- values that depend on the run --------------------------------------------------
+    @property
+    def pretrained(self) -> bool:
+        """Fine-tuning a pretrained ``model`` (not training one from scratch)."""
+        return self.model is not None
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora or self.resume_from_adapter is not None
+
+    def effective(self) -> TrainConfig:
+        """This config with the settings left at ``None`` filled in for the run: the
+        demo's values from scratch (:data:`FROM_SCRATCH`), fine-tuning values for a
+        pretrained model (:data:`PRETRAINED`). ``steps`` stays ``None`` when it is to be
+        counted from ``epochs`` and the data (:meth:`with_steps`)."""
+        if self.pretrained:
+            fill = {"lr": PRETRAINED["lora_lr" if self.uses_lora else "lr"],
+                    "weight_decay": PRETRAINED["weight_decay"]}
+            if self.steps is None and self.epochs is None:
+                fill["epochs"] = PRETRAINED["epochs"]
+        else:
+            fill = {k: FROM_SCRATCH[k] for k in ("lr", "weight_decay", "sample_prompt")}
+            if self.epochs is None:
+                fill["steps"] = FROM_SCRATCH["steps"]
+        changes = {k: v for k, v in fill.items() if getattr(self, k) is None}
+        if self.uses_lora and not self.lora:
+            changes["lora"] = True
+        out = dataclasses.replace(self, **changes)
+        return out.with_steps(out.steps) if out.steps is not None else out
+
+    def with_steps(self, steps: int) -> TrainConfig:
+        """The config with the schedule length ``steps`` and, if unset, its warmup."""
+        warmup = self.warmup
+        if warmup is None:
+            warmup = FROM_SCRATCH["warmup"] if not self.pretrained else \
+                max(1, round(PRETRAINED["warmup_fraction"] * steps))
+        return dataclasses.replace(self, steps=steps, warmup=warmup)
 
     # -- each component's part ---------------------------------------------------------
     def pipe_config(self) -> PipeConfig:
@@ -292,6 +404,8 @@ def _coerce(name: str, value):
     t = field_types()[name]
     if value is None or isinstance(value, t) or (name == "resume" and value == "auto"):
         return value
+    if isinstance(t, type) and issubclass(t, enum.Enum) and isinstance(value, str):
+        return value                       # a choice by name: TrainConfig checks it
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     raise ConfigError(f"config field {name!r} = {value!r} should be of type {t.__name__}")

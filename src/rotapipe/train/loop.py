@@ -16,6 +16,7 @@ import os
 import pathlib
 import random
 import signal
+import sys
 import threading
 import time
 
@@ -27,9 +28,11 @@ from ..errors import ConfigError, DistributedError, NonFiniteError, RotapipeErro
 from ..sim.report import report
 from .checkpoint import check_compatible, check_out_dir, resume_from, save_checkpoint
 from .config import TrainConfig
-from .data import (IGNORE, TextFields, TrainBatches, eval_batch, iter_records,
-                   record_text, source_files)
-from .model import build_model, build_tokenizer, check_sequence_length, fingerprint
+from .data import (IGNORE, Batch, TextFields, TrainBatches, count_split, eval_set,
+                   iter_records, record_parts, source_files)
+from .metrics import MetricSinks, check_sinks, plot_loss
+from .model import (adapter_dir, build_model, build_tokenizer, check_sequence_length,
+                    fingerprint)
 
 __all__ = ["train", "TrainResult", "RESUME_FIXED"]
 
@@ -37,8 +40,9 @@ log = logging.getLogger("rotapipe.train")
 
 RESUME_FIXED = ("model", "layers", "dim", "heads", "kv_heads", "ffn", "vocab",
                 "tokenizer_bytes", "lora", "qlora", "lora_rank", "lora_alpha", "lora_targets",
-                "data", "text_field", "prompt_field", "response_field", "seq", "holdout",
-                "batch", "seed", "optimizer")
+                "resume_from_adapter", "data", "text_field", "prompt_field",
+                "response_field", "messages_field", "seq", "packing", "holdout", "batch",
+                "seed", "optimizer")
 """Fields a resumed run must share with its checkpoint (the rest may change, e.g. steps)."""
 
 
@@ -68,22 +72,27 @@ def lr_factor(cfg: TrainConfig):
 
 
 def check_data(files, fields: TextFields) -> None:
-    """Read every JSONL line once (streaming) so a bad line fails before training."""
+    """Read every record of the record files once (streaming) so a bad one fails before
+    training."""
     for path in files:
-        if path.suffix == ".jsonl":
-            for i, rec in iter_records(path):
-                record_text(rec, fields, f"{path}:{i + 1}")
+        if path.suffix != ".parquet" and path.is_file() and path.suffix not in (".jsonl",
+                                                                                ".json"):
+            continue                                        # text: every chunk is good
+        for i, rec in iter_records(path):
+            record_parts(rec, fields, f"{path}:{i + 1}")
 
 
-def evaluate(pipe, wrapped, ids: torch.Tensor, labels: torch.Tensor) -> float:
-    """Mean next-token loss over the counted held-out tokens."""
+def evaluate(pipe, wrapped, ids, labels: torch.Tensor | None = None) -> float:
+    """Mean next-token loss over the counted evaluation tokens (``ids``: a
+    :class:`~rotapipe.train.data.Batch`, or token ids with ``labels``)."""
+    batch = ids if isinstance(ids, Batch) else Batch(ids, labels)
     pipe.eval()
     try:
-        logits = pipe(wrapped.inputs(ids))                     # [n, seq, vocab]
+        logits = pipe(batch.inputs())                          # [n, seq, vocab]
     finally:
         pipe.train()
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=IGNORE).item()
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                           batch.labels[:, 1:].flatten(), ignore_index=IGNORE).item()
 
 
 class _Stop:
@@ -113,21 +122,32 @@ class _Stop:
 
 def train(cfg: TrainConfig, echo=print) -> TrainResult:
     """Run the job ``cfg`` describes; ``echo`` prints the progress lines."""
+    given, cfg = cfg, cfg.effective()          # settings left at None filled in
     out = pathlib.Path(cfg.out_dir)
     ckdir = out / "checkpoints"
-    fields = TextFields(cfg.text_field, cfg.prompt_field, cfg.response_field)
+    fields = TextFields(cfg.text_field, cfg.prompt_field, cfg.response_field,
+                        cfg.messages_field)
     dinfo = _join(cfg)                 # torchrun: every rank runs this same job
     if not dinfo.is_main:
         echo = _quiet                  # rank 0 prints, logs, checkpoints and exports
 
     # -- checks before any work ------------------------------------------------------
     check_out_dir(out)
+    check_sinks(cfg.report_to)
+    if not (cfg.progress and sys.stderr.isatty()):
+        _quiet_third_party()              # no weight-loading bars in a log file either
     files = source_files(cfg.data)
     check_data(files, fields)
+    eval_files = source_files(cfg.eval_data) if cfg.eval_data else None
+    if eval_files:
+        check_data(eval_files, fields)
     check_sequence_length(cfg)
+    adapter_dir(cfg)
     # the newest whole checkpoint (damaged ones skipped with a warning), or None
     resume, masters, state, meta = resume_from(ckdir, cfg.resume) or (None,) * 4
     _check_same_resume(dinfo, resume)
+    if resume is not None and cfg.steps is None:       # the saved run's counted length
+        cfg = cfg.with_steps(int(meta["config"]["steps"]))
     if resume is not None:
         _check_resume_config(resume, meta["config"], cfg)
     elif cfg.resume:
@@ -136,6 +156,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     # -- model, tokenizer, pipeline, optimizer ------------------------------------------
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(cfg, files, resume / "tokenizer" if resume else None)
+    if cfg.steps is None:                      # the schedule length from epochs
+        cfg = cfg.with_steps(_epoch_steps(cfg, files, tokenizer, fields))
     model = build_model(cfg, tokenizer)
     if resume is not None:
         check_compatible(resume, meta, fingerprint(model))
@@ -150,21 +172,21 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         # a step is still under way when train_step returns).
         pipe.attach_optimizer(opt, scheduler=sched)
         stream = TrainBatches(files, tokenizer, batch=cfg.batch, seq=cfg.seq,
-                              seed=cfg.seed, holdout=cfg.holdout, fields=fields)
-        eval_ids, eval_labels = eval_batch(files, tokenizer, cfg.eval_sequences, seq=cfg.seq,
-                                           holdout=cfg.holdout, fields=fields)
+                              seed=cfg.seed, holdout=cfg.holdout, fields=fields,
+                              packing=cfg.packing)
+        held = _eval_set(cfg, files, eval_files, tokenizer, fields)
         start = 0
         if resume is not None:
             _restore(pipe, model, opt, sched, stream, masters, state)
             start = int(state["step"])
             echo(f"resumed from {resume} (step {start})")
-        _describe(cfg, pipe, wrapped, tokenizer, files, eval_ids, time.perf_counter() - t0,
-                  echo)
+        _describe(cfg, given, pipe, wrapped, tokenizer, files, held,
+                  time.perf_counter() - t0, echo)
         if dinfo.distributed:
             echo(f"data parallel: {dinfo.world_size} ranks (torchrun), "
                  f"{cfg.batch // dinfo.world_size} sequences of the global batch per rank")
         result = _loop(_Job(cfg, out, pipe, wrapped, tokenizer, opt, sched, stream,
-                            (eval_ids, eval_labels), start, state, echo))
+                            held, start, state, echo))
     finally:
         pipe.close()
     if dinfo.distributed:              # not after an error: a broken gloo group can hang
@@ -174,6 +196,45 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
 
 def _quiet(*args, **kwargs) -> None:
     pass
+
+
+def _quiet_third_party() -> None:
+    """``progress=False`` or no terminal: no progress bars from transformers or
+    huggingface_hub either (weight loading and saving, downloads)."""
+    try:
+        import transformers
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
+    try:
+        import huggingface_hub.utils
+        huggingface_hub.utils.disable_progress_bars()
+    except ImportError:
+        pass
+
+
+def _epoch_steps(cfg: TrainConfig, files, tokenizer, fields) -> int:
+    """Optimizer steps of ``cfg.epochs`` passes over the training split: its tokens
+    over the batch's (packed), or its records over the batch (``pad``)."""
+    records, tokens = count_split(files, tokenizer, holdout=cfg.holdout, fields=fields)
+    per_epoch = records if cfg.packing == "pad" else -(-tokens // cfg.seq)
+    return max(1, -(-cfg.epochs * per_epoch // cfg.batch))
+
+
+def _eval_set(cfg: TrainConfig, files, eval_files, tokenizer, fields) -> Batch | None:
+    """The evaluation sequences: ``eval_data`` whole, else the held-out split of the
+    data; None when there are none (``holdout=0`` and no ``eval_data``)."""
+    kwargs = dict(seq=cfg.seq, fields=fields, packing=cfg.packing)
+    if eval_files:
+        return eval_set(eval_files, tokenizer, cfg.eval_sequences, holdout=1.0,
+                        what=f"eval_data {cfg.eval_data!r}", **kwargs)
+    if cfg.holdout == 0:
+        return None
+    try:
+        return eval_set(files, tokenizer, cfg.eval_sequences, holdout=cfg.holdout, **kwargs)
+    except ConfigError as exc:       # a small data set whose hash split came out empty
+        log.warning("%s; training without evaluation", exc)
+        return None
 
 
 def _join(cfg: TrainConfig) -> distributed.DistInfo:
@@ -240,15 +301,34 @@ def _tuples(x):
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _describe(cfg, pipe, wrapped, tokenizer, files, eval_ids, setup_s, echo) -> None:
+def _describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) -> None:
+    """The run's summary: model, effective settings (which ones are defaults chosen for
+    this kind of run), data, evaluation, pipeline."""
     kind = "CUDA GPU" if pipe.devices[0].torch_device.type == "cuda" else "emulated CPU"
     n = sum(p.numel() for p in pipe.parameters())
     what = cfg.model or f"Qwen3 from scratch ({cfg.layers} layers, hidden {cfg.dim})"
+    if cfg.resume_from_adapter:
+        what += f" + adapter {cfg.resume_from_adapter}"
     data = "the Python standard library's .py files" if cfg.data == "stdlib" else cfg.data
     echo(f"model: {what}, {n / 1e6:.2f}M trainable parameters{' (QLoRA)' if cfg.qlora else ' (LoRA)' if cfg.lora else ''}"
          f", vocab {len(tokenizer)}, {cfg.dtype}")
-    echo(f"data: {data} ({len(files)} files), {cfg.seq}-token sequences, held-out "
-         f"{eval_ids.shape[0]} sequences; setup {setup_s:.1f} s")
+    chosen = [k for k in ("lr", "warmup", "weight_decay", "steps", "epochs")
+              if getattr(given, k) is None and getattr(cfg, k) is not None]
+    epochs = f" ({cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''})" \
+        if cfg.epochs and "steps" in chosen else ""
+    echo(f"settings: lr {cfg.lr:g}, warmup {cfg.warmup}, weight decay {cfg.weight_decay:g}, "
+         f"{cfg.steps} steps{epochs}, batch {cfg.batch} x {cfg.seq} tokens"
+         + (f"; {'pretrained-model' if cfg.pretrained else 'from-scratch'} defaults: "
+            f"{', '.join(k.replace('_', ' ') for k in chosen)}" if chosen else ""))
+    if held is None:
+        evaluation = "no evaluation (" + ("holdout 0 and no eval_data" if not cfg.holdout
+                                          else "the held-out split is empty") + ")"
+    elif cfg.eval_data:
+        evaluation = f"evaluation on {cfg.eval_data}: {held.ids.shape[0]} sequences"
+    else:
+        evaluation = f"held-out {held.ids.shape[0]} sequences"
+    echo(f"data: {data} ({len(files)} files), {cfg.seq}-token sequences ({cfg.packing}), "
+         f"{evaluation}; setup {setup_s:.1f} s")
     echo(f"pipeline: {len(pipe.devices)} {kind} workers, {cfg.microbatches} microbatches "
          f"of {cfg.batch // cfg.microbatches}, plan {pipe.plan.to_text()}")
 
@@ -262,7 +342,8 @@ class _Job:
         self.tokenizer, self.opt, self.sched, self.stream = tokenizer, opt, sched, stream
         self.held, self.start, self.step, self.echo = held, start, start, echo
         self.tokens = int(state["tokens"]) if state else 0
-        self.elapsed = 0.0                           # seconds spent in training steps
+        self.tokens_at_start = self.tokens
+        self.elapsed = 0.0                           # seconds spent in training steps (this run)
         self.checkpoint: pathlib.Path | None = None
         self.skipped_in_row = 0                      # optimizer steps skipped in a row
         self.say = echo
@@ -272,24 +353,25 @@ class _Job:
         """One optimizer step; its metrics."""
         cfg, pipe = self.cfg, self.pipe
         t = time.perf_counter()
-        ids, labels = self.stream.next_batch()                       # [batch, seq] each
-        x, y = ids, labels                     # torchrun: this rank's rows of the global batch
+        batch = self.stream.next()                                   # [batch, seq] each
+        ids = batch.ids
+        x, y = batch.inputs(), batch.labels    # torchrun: this rank's rows of the global batch
         if self.dist.distributed:
-            x, y = distributed.shard_batch((ids, labels), self.dist.rank, self.dist.world_size)
+            x, y = distributed.shard_batch((x, y), self.dist.rank, self.dist.world_size)
         pipe.reset_peak_memory()
         lr = self.sched.get_last_lr()[0]
         scale = pipe.scaler.scale
         # The pipeline clips (config.clip_grad_norm) and reports the norm, in every
         # optimizer mode; without clipping the norm is measured here (sync only).
         if cfg.optimizer_mode == "sync" and not cfg.grad_clip:
-            loss = pipe.forward_backward(self.wrapped.inputs(x), y)  # the global mean
+            loss = pipe.forward_backward(x, y)                       # the global mean
             norm = torch.nn.utils.clip_grad_norm_(list(pipe.parameters()), float("inf")).item()
             stepped = pipe.step()
         else:
             # overlap / stale: the call returns with its loss while its backward drains;
             # the step's learning rate, norm and outcome are read when the record is
             # written (finish).
-            loss = pipe.train_step(self.wrapped.inputs(x), y)
+            loss = pipe.train_step(x, y)
             norm, stepped = None, None
         self.step += 1
         self.tokens += ids.numel()
@@ -326,9 +408,10 @@ class _Job:
         return f"{trace} {png}"
 
     def evaluate(self, record: dict) -> float:
-        loss = evaluate(self.pipe, self.wrapped, *self.held)
+        loss = evaluate(self.pipe, self.wrapped, self.held)
         record.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
-        self.say(f"eval  step {self.step:5d}  held-out loss {loss:.4f}  perplexity "
+        which = "eval" if self.cfg.eval_data else "held-out"
+        self.say(f"eval  step {self.step:5d}  {which} loss {loss:.4f}  perplexity "
                  f"{record['eval_ppl']:.1f}")
         return loss
 
@@ -380,20 +463,27 @@ def _loop(job: _Job) -> TrainResult:
     main = job.dist.is_main                      # torchrun: rank 0 writes metrics.jsonl
     if main:
         _truncate_metrics(metrics_path, job.start)
-    evals = [m["eval_loss"] for m in (_read_metrics(metrics_path) if main else [])
+    evals = [(m["step"], m["eval_loss"]) for m in (_read_metrics(metrics_path) if main else [])
              if "eval_loss" in m]
     t_start = time.perf_counter()
-    bar = tqdm(total=cfg.steps, initial=job.start, disable=not (cfg.progress and main),
+    # A bar only on a terminal: in a log file its carriage-return frames are noise, and
+    # the log_every lines say the same.
+    show = cfg.progress and main and sys.stderr.isatty()
+    bar = tqdm(total=cfg.steps, initial=job.start, disable=not show,
                unit="step", dynamic_ncols=True, leave=False)
-    if cfg.progress and main:
+    if show:
         job.say = bar.write                       # lines above the bar, not through it
     pending = None
+    sinks = MetricSinks(cfg.report_to if main else "none", job.out,
+                        dataclasses.asdict(cfg), job.start)
+    can_eval = bool(cfg.eval_interval) and job.held is not None
 
     def emit(r: dict) -> None:
         """Write a finished step record; progress, log line, trace."""
         step = r["step"]
         metrics.write(json.dumps(r) + "\n")
         metrics.flush()
+        sinks.log(r)
         bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{r['tokens_per_s']:.0f}",
                         lr=f"{r['lr']:.2e}", bubble=f"{r['bubble']:.0%}",
                         mem=f"{r['device_mem_mib']:.0f}MiB", refresh=False)
@@ -415,10 +505,11 @@ def _loop(job: _Job) -> TrainResult:
                 "raise --max-skipped-steps")
 
     with _Stop() as stop, open(metrics_path if main else os.devnull, "a") as metrics:
-        if job.start == 0 and cfg.eval_interval:
+        if job.start == 0 and can_eval:
             record = {"step": 0}
-            evals.append(job.evaluate(record))
+            evals.append((0, job.evaluate(record)))
             metrics.write(json.dumps(record) + "\n")
+            sinks.log(record)
         # torchrun: Ctrl-C reaching any rank stops every rank after the same step.
         while job.step < cfg.steps and not _stop_everywhere(stop, job.pipe):
             if cfg.epochs is not None and job.stream.epoch >= cfg.epochs:
@@ -434,13 +525,12 @@ def _loop(job: _Job) -> TrainResult:
             if pending is not None:
                 emit(job.finish(pending))
             pending, step = r, r["step"]
-            evaluate = cfg.eval_interval and (step % cfg.eval_interval == 0
-                                              or step == cfg.steps)
+            evaluate = can_eval and (step % cfg.eval_interval == 0 or step == cfg.steps)
             save = cfg.save_interval and step % cfg.save_interval == 0
             if evaluate or save or step == cfg.steps:
                 job.finish(r)
                 if evaluate:
-                    evals.append(job.evaluate(r))
+                    evals.append((step, job.evaluate(r)))
                 emit(r)
                 pending = None
             if save:
@@ -448,6 +538,7 @@ def _loop(job: _Job) -> TrainResult:
         if pending is not None:
             emit(job.finish(pending))
         bar.close()
+        sinks.close()
         job.say = job.echo
         if (job.step > job.start or stop.agreed) and not job.saved_now():
             job.save()
@@ -459,15 +550,26 @@ def _loop(job: _Job) -> TrainResult:
     else:
         if cfg.export and job.dist.is_main:
             job.export()
-        if cfg.sample_tokens and job.dist.is_main:
+        if cfg.sample_tokens and cfg.sample_prompt and job.dist.is_main:
             sample = generate_sample(job.wrapped, job.tokenizer, cfg)
-            job.echo(f"sample (greedy, prompt {cfg.sample_prompt!r}):\n{sample}")
-    first, last = (evals[0], evals[-1]) if evals else (None, None)
+            how = "greedy" if not cfg.temperature else \
+                f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}"
+            chat = " as the user's message" if getattr(job.tokenizer, "chat_template",
+                                                         None) else ""
+            job.echo(f"sample ({how}, prompt {cfg.sample_prompt!r}{chat}):\n{sample}")
+    if main and job.step > job.start:
+        png = plot_loss(metrics_path, job.out / "loss.png")
+        if png is not None:
+            job.echo(f"loss curve: {png}")
+    first, last = (evals[0][1], evals[-1][1]) if evals else (None, None)
     if evals:
-        rate = job.tokens / job.elapsed if job.elapsed else 0.0
-        job.echo(f"held-out loss {first:.4f} -> {last:.4f} ({100 * (last / first - 1):+.1f}%)"
-                 f" over steps {job.start}..{job.step}; {wall:.1f} s, {job.tokens} tokens, "
-                 f"{rate:.0f} tokens/s while training")
+        # This run's tokens over this run's training time (a resumed run too).
+        tokens = job.tokens - job.tokens_at_start
+        rate = tokens / job.elapsed if job.elapsed else 0.0
+        which = "eval" if cfg.eval_data else "held-out"
+        job.echo(f"{which} loss {first:.4f} -> {last:.4f} ({100 * (last / first - 1):+.1f}%)"
+                 f" over steps {evals[0][0]}..{job.step}; {wall:.1f} s, "
+                 f"{tokens} tokens, {rate:.0f} tokens/s while training")
     return TrainResult(job.start, job.step, first, last, wall, job.tokens, stop.agreed,
                        job.checkpoint, sample)
 
@@ -519,16 +621,39 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
 
 @torch.no_grad()
 def generate_sample(wrapped, tokenizer, cfg: TrainConfig) -> str:
-    """Greedy decode with the Hugging Face model itself on the CPU (its parameters are
-    the trained fp32 masters)."""
+    """Decode ``cfg.sample_prompt`` with the Hugging Face model itself on the CPU (its
+    parameters are the trained fp32 masters): greedy, or sampled with ``temperature`` and
+    ``top_p`` (seeded by ``seed``); stops at the end-of-text token (and the model's own
+    end tokens); special tokens are not shown. A tokenizer with a chat template gets the
+    prompt as the user's message, with the assistant header after it, and the reply
+    alone is returned."""
+    from .data import Tokens
+
     model = wrapped.model
     model.eval()
-    ids = torch.tensor([tokenizer.encode(cfg.sample_prompt, add_special_tokens=False)])
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": cfg.sample_prompt}],
+                                             tokenize=False, add_generation_prompt=True)
+        prompt = Tokens(tokenizer).encode(text)
+    else:
+        tokens = Tokens(tokenizer)
+        prompt = ([] if tokens.bos is None else [tokens.bos]) + tokens.encode(cfg.sample_prompt)
+    ids = torch.tensor([prompt])
     limit = getattr(wrapped.config, "max_position_embeddings", None) or 1 << 30
     new = max(0, min(cfg.sample_tokens, limit - ids.shape[1]))
+    stop = {tokenizer.eos_token_id}
+    own = getattr(wrapped.generation_config, "eos_token_id", None)
+    stop |= set(own if isinstance(own, (list, tuple)) else [own] if own is not None else [])
     dtypes = {p.dtype for p in model.parameters()}
     low = next((d for d in dtypes if d != torch.float32), None)
-    with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+    sampling = {"do_sample": False} if not cfg.temperature else \
+        {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
+    with torch.random.fork_rng(devices=[]), \
+            torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+        torch.manual_seed(cfg.seed)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0], skip_special_tokens=False)
+                             pad_token_id=tokenizer.eos_token_id,
+                             eos_token_id=sorted(stop), **sampling)
+    # A chat: the reply alone (the prompt is the template's, with its headers).
+    start = ids.shape[1] if getattr(tokenizer, "chat_template", None) else 0
+    return tokenizer.decode(out[0, start:], skip_special_tokens=True)

@@ -12,19 +12,46 @@ from torch import nn
 from ..errors import ConfigError
 from .config import TrainConfig
 from .data import TextFields, train_tokenizer
+from .hub import is_hub_id, snapshot
 
-__all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length"]
+__all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
+           "resolve_model", "adapter_dir"]
 
 
 def _model_dir(cfg: TrainConfig) -> pathlib.Path:
-    p = pathlib.Path(cfg.model)
+    return resolve_model(cfg.model)
+
+
+def resolve_model(name: str) -> pathlib.Path:
+    """The local directory of ``model``: the directory itself, or for a hub id
+    (``org/name``) its snapshot in the Hugging Face cache (``HF_HUB_CACHE`` /
+    ``HF_HOME``), downloaded first unless ``HF_HUB_OFFLINE=1``."""
+    p = pathlib.Path(name)
     if not p.is_dir():
-        raise ConfigError(f"model directory {cfg.model!r} does not exist: pass a local "
-                          "Hugging Face model directory, or leave model unset to train "
-                          "from scratch")
+        if not is_hub_id(name):
+            raise ConfigError(f"model {name!r} is not a directory nor a hub id (org/name): "
+                              "pass a local Hugging Face model directory, a hub id, or leave "
+                              "model unset to train from scratch")
+        p = snapshot(name, "model", patterns=_HUB_FILES)
     if not (p / "config.json").is_file():
-        raise ConfigError(f"model directory {cfg.model!r} has no config.json: pass the "
+        raise ConfigError(f"model directory {name!r} has no config.json: pass the "
                           "directory save_pretrained wrote")
+    return p
+
+
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+"""What a fine-tuning run needs from a hub repository (not .bin/.pth/.gguf copies)."""
+
+
+def adapter_dir(cfg: TrainConfig) -> pathlib.Path | None:
+    """``resume_from_adapter`` checked: a PEFT adapter directory."""
+    if cfg.resume_from_adapter is None:
+        return None
+    p = pathlib.Path(cfg.resume_from_adapter)
+    if not (p / "adapter_config.json").is_file():
+        raise ConfigError(f"resume_from_adapter {cfg.resume_from_adapter!r} "
+                          f"{'has no adapter_config.json' if p.is_dir() else 'is not a directory'}"
+                          ": pass the directory a LoRA run exported (its final/)")
     return p
 
 
@@ -83,7 +110,11 @@ def build_model(cfg: TrainConfig, tokenizer) -> nn.Module:
             pad_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
             attn_implementation="sdpa")
         model = transformers.Qwen3ForCausalLM(config)
-    if cfg.lora or cfg.qlora:
+    adapter = adapter_dir(cfg)
+    if adapter is not None:
+        import peft
+        model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    elif cfg.lora or cfg.qlora:
         import peft
         targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
             [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]

@@ -1,0 +1,219 @@
+"""Fine-tuning data the way Hugging Face users have it: chat records rendered with the
+tokenizer's own chat template (loss on assistant turns only, BOS/EOS as the template
+writes them), BOS for text when the tokenizer adds one, per-document attention when
+packing (logits equal to each document run alone), padding, and the other file forms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rotapipe.errors import ConfigError, InputError
+from rotapipe.train.data import (IGNORE, PackedStream, TextFields, Tokens, TrainBatches,
+                                 eval_set, iter_records, source_files)
+from train_util import chat_jsonl, chat_tokenizer, sft_jsonl, text_jsonl, tiny_model_dir
+
+transformers = pytest.importorskip("transformers")
+FIELDS = TextFields()
+
+
+def _tokens(tok, ids):
+    return tok.convert_ids_to_tokens(ids)
+
+
+def test_chat_record_counts_assistant_tokens_only():
+    tok = chat_tokenizer()
+    msgs = [{"role": "system", "content": "the fox"},
+            {"role": "user", "content": "hi there"},
+            {"role": "assistant", "content": "cat dog"},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "red fox"}]
+    ids, labels = Tokens(tok).record({"messages": msgs}, FIELDS, "x:1")
+    # Token by token: BOS from the template, headers and user turns not counted; each
+    # assistant turn's words and its end-of-text token (the template's turn end) counted.
+    want = [("<s>", 0), ("<|system|>", 0), ("the", 0), ("fox", 0), ("<|end|>", 0),
+            ("<|user|>", 0), ("hi", 0), ("there", 0), ("<|end|>", 0),
+            ("<|assistant|>", 0), ("cat", 1), ("dog", 1), ("<|end|>", 1),
+            ("<|user|>", 0), ("more", 0), ("<|end|>", 0),
+            ("<|assistant|>", 0), ("red", 1), ("fox", 1), ("<|end|>", 1)]
+    assert _tokens(tok, ids) == [t for t, _ in want]
+    assert labels == [i if c else IGNORE for i, (_, c) in zip(ids, want)]
+    # Exactly what the tokenizer's own template renders, nothing added.
+    assert ids == tok.encode(tok.apply_chat_template(msgs, tokenize=False),
+                             add_special_tokens=False)
+
+
+def test_text_and_pairs_get_bos_when_the_tokenizer_adds_it():
+    tok = chat_tokenizer()
+    ids, labels = Tokens(tok).record({"text": "cat dog"}, FIELDS, "x:1")
+    assert _tokens(tok, ids) == ["<s>", "cat", "dog", "<|end|>"]
+    assert labels == [IGNORE] + ids[1:]                  # BOS is not a target
+    ids, labels = Tokens(tok).record({"prompt": "reverse: cat", "completion": "dog"},
+                                     FIELDS, "x:1")
+    assert _tokens(tok, ids) == ["<s>", "reverse:", "cat", "dog", "<|end|>"]
+    assert labels == [IGNORE] * 3 + ids[3:]
+    # A tokenizer that adds no BOS (Qwen-like) gets none.
+    tok.bos_token = None
+    assert _tokens(tok, Tokens(tok).record({"text": "cat"}, FIELDS, "x:1")[0]) == \
+        ["cat", "<|end|>"]
+
+
+def test_chat_errors_name_the_record():
+    tok = chat_tokenizer()
+    t = Tokens(tok)
+    with pytest.raises(InputError, match=r"x:3: no 'assistant' message"):
+        t.record({"messages": [{"role": "user", "content": "hi"}]}, FIELDS, "x:3")
+    with pytest.raises(InputError, match=r"x:4: messages\[0\]"):
+        t.record({"messages": [{"role": "user"}]}, FIELDS, "x:4")
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="has none"):
+        t.record({"messages": [{"role": "assistant", "content": "a"}]}, FIELDS, "x:5")
+
+
+def test_documents_packing_restarts_positions(tmp_path):
+    tok = chat_tokenizer()
+    data = text_jsonl(tmp_path / "t.jsonl", 40)
+    s = PackedStream([data], tok, seq=64, seed=0, holdout=0.0, fields=FIELDS,
+                     packing="documents")
+    ids, labels, pos, mask = s.next_row()
+    assert mask is None and len(pos) == 64
+    starts = [i for i, p in enumerate(pos) if p == 0]
+    assert starts[0] == 0 and len(starts) >= 2
+    for a, b in zip(starts, starts[1:] + [64]):
+        assert pos[a:b] == list(range(b - a))
+        assert ids[a] == tok.bos_token_id            # every document starts with BOS
+    # The next sequence continues the cut document with positions from 0.
+    ids2, _, pos2, _ = s.next_row()
+    assert pos2[0] == 0 and ids2[0] != tok.bos_token_id
+
+
+def _pipe(model_dir, **kw):
+    from rotapipe import PipeConfig
+    from rotapipe.adapters import wrap_hf
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    wrapped = wrap_hf(model)
+    return model, wrapped.pipe(PipeConfig(workers=2, microbatches=2, backend="emulated",
+                                          **kw))
+
+
+@pytest.mark.parametrize("packing", ["documents", "pad"])
+def test_each_document_attends_only_to_itself(tmp_path, packing):
+    """Logits of a packed (or padded) batch through the pipeline equal the model's own
+    forward on each document alone, fp32."""
+    tok = chat_tokenizer()
+    model_dir = tiny_model_dir(tmp_path / "m", tok)
+    data = chat_jsonl(tmp_path / "c.jsonl", 30)
+    batches = TrainBatches([data], tok, batch=4, seq=48, seed=0, holdout=0.0,
+                           fields=FIELDS, packing=packing)
+    batch = batches.next()
+    model, pipe = _pipe(model_dir)
+    try:
+        pipe.eval()
+        logits = pipe(batch.inputs())                              # [4, 48, vocab]
+    finally:
+        pipe.close()
+    checked = 0
+    for r in range(4):
+        if packing == "documents":
+            pos = batch.position_ids[r].tolist()
+            starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+            docs = list(zip(starts, starts[1:]))
+        else:
+            n = int(batch.attention_mask[r].sum())
+            docs = [(0, n)]
+        assert len(docs) >= (2 if packing == "documents" else 1)
+        for a, b in docs:
+            alone = model(batch.ids[r:r + 1, a:b]).logits[0]       # the document by itself
+            torch.testing.assert_close(logits[r, a:b], alone, rtol=1e-5, atol=1e-5)
+            checked += b - a
+    # Packed across documents (no position ids), the later documents' logits differ.
+    if packing == "documents":
+        model2, pipe2 = _pipe(model_dir)
+        try:
+            pipe2.eval()
+            mixed = pipe2({"input_ids": batch.ids})
+        finally:
+            pipe2.close()
+        assert not torch.allclose(mixed, logits, atol=1e-4)
+    assert checked >= 4 * (40 if packing == "documents" else 10)
+
+
+def test_short_heldout_split_is_one_padded_sequence(tmp_path):
+    tok = chat_tokenizer()
+    data = sft_jsonl(tmp_path / "s.jsonl", 3)
+    # n=4: one held-out lane (4 sequences a lane), so the 3 records share it.
+    b = eval_set([data], tok, 4, seq=256, holdout=1.0, fields=FIELDS, packing="documents")
+    assert b.ids.shape == (1, 256)
+    real = (b.labels[0] != IGNORE).sum().item()
+    assert 0 < real < 60 and (b.labels[0, -10:] == IGNORE).all()
+
+
+def test_json_parquet_and_saved_dataset_give_the_same_records(tmp_path):
+    rows = [json.loads(line) for line in sft_jsonl(tmp_path / "s.jsonl", 30)
+            .read_text().splitlines()]
+    (tmp_path / "s.json").write_text(json.dumps(rows))
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "s.parquet")
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    want = list(iter_records(tmp_path / "s.jsonl"))
+    for name in ("s.json", "s.parquet", "ds"):
+        (src,) = source_files(str(tmp_path / name))
+        assert list(iter_records(src)) == want, name
+        assert list(iter_records(src, 7)) == want[7:], name
+    with pytest.raises(InputError, match="is a list of records"):
+        (tmp_path / "bad.json").write_text('{"text": "a"}')
+        list(iter_records(tmp_path / "bad.json"))
+
+
+def test_template_that_rewrites_history_gives_one_document_per_turn(tmp_path):
+    """Qwen3's template drops the thinking block of earlier assistant turns once later
+    turns follow: such a chat becomes one document per assistant turn, its history as
+    the template renders it when that turn is generated, only that turn counted."""
+    tok = chat_tokenizer(words=list(train_words()) + ["<think>", "</think>"])
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if m['role'] == 'assistant' and loop.last %}<think> </think> {% endif %}"
+        "{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    msgs = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "cat dog"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "red fox"}]
+    docs = Tokens(tok).documents({"messages": msgs}, FIELDS, "x:1")
+    want = [
+        [("<s>", 0), ("<|user|>", 0), ("hi", 0), ("there", 0), ("<|end|>", 0),
+         ("<|assistant|>", 0), ("<think>", 1), ("</think>", 1), ("cat", 1), ("dog", 1),
+         ("<|end|>", 1)],
+        [("<s>", 0), ("<|user|>", 0), ("hi", 0), ("there", 0), ("<|end|>", 0),
+         ("<|assistant|>", 0), ("cat", 0), ("dog", 0), ("<|end|>", 0),
+         ("<|user|>", 0), ("more", 0), ("<|end|>", 0),
+         ("<|assistant|>", 0), ("<think>", 1), ("</think>", 1), ("red", 1), ("fox", 1),
+         ("<|end|>", 1)]]
+    assert len(docs) == 2
+    for (ids, labels), w in zip(docs, want):
+        assert _tokens(tok, ids) == [t for t, _ in w]
+        assert labels == [i if c else IGNORE for i, (_, c) in zip(ids, w)]
+    # Packed, each turn's document has its own positions; padded, each is its own row
+    # (the second waits in the cursor, which a checkpoint keeps).
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": msgs}) + "\n")
+    s = PackedStream([path], tok, seq=40, seed=0, holdout=0.0, fields=FIELDS,
+                     packing="documents")
+    ids, _, pos, _ = s.next_row()
+    assert pos[:29] == list(range(11)) + list(range(18))
+    s = PackedStream([path], tok, seq=24, seed=0, holdout=0.0, fields=FIELDS, packing="pad")
+    first = s.next_row()
+    state = s.state_dict()
+    again = PackedStream([path], tok, seq=24, seed=0, holdout=0.0, fields=FIELDS,
+                         packing="pad")
+    again.load_state_dict(state)
+    second = again.next_row()
+    assert sum(first[3]) == 11 and sum(second[3]) == 18
+    assert second[0][:18] == docs[1][0]
+
+
+def train_words():
+    from train_util import WORDS
+    return WORDS

@@ -1,0 +1,287 @@
+"""Fine-tuning a pretrained model directory the way Hugging Face users do: a chat SFT run
+(its first loss equals plain transformers' on assistant tokens only), fine-tuning
+defaults and epochs as the schedule length, a separate evaluation file with no held-out
+split, a hub id resolved offline from a Hugging Face cache, TensorBoard event files,
+continuing a LoRA adapter."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+
+from rotapipe.errors import ConfigError
+from rotapipe.train import TrainConfig, train
+from rotapipe.train.data import IGNORE, TextFields, TrainBatches, count_split
+from train_util import chat_jsonl, chat_tokenizer, run, sft_jsonl, tiny_model_dir
+
+transformers = pytest.importorskip("transformers")
+
+# Runtime settings of a tiny fine-tuning run (the model's sizes come from its directory).
+RUN = dict(seq=48, batch=4, microbatches=2, eval_sequences=4, workers=2,
+           backend="emulated", progress=False, log_every=1000)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny", chat_tokenizer())
+
+
+def _metrics(out: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_chat_sft_first_loss_is_transformers_loss_on_assistant_tokens(tmp_path, model_dir):
+    data = chat_jsonl(tmp_path / "chat.jsonl", 200)
+    cfg = TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=0.1,
+                      out_dir=str(tmp_path / "o"), steps=12, eval_interval=6, lr=3e-3,
+                      warmup=1, sample_prompt="cat dog", sample_tokens=6)
+    lines = []
+    result = train(cfg, echo=lines.append)
+    # The first batch, rebuilt with the data module, through plain transformers: its
+    # labels count exactly the assistant turns (checked token by token in
+    # test_train_chat.py), and the documents attend only to themselves.
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    batch = TrainBatches([data], tok, batch=4, seq=48, seed=0, holdout=0.1,
+                         fields=TextFields(), packing="documents").next()
+    assert ((batch.labels != IGNORE).sum(1) > 0).all()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # use_cache=False: with a cache, transformers' mask helpers do not split packed
+    # documents by their position ids (a training forward has none).
+    want = model(input_ids=batch.ids, position_ids=batch.position_ids, labels=batch.labels,
+                 use_cache=False).loss.item()
+    rows = [r for r in _metrics(tmp_path / "o") if "loss" in r]
+    assert rows[0]["loss"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert result.eval_last < result.eval_first, lines
+    # The sample is the reply to a chat prompt, special tokens hidden.
+    assert result.sample is not None and "<|" not in result.sample and "<s>" not in result.sample
+    assert (tmp_path / "o" / "loss.png").stat().st_size > 10_000
+
+
+def test_pretrained_defaults_and_epochs_set_the_schedule(tmp_path, model_dir):
+    data = sft_jsonl(tmp_path / "s.jsonl", 120)
+    lines = []
+    cfg = TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=0.1,
+                      out_dir=str(tmp_path / "o"), epochs=2, eval_interval=0,
+                      save_interval=0)
+    assert cfg.lr is None and cfg.steps is None        # chosen for the run
+    result = train(cfg, echo=lines.append)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    _, tokens = count_split([data], tok, holdout=0.1, fields=TextFields())
+    steps = math.ceil(2 * math.ceil(tokens / 48) / 4)
+    assert result.step == steps
+    settings = next(line for line in lines if line.startswith("settings:"))
+    warmup = max(1, round(0.03 * steps))
+    assert settings.startswith(f"settings: lr 2e-05, warmup {warmup}, weight decay 0, "
+                               f"{steps} steps (2 epochs)"), settings
+    assert "pretrained-model defaults: lr, warmup, weight decay, steps" in settings
+    rows = [r for r in _metrics(tmp_path / "o") if "lr" in r]
+    assert rows[0]["lr"] == pytest.approx(2e-5 / warmup)
+    assert rows[-1]["lr"] == pytest.approx(2e-5 * (0.1 + 0.9 * 0.5 * (1 + math.cos(
+        math.pi * (steps - 1 - warmup) / (steps - warmup)))))
+    # From scratch the demo's values stay.
+    scratch = TrainConfig().effective()
+    assert (scratch.lr, scratch.weight_decay, scratch.steps, scratch.warmup) == \
+        (4e-3, 0.1, 400, 20)
+    assert TrainConfig(model="m", lora=True).effective().lr == 2e-4
+
+
+def test_holdout_0_with_eval_data_trains_on_3000_records(tmp_path, model_dir):
+    data = sft_jsonl(tmp_path / "train.jsonl", 3000, seed=1)
+    other = sft_jsonl(tmp_path / "other.jsonl", 20, seed=2)
+    out = tmp_path / "o"
+    p = run(["--model", str(model_dir), "--data", str(data), "--holdout", "0",
+             "--eval-data", str(other), "--steps", "4", "--eval-interval", "2",
+             "--out-dir", str(out), "--seq", "48", "--batch", "4", "--microbatches", "2",
+             "--workers", "2", "--backend", "emulated", "--log-every", "2"], timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "evaluation on" in p.stdout and "eval loss" in p.stdout
+    # Not a terminal: no progress bar frames, ours or transformers' (weight loading and
+    # saving), only the log_every lines.
+    assert "\r" not in p.stdout + p.stderr and "it/s]" not in p.stdout + p.stderr
+    assert "step     2  loss" in p.stdout and "step     4  loss" in p.stdout
+    evals = [r["eval_loss"] for r in _metrics(out) if "eval_loss" in r]
+    assert len(evals) == 3 and all(math.isfinite(e) for e in evals)
+    # No held-out split: every record trains (3000 records, none held out).
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert count_split([data], tok, holdout=0.0, fields=TextFields())[0] == 3000
+    # holdout 0 and no eval_data: trains without evaluating.
+    p = run(["--model", str(model_dir), "--data", str(data), "--holdout", "0",
+             "--steps", "2", "--out-dir", str(tmp_path / "o2"), "--seq", "48",
+             "--batch", "4", "--microbatches", "2", "--backend", "emulated",
+             "--no-progress"], timeout=300)
+    assert p.returncode == 0 and "no evaluation" in p.stdout, p.stdout + p.stderr
+
+
+def _hub_cache(root: pathlib.Path, repo: str, model_dir: pathlib.Path,
+               kind: str = "models") -> pathlib.Path:
+    """A Hugging Face hub cache holding ``repo`` as huggingface_hub lays it out:
+    ``models--org--name/{refs/main, snapshots/<commit>/...}`` (``datasets--`` for a
+    dataset repository)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = root / (f"{kind}--" + repo.replace("/", "--"))
+    snap = repo_dir / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in model_dir.rglob("*"):
+        if f.is_file():
+            (snap / f.relative_to(model_dir)).parent.mkdir(parents=True, exist_ok=True)
+            (snap / f.relative_to(model_dir)).write_bytes(f.read_bytes())
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    return root
+
+
+def test_hub_id_resolves_offline_from_the_cache(tmp_path, model_dir, monkeypatch):
+    cache = _hub_cache(tmp_path / "hub", "tiny-org/tiny-chat", model_dir)
+    data = sft_jsonl(tmp_path / "s.jsonl", 100)
+    base = ["--data", str(data), "--steps", "1", "--seq", "48", "--batch", "4",
+            "--microbatches", "2", "--backend", "emulated", "--no-progress"]
+    # The run is a subprocess: huggingface_hub reads HF_HUB_CACHE when it is imported.
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    p = run(["--model", "tiny-org/tiny-chat", "--out-dir", str(tmp_path / "o"), *base])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "model: tiny-org/tiny-chat" in p.stdout
+    p = run(["--model", "tiny-org/not-cached", "--out-dir", str(tmp_path / "o2"), *base])
+    assert p.returncode == 2
+    assert "'tiny-org/not-cached' is not in the Hugging Face cache and HF_HUB_OFFLINE " \
+           "is set" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path, model_dir):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator")
+    data = sft_jsonl(tmp_path / "s.jsonl", 100)
+    out = tmp_path / "o"
+    train(TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=0.1,
+                      out_dir=str(out), steps=4, eval_interval=2, report_to="tensorboard"),
+          echo=lambda s: None)
+    acc = event_accumulator.EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    rows = _metrics(out)
+    loss = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert loss == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows if "loss" in r]
+    evals = [(e.step, e.value) for e in acc.Scalars("eval/eval_loss")]
+    assert [s for s, _ in evals] == [0, 2, 4]
+    assert [v for _, v in evals] == [pytest.approx(r["eval_loss"], rel=1e-6)
+                                     for r in rows if "eval_loss" in r]
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= \
+        set(acc.Tags()["scalars"])
+
+
+def test_resume_from_adapter_continues_the_lora(tmp_path, model_dir):
+    pytest.importorskip("peft")
+    data = sft_jsonl(tmp_path / "s.jsonl", 150)
+    common = dict(**RUN, model=str(model_dir), data=str(data), holdout=0.1,
+                  eval_interval=3, lr=1e-2, warmup=1)
+    first = train(TrainConfig(**common, out_dir=str(tmp_path / "a"), steps=3, lora=True,
+                              lora_rank=4), echo=lambda s: None)
+    adapter = tmp_path / "a" / "final"
+    lines = []
+    second = train(TrainConfig(**common, out_dir=str(tmp_path / "b"), steps=3,
+                               resume_from_adapter=str(adapter)), echo=lines.append)
+    # The second run starts where the first ended: same weights, same held-out loss.
+    assert second.eval_first == pytest.approx(first.eval_last, rel=1e-6)
+    assert second.eval_last < second.eval_first
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    again = json.loads((tmp_path / "b" / "final" / "adapter_config.json").read_text())
+    assert again["r"] == cfg["r"] == 4
+    assert any("+ adapter" in line and "(LoRA)" in line for line in lines)
+    with pytest.raises(ConfigError, match="no adapter_config.json"):
+        train(TrainConfig(**common, out_dir=str(tmp_path / "c"), steps=1,
+                          resume_from_adapter=str(tmp_path)), echo=lambda s: None)
+
+
+def _wandb_history(run_file: pathlib.Path) -> list[dict]:
+    """The history records of a W&B ``.wandb`` file: a LevelDB-style log (a 7-byte file
+    header, 32 KiB blocks, each record chunk behind a 7-byte header: crc32, length,
+    kind 1 full / 2 first / 3 middle / 4 last) of ``wandb_internal_pb2.Record``s."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos, chunks, buf = run_file.read_bytes(), 32768, 7, [], b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        if kind == 0 and n == 0:
+            pos += left - 7
+            continue
+        buf += data[pos:pos + n]
+        pos += n
+        if kind in (1, 4):
+            chunks.append(buf)
+            buf = b""
+    rows = []
+    for raw in chunks:
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                         for i in record.history.item})
+    return rows
+
+
+def test_wandb_offline_run_holds_the_logged_scalars(tmp_path, model_dir, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    data = sft_jsonl(tmp_path / "s.jsonl", 100)
+    out = tmp_path / "o"
+    train(TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=0.1,
+                      out_dir=str(out), steps=3, eval_interval=3, report_to="wandb"),
+          echo=lambda s: None)
+    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    history = _wandb_history(run_file)
+    logged = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
+    rows = _metrics(out)
+    assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-9)) for r in rows
+                      if "loss" in r]
+    assert [h["_step"] for h in history if "eval/eval_loss" in h] == [0, 3]
+
+
+def test_hub_dataset_splits_resolve_from_the_cache(tmp_path, model_dir, monkeypatch):
+    """data and eval_data as hub dataset ids: the train and test splits of a dataset
+    repository in the cache (looked up without a request)."""
+    import huggingface_hub.constants
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    chat_jsonl(repo / "data" / "train-00000.jsonl", 120, seed=1)
+    chat_jsonl(repo / "data" / "test-00000.jsonl", 10, seed=2)
+    (repo / "README.md").write_text("a dataset card\n")
+    cache = _hub_cache(tmp_path / "hub", "tiny-org/chats", repo, kind="datasets")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from rotapipe.train.data import source_files
+    (train_file,) = source_files("tiny-org/chats")
+    (test_file,) = source_files("tiny-org/chats:test")
+    assert train_file.name == "train-00000.jsonl" and test_file.name == "test-00000.jsonl"
+    with pytest.raises(ConfigError, match="no 'validation' split"):
+        source_files("tiny-org/chats:validation")
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache and HF_HUB_OFFLINE"):
+        source_files("tiny-org/other")
+    lines = []
+    result = train(TrainConfig(**RUN, model=str(model_dir), data="tiny-org/chats",
+                               eval_data="tiny-org/chats:test", holdout=0.0, steps=2,
+                               eval_interval=2, out_dir=str(tmp_path / "o")),
+                   echo=lines.append)
+    assert result.step == 2 and result.eval_first is not None
+    assert any("evaluation on tiny-org/chats:test" in line for line in lines), lines
+
+
+def test_an_empty_heldout_split_trains_without_evaluation(tmp_path, model_dir, caplog):
+    data = sft_jsonl(tmp_path / "s.jsonl", 40)
+    lines = []
+    result = train(TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=1e-9,
+                               steps=1, out_dir=str(tmp_path / "o")), echo=lines.append)
+    assert result.step == 1 and result.eval_first is None
+    assert any("no evaluation (the held-out split is empty)" in line for line in lines)
+    assert "holds no tokens that count" in caplog.text
