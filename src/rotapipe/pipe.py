@@ -358,8 +358,9 @@ class RoundPipe:
             loss = stream.wait_loss(call)
             # Data parallel: ranks see different local losses and must decide alike;
             # the check of the reduced gradients (identical on every rank) decides.
+            # Dynamic loss scaling: an inf loss is an fp16 overflow, the scaler's to skip.
             if not math.isfinite(loss) and self.config.nonfinite is NonFinite.RAISE \
-                    and dp is None:
+                    and dp is None and not self.scaler.dynamic:
                 # Its older calls complete first: only this one is discarded.
                 stream.reject(call, NonFiniteError(
                     f"the loss of training call {call.number} is {loss} ("
