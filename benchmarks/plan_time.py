@@ -1,0 +1,72 @@
+"""How long ``rotapipe plan`` takes on the shipped model configs, and what the planner's
+lower bounds save.
+
+For each shipped config (8x RTX 4090 defaults: 16 x 2048 tokens, every microbatch
+count dividing 16, both recompute grains, tails split up to 4 jobs):
+
+- the planner as ``rotapipe plan`` runs it (``choose_plan``), against the same search
+  simulating every ranked candidate (``PlannerConfig(prune=False)``), side by side in
+  this process: CPU seconds, candidates simulated, and that both choose the same plan
+  and step;
+- ``python -m rotapipe plan MODEL`` as a user runs it (imports included), wall and
+  CPU seconds, the best of ``--runs`` runs (the machine may be shared).
+
+    python benchmarks/plan_time.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+from rotapipe.plan import hardware
+from rotapipe.planner.advise import _costs
+from rotapipe.planner.autoplan import PlannerConfig, choose_plan
+
+MODELS = ("qwen3-1.7b", "llama-3.1-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b")
+
+
+def _cli(model: str) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``python -m rotapipe plan MODEL``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "rotapipe", "plan", model], env=os.environ,
+                   stdout=subprocess.DEVNULL, check=False)
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args(argv)
+    hw = hardware("rtx4090x8")
+    config = PlannerConfig(8, int(0.9 * hw.device.memory_bytes), (1, 2, 4, 8, 16),
+                           tail_jobs=(1, 2, 3, 4))
+    print(f"{'model':16s} {'pruned s':>9s} {'sims':>5s} {'every s':>8s} {'sims':>5s} "
+          f"{'speedup':>8s} {'same':>5s} {'CLI wall s':>11s} {'CLI CPU s':>10s}")
+    for model in MODELS:
+        def costs_for(m, model=model):
+            return _costs(model, hw, 2048, 16 // m)
+        t = time.process_time()
+        pruned = choose_plan(costs_for, config)
+        t_pruned = time.process_time() - t
+        t = time.process_time()
+        every = choose_plan(costs_for, replace(config, prune=False))
+        t_every = time.process_time() - t
+        same = (pruned.plan.to_text(), pruned.microbatches, pruned.grain, pruned.step_ms) == \
+            (every.plan.to_text(), every.microbatches, every.grain, every.step_ms)
+        cli = [_cli(model) for _ in range(args.runs)]
+        print(f"{model:16s} {t_pruned:9.2f} {pruned.simulated:5d} {t_every:8.2f} "
+              f"{every.simulated:5d} {t_every / t_pruned:7.1f}x {'yes' if same else 'NO':>5s} "
+              f"{min(w for w, _ in cli):11.2f} {min(c for _, c in cli):10.2f}")
+
+
+if __name__ == "__main__":
+    main()
