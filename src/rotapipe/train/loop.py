@@ -28,8 +28,8 @@ from ..errors import ConfigError, DistributedError, RotapipeError
 from ..sim.report import report
 from .checkpoint import check_compatible, check_out_dir, resume_from, save_checkpoint
 from .config import TrainConfig
-from .data import (IGNORE, Batch, TextFields, TrainBatches, count_split, eval_set,
-                   iter_records, record_parts, source_files)
+from .data import Batch, TrainBatches, count_split, eval_set
+from .records import IGNORE, TextFields, iter_records, record_parts, source_files
 from .metrics import MetricSinks, check_sinks, plot_loss
 from .model import (adapter_dir, build_model, build_tokenizer, check_sequence_length,
                     fingerprint)
@@ -610,7 +610,7 @@ def generate_sample(wrapped, tokenizer, cfg: TrainConfig) -> str:
     end tokens); special tokens are not shown. A tokenizer with a chat template gets the
     prompt as the user's message, with the assistant header after it, and the reply
     alone is returned."""
-    from .data import Tokens
+    from .records import Tokens
 
     model = wrapped.model
     model.eval()
