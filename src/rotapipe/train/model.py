@@ -98,7 +98,12 @@ def build_model(cfg: TrainConfig, tokenizer) -> nn.Module:
 
     if cfg.model is not None:
         from ..adapters import load_hf
-        model = load_hf(str(_model_dir(cfg)), dtype=torch.float32)
+        # LoRA: the frozen base is loaded in the compute dtype (it is kept in it anyway),
+        # so host RAM never holds an fp32 copy of it; trainable weights are fp32.
+        from ..config import resolve_dtype
+        dtype = resolve_dtype(cfg.dtype) if cfg.lora or cfg.resume_from_adapter else \
+            torch.float32
+        model = load_hf(str(_model_dir(cfg)), dtype=dtype)
     else:
         torch.manual_seed(cfg.seed)
         config = transformers.Qwen3Config(
