@@ -93,7 +93,8 @@ class TrainConfig:
     (org/name, or org/name:split; default split train) resolved through the Hugging
     Face cache; stdlib: the Python standard library's .py files."""
     eval_data: str | None = None
-    """Evaluation files (same forms as data), used whole; None: the held-out split of
+    """Evaluation files (same forms as data), every record of them held out (each
+    evaluation runs on up to eval_sequences sequences); None: the held-out split of
     data (see holdout)."""
     messages_field: str = "messages"
     """The field holding a chat: a list of {"role", "content"} rendered with the
