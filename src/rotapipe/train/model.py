@@ -29,9 +29,9 @@ def resolve_model(name: str) -> pathlib.Path:
     p = pathlib.Path(name)
     if not p.is_dir():
         if not is_hub_id(name):
-            raise ConfigError(f"model {name!r} is not a directory nor a hub id (org/name): "
-                              "pass a local Hugging Face model directory, a hub id, or leave "
-                              "model unset to train from scratch")
+            raise ConfigError(f"model directory {name!r} does not exist: check the path, "
+                              "pass a hub id (org/name), or leave model unset to train from "
+                              "scratch")
         p = snapshot(name, "model", patterns=_HUB_FILES)
     if not (p / "config.json").is_file():
         raise ConfigError(f"model directory {name!r} has no config.json: pass the "

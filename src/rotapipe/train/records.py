@@ -138,8 +138,11 @@ def _json_list(path: pathlib.Path) -> list:
 
 
 def _hub_dataset_spec(part: str) -> bool:
+    """``org/name[:split]`` that is not a missing file (``corpus/train.jsonl``)."""
     from .hub import is_hub_id
-    return is_hub_id(part.split(":", 1)[0])
+    name = part.split(":", 1)[0]
+    return pathlib.PurePath(name).suffix not in TEXT_SUFFIXES + RECORD_SUFFIXES and \
+        is_hub_id(name)
 
 
 def hub_dataset_files(spec: str) -> list[pathlib.Path]:
