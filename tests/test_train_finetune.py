@@ -321,3 +321,14 @@ def test_lora_base_loads_in_the_compute_dtype(tmp_path, model_dir):
                                eval_interval=2, holdout=0.2, out_dir=str(tmp_path / "o")),
                    echo=lambda s: None)
     assert result.step == 2 and math.isfinite(result.eval_last)
+
+
+def test_missing_paths_are_path_errors_not_hub_lookups(tmp_path, monkeypatch):
+    from rotapipe.train.data import source_files
+    from rotapipe.train.model import resolve_model
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ConfigError, match="data file 'corpus/train.jsonl' does not exist"):
+        source_files("corpus/train.jsonl")
+    with pytest.raises(ConfigError, match="model directory 'models/Qwen3' does not exist"):
+        resolve_model("models/Qwen3")
