@@ -110,8 +110,9 @@ def test_recipes_load_and_plan_takes_model_like_train(capsys):
     from rotapipe.train import load_config
     full, lora = (load_config(recipe_path(n)) for n in ("full", "lora"))
     assert not full.lora and lora.lora and lora.lr == 2e-4 and full.epochs == 1
-    assert main(["plan", "--model", "qwen3-1.7b", "--lora"]) == 0
+    small = ["--lora", "--global-batch", "4", "--microbatches", "4"]   # a quick plan
+    assert main(["plan", "--model", "qwen3-1.7b", *small]) == 0
     by_flag = capsys.readouterr().out
-    assert main(["plan", "qwen3-1.7b", "--lora"]) == 0
+    assert main(["plan", "qwen3-1.7b", *small]) == 0
     assert capsys.readouterr().out == by_flag and "LoRA" in by_flag
     assert main(["plan", "qwen3-1.7b", "--model", "qwen3-1.7b"]) == 2

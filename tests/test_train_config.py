@@ -78,3 +78,15 @@ def test_sequence_longer_than_the_model_supports(tmp_path, capsys):
     err = _one_line_error(capsys, flags(data=str(data), out_dir=str(tmp_path / "o"),
                                         model=str(tmp_path / "m"), seq=32))
     assert "seq=32" in err and "max_position_embeddings=16" in err and "--seq 16" in err
+
+
+def test_docs_settings_table_lists_every_field_with_its_default():
+    import pathlib
+    import re
+    from dataclasses import fields
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", text, flags=re.M))
+    cfg = TrainConfig()
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        assert rows.get(f.name) == repr(getattr(value, "value", value)), f.name

@@ -285,3 +285,50 @@ def test_an_empty_heldout_split_trains_without_evaluation(tmp_path, model_dir, c
     assert result.step == 1 and result.eval_first is None
     assert any("no evaluation (the held-out split is empty)" in line for line in lines)
     assert "holds no tokens that count" in caplog.text
+
+
+def test_recipe_then_flags_on_the_command_line(tmp_path, model_dir, capsys):
+    from rotapipe.cli import main
+    data = sft_jsonl(tmp_path / "s.jsonl", 60)
+    rc = main(["train", "--recipe", "lora", "--model", str(model_dir), "--data", str(data),
+               "--seq", "48", "--batch", "4", "--microbatches", "2", "--dtype", "fp32",
+               "--steps", "2", "--backend", "emulated", "--no-progress",
+               "--out-dir", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    # The recipe's LoRA settings and learning rate, the flags' sizes and steps.
+    assert "(LoRA)" in out and "settings: lr 0.0002, warmup 1, weight decay 0, 2 steps, " \
+        "batch 4 x 48 tokens" in out, out
+    adapter = json.loads((tmp_path / "o" / "final" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and adapter["lora_alpha"] == 32
+
+
+def test_lora_base_loads_in_the_compute_dtype(tmp_path, model_dir):
+    """The frozen base never exists in fp32 in host memory (what rotapipe plan counts);
+    the adapter's weights, which train, are fp32."""
+    from rotapipe.train.model import build_model
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = build_model(TrainConfig(model=str(model_dir), lora=True, dtype="bf16")
+                        .effective(), tok)
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert frozen == {torch.bfloat16} and trained == {torch.float32}
+    full = build_model(TrainConfig(model=str(model_dir), dtype="bf16").effective(), tok)
+    assert {p.dtype for p in full.parameters()} == {torch.float32}     # the masters
+    data = sft_jsonl(tmp_path / "s.jsonl", 60)
+    result = train(TrainConfig(**{**RUN, "eval_sequences": 2}, model=str(model_dir),
+                               data=str(data), lora=True, dtype="bf16", steps=2,
+                               eval_interval=2, holdout=0.2, out_dir=str(tmp_path / "o")),
+                   echo=lambda s: None)
+    assert result.step == 2 and math.isfinite(result.eval_last)
+
+
+def test_missing_paths_are_path_errors_not_hub_lookups(tmp_path, monkeypatch):
+    from rotapipe.train.data import source_files
+    from rotapipe.train.model import resolve_model
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ConfigError, match="data file 'corpus/train.jsonl' does not exist"):
+        source_files("corpus/train.jsonl")
+    with pytest.raises(ConfigError, match="model directory 'models/Qwen3' does not exist"):
+        resolve_model("models/Qwen3")

@@ -53,9 +53,10 @@ class TrainConfig:
 
     # -- model -----------------------------------------------------------------------
     model: str | None = None
-    """Hugging Face model to fine-tune: a local directory, or a hub id (org/name) already
-    in the Hugging Face cache; None: a Qwen3-architecture model trained from scratch
-    with the sizes below and a byte-level BPE tokenizer trained on the data."""
+    """Hugging Face model to fine-tune: a local directory, or a hub id (org/name)
+    resolved through the Hugging Face cache (downloaded into it unless HF_HUB_OFFLINE is
+    set); None: a Qwen3-architecture model trained from scratch with the sizes below and
+    a byte-level BPE tokenizer trained on the data."""
     layers: int = 4
     """From scratch: decoder layers."""
     dim: int = 128
@@ -96,17 +97,18 @@ class TrainConfig:
     (org/name, or org/name:split; default split train) resolved through the Hugging
     Face cache; stdlib: the Python standard library's .py files."""
     eval_data: str | None = None
-    """Evaluation files (same forms as data), used whole; None: the held-out split of
+    """Evaluation files (same forms as data), every record of them held out (each
+    evaluation runs on up to eval_sequences sequences); None: the held-out split of
     data (see holdout)."""
     messages_field: str = "messages"
     """The field holding a chat: a list of {"role", "content"} rendered with the
     tokenizer's chat template, the loss on assistant turns only."""
     text_field: str = "text"
-    """JSONL: the field holding a document's text."""
+    """Records: the field holding a document's text."""
     prompt_field: str = "prompt"
-    """JSONL: the prompt of a prompt/response pair (masked out of the loss)."""
+    """Records: the prompt of a prompt/response pair (masked out of the loss)."""
     response_field: str = "response"
-    """JSONL: the response of a prompt/response pair (the loss is on these tokens; a
+    """Records: the response of a prompt/response pair (the loss is on these tokens; a
     completion field is accepted too)."""
     seq: int = 128
     """Tokens per training sequence."""

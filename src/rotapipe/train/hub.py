@@ -21,8 +21,10 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def is_hub_id(name: str) -> bool:
-    """``org/name``, and not an existing path."""
-    return bool(_HUB_ID.fullmatch(name)) and not pathlib.Path(name).exists()
+    """``org/name``, and not a local path: neither it nor its folder exists (``data/x``
+    with a local ``data/`` folder is a mistyped path, not a hub id)."""
+    p = pathlib.Path(name)
+    return bool(_HUB_ID.fullmatch(name)) and not p.exists() and not p.parent.is_dir()
 
 
 def _offline() -> bool:

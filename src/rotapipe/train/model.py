@@ -29,9 +29,9 @@ def resolve_model(name: str) -> pathlib.Path:
     p = pathlib.Path(name)
     if not p.is_dir():
         if not is_hub_id(name):
-            raise ConfigError(f"model {name!r} is not a directory nor a hub id (org/name): "
-                              "pass a local Hugging Face model directory, a hub id, or leave "
-                              "model unset to train from scratch")
+            raise ConfigError(f"model directory {name!r} does not exist: check the path, "
+                              "pass a hub id (org/name), or leave model unset to train from "
+                              "scratch")
         p = snapshot(name, "model", patterns=_HUB_FILES)
     if not (p / "config.json").is_file():
         raise ConfigError(f"model directory {name!r} has no config.json: pass the "
@@ -98,7 +98,12 @@ def build_model(cfg: TrainConfig, tokenizer) -> nn.Module:
 
     if cfg.model is not None:
         from ..adapters import load_hf
-        model = load_hf(str(_model_dir(cfg)), dtype=torch.float32)
+        # LoRA: the frozen base is loaded in the compute dtype (it is kept in it anyway),
+        # so host RAM never holds an fp32 copy of it; trainable weights are fp32.
+        from ..config import resolve_dtype
+        dtype = resolve_dtype(cfg.dtype) if cfg.lora or cfg.resume_from_adapter else \
+            torch.float32
+        model = load_hf(str(_model_dir(cfg)), dtype=dtype)
     else:
         torch.manual_seed(cfg.seed)
         config = transformers.Qwen3Config(
