@@ -173,12 +173,13 @@ def test_qlora_command_from_a_saved_checkpoint_lowers_held_out_loss(capsys, tmp_
     assert main(["train", *flags(data=str(data), out_dir=str(tmp_path / "base"),
                                  steps=10, eval_interval=0)]) == 0
     capsys.readouterr()
-    rc = main(["train", *flags(data=str(data), out_dir=str(tmp_path / "q"), steps=40,
-                               eval_interval=20, lr=1e-2),
+    rc = main(["train", *flags(data=str(data), out_dir=str(tmp_path / "q"), steps=80,
+                               eval_interval=40, lr=1e-2),
                "--model", str(tmp_path / "base" / "final"), "--qlora", "--lora-rank", "8"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "(QLoRA)" in out and "exported LoRA adapter" in out
     first, last = map(float, re.search(r"held-out loss ([\d.]+) -> ([\d.]+)", out).groups())
-    assert last < 0.98 * first, out      # measured: -2.6%
+    assert last < 0.98 * first, out      # measured: -2.6% at 40 steps before the
+    # pretrained defaults (issue 18); 80 steps keep a margin
     assert (tmp_path / "q" / "final" / "adapter_config.json").is_file()
