@@ -185,7 +185,12 @@ def test_resume_from_adapter_continues_the_lora(tmp_path, model_dir):
                                resume_from_adapter=str(adapter)), echo=lines.append)
     # The second run starts where the first ended: same weights, same held-out loss.
     assert second.eval_first == pytest.approx(first.eval_last, rel=1e-6)
-    assert second.eval_last < second.eval_first
+    # ... and trains the adapter further (every LoRA weight it exports has moved).
+    from safetensors.torch import load_file
+    before = load_file(str(adapter / "adapter_model.safetensors"))
+    after = load_file(str(tmp_path / "b" / "final" / "adapter_model.safetensors"))
+    assert before.keys() == after.keys() and before
+    assert all(not torch.equal(before[k], after[k]) for k in before)
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     again = json.loads((tmp_path / "b" / "final" / "adapter_config.json").read_text())
     assert again["r"] == cfg["r"] == 4
