@@ -442,9 +442,13 @@ class _Job:
     def samples(self) -> list[str]:
         """Sample every prompt with the current weights (rank 0); print them and append
         them to out_dir/samples.jsonl."""
-        if not (self.prompts and self.dist.is_main):
+        if not self.prompts:
             return []
-        self.pipe.flush()            # pipelined calls drained: the masters are current
+        # Pipelined calls drained, the masters current: on every rank, so that the ranks'
+        # steps stay in lockstep (stale: the pending step is applied, as evaluation does).
+        self.pipe.flush()
+        if not self.dist.is_main:
+            return []
         cfg, out = self.cfg, []
         how = "greedy" if not cfg.temperature else \
             f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}"
