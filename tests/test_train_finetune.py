@@ -185,7 +185,12 @@ def test_resume_from_adapter_continues_the_lora(tmp_path, model_dir):
                                resume_from_adapter=str(adapter)), echo=lines.append)
     # The second run starts where the first ended: same weights, same held-out loss.
     assert second.eval_first == pytest.approx(first.eval_last, rel=1e-6)
-    assert second.eval_last < second.eval_first
+    # ... and trains the adapter further (every LoRA weight it exports has moved).
+    from safetensors.torch import load_file
+    before = load_file(str(adapter / "adapter_model.safetensors"))
+    after = load_file(str(tmp_path / "b" / "final" / "adapter_model.safetensors"))
+    assert before.keys() == after.keys() and before
+    assert all(not torch.equal(before[k], after[k]) for k in before)
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     again = json.loads((tmp_path / "b" / "final" / "adapter_config.json").read_text())
     assert again["r"] == cfg["r"] == 4
@@ -332,3 +337,30 @@ def test_missing_paths_are_path_errors_not_hub_lookups(tmp_path, monkeypatch):
         source_files("corpus/train.jsonl")
     with pytest.raises(ConfigError, match="model directory 'models/Qwen3' does not exist"):
         resolve_model("models/Qwen3")
+
+
+def test_samples_at_an_interval_from_a_prompt_file_leave_training_alone(tmp_path,
+                                                                         model_dir):
+    data = chat_jsonl(tmp_path / "c.jsonl", 80)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("red fox\n\nbig tree hill\n")
+    common = dict(**RUN, model=str(model_dir), data=str(data), holdout=0.1, steps=4,
+                  eval_interval=0, lr=3e-3, warmup=1, sample_tokens=4)
+    train(TrainConfig(**common, out_dir=str(tmp_path / "plain")), echo=lambda s: None)
+    lines = []
+    result = train(TrainConfig(**common, out_dir=str(tmp_path / "s"), sample_prompt="cat dog",
+                               sample_file=str(prompts), sample_interval=2,
+                               temperature=0.8, top_p=0.9), echo=lines.append)
+    rows = [json.loads(line) for line in
+            (tmp_path / "s" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in rows] == [
+        (s, p) for s in (2, 4) for p in ("cat dog", "red fox", "big tree hill")]
+    assert result.sample == rows[3]["sample"]
+    assert sum("sample at step 2 (temperature 0.8, top-p 0.9" in line for line in lines) == 3
+    # Sampling mid-run (seeded, on its own random stream, the model put back in training
+    # mode) changes nothing in training: the same losses as the run without samples.
+    assert [r["loss"] for r in _metrics(tmp_path / "s") if "loss" in r] == \
+        [r["loss"] for r in _metrics(tmp_path / "plain") if "loss" in r]
+    with pytest.raises(ConfigError, match="sample_file .* cannot be read"):
+        train(TrainConfig(**common, out_dir=str(tmp_path / "x"),
+                          sample_file=str(tmp_path / "nope.txt")), echo=lambda s: None)

@@ -200,6 +200,11 @@ class TrainConfig:
     sample_prompt: str | None = None
     """Prompt of the sample (a chat model: the user's message, rendered with the chat
     template); None: 'def ' from scratch, no sample for a pretrained model."""
+    sample_file: str | None = None
+    """A text file of further sample prompts, one per line."""
+    sample_interval: int = 0
+    """Also sample every this many steps (0: only at the end); samples are printed and
+    kept in out_dir/samples.jsonl."""
     temperature: float = 0.0
     """Sampling temperature of the sample (0: greedy)."""
     top_p: float = 1.0
@@ -231,12 +236,13 @@ class TrainConfig:
             check.integer(n, getattr(self, n))
         for n in ("kv_heads", "ffn", "epochs", "steps"):
             check.integer(n, getattr(self, n), optional=True)
-        for n in ("eval_interval", "save_interval", "sample_tokens", "seed"):
+        for n in ("eval_interval", "save_interval", "sample_tokens", "sample_interval",
+                  "seed"):
             check.integer(n, getattr(self, n), minimum=0)
         check.integer("warmup", self.warmup, minimum=0, optional=True)
         check.text("model", self.model, optional=True,
                    allowed="a Hugging Face model directory or hub id")
-        for n in ("resume_from_adapter", "eval_data"):
+        for n in ("resume_from_adapter", "eval_data", "sample_file"):
             check.text(n, getattr(self, n), optional=True)
         for n in ("data", "lora_targets", "text_field", "prompt_field", "response_field",
                   "messages_field", "out_dir"):

@@ -31,7 +31,7 @@ from .config import TrainConfig
 from .data import Batch, TrainBatches, count_split, eval_set
 from .records import IGNORE, TextFields, iter_records, record_parts, source_files
 from .metrics import MetricSinks, check_sinks, plot_loss
-from .sample import generate_sample
+from .sample import generate_sample, sample_prompts
 from .model import (adapter_dir, build_model, build_tokenizer, check_sequence_length,
                     fingerprint)
 
@@ -144,6 +144,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         check_data(eval_files, fields)
     check_sequence_length(cfg)
     adapter_dir(cfg)
+    prompts = sample_prompts(cfg) if cfg.sample_tokens else []
     # the newest whole checkpoint (damaged ones skipped with a warning), or None
     resume, masters, state, meta = resume_from(ckdir, cfg.resume) or (None,) * 4
     _check_same_resume(dinfo, resume)
@@ -186,8 +187,10 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         if dinfo.distributed:
             echo(f"data parallel: {dinfo.world_size} ranks (torchrun), "
                  f"{cfg.batch // dinfo.world_size} sequences of the global batch per rank")
-        result = _loop(_Job(cfg, out, pipe, wrapped, tokenizer, opt, sched, stream,
-                            held, start, state, echo))
+        job = _Job(cfg, out, pipe, wrapped, tokenizer, opt, sched, stream, held, start,
+                   state, echo)
+        job.prompts = prompts
+        result = _loop(job)
     finally:
         pipe.close()
     if dinfo.distributed:              # not after an error: a broken gloo group can hang
@@ -349,6 +352,7 @@ class _Job:
         self.skipped_in_row = 0                      # optimizer steps skipped in a row
         self.say = echo
         self.dist = distributed.info()               # rank, world size (1 without torchrun)
+        self.prompts: list[str] = []                 # sample prompts
 
     def train_step(self) -> dict:
         """One optimizer step; its metrics."""
@@ -444,6 +448,31 @@ class _Job:
         # no rank reads a half-written one
         _collective(self.pipe, "checkpoint barrier", distributed.barrier)
 
+    def samples(self) -> list[str]:
+        """Sample every prompt with the current weights (rank 0); print them and append
+        them to out_dir/samples.jsonl."""
+        if not self.prompts:
+            return []
+        # Pipelined calls drained, the masters current: on every rank, so that the ranks'
+        # steps stay in lockstep (stale: the pending step is applied, as evaluation does).
+        self.pipe.flush()
+        if not self.dist.is_main:
+            return []
+        cfg, out = self.cfg, []
+        how = "greedy" if not cfg.temperature else \
+            f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}"
+        chat = " as the user's message" if getattr(self.tokenizer, "chat_template",
+                                                    None) else ""
+        with open(self.out / "samples.jsonl", "a") as f:
+            for prompt in self.prompts:
+                text = generate_sample(self.wrapped, self.tokenizer, cfg, prompt)
+                f.write(json.dumps({"step": self.step, "prompt": prompt, "sample": text})
+                        + "\n")
+                self.say(f"sample at step {self.step} ({how}, prompt {prompt!r}{chat}):\n"
+                         f"{text}")
+                out.append(text)
+        return out
+
     def saved_now(self) -> bool:
         return self.checkpoint is not None and \
             self.checkpoint.name == f"step-{self.step:08d}"
@@ -464,6 +493,7 @@ def _loop(job: _Job) -> TrainResult:
     main = job.dist.is_main                      # torchrun: rank 0 writes metrics.jsonl
     if main:
         _truncate_metrics(metrics_path, job.start)
+        _truncate_metrics(job.out / "samples.jsonl", job.start)
     evals = [(m["step"], m["eval_loss"]) for m in (_read_metrics(metrics_path) if main else [])
              if "eval_loss" in m]
     t_start = time.perf_counter()
@@ -536,6 +566,8 @@ def _loop(job: _Job) -> TrainResult:
                 pending = None
             if save:
                 job.save()
+            if cfg.sample_interval and step % cfg.sample_interval == 0 and step < cfg.steps:
+                job.samples()
         if pending is not None:
             emit(job.finish(pending))
         bar.close()
@@ -551,13 +583,7 @@ def _loop(job: _Job) -> TrainResult:
     else:
         if cfg.export and job.dist.is_main:
             job.export()
-        if cfg.sample_tokens and cfg.sample_prompt and job.dist.is_main:
-            sample = generate_sample(job.wrapped, job.tokenizer, cfg)
-            how = "greedy" if not cfg.temperature else \
-                f"temperature {cfg.temperature:g}, top-p {cfg.top_p:g}"
-            chat = " as the user's message" if getattr(job.tokenizer, "chat_template",
-                                                         None) else ""
-            job.echo(f"sample ({how}, prompt {cfg.sample_prompt!r}{chat}):\n{sample}")
+        sample = (job.samples() or [None])[0]
     if main and job.step > job.start:
         png = plot_loss(metrics_path, job.out / "loss.png")
         if png is not None:

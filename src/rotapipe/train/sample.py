@@ -1,32 +1,66 @@
-"""The sample at the end of a run: what the trained model writes after a prompt."""
+"""Samples: what the trained model writes after the prompts the user gives, at the end
+of a run (and every ``sample_interval`` steps), printed and kept in
+``out_dir/samples.jsonl``."""
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
 
+from ..errors import ConfigError
 from .config import TrainConfig
 from .records import Tokens
 
-__all__ = ["generate_sample"]
+__all__ = ["generate_sample", "sample_prompts"]
+
+
+def sample_prompts(cfg: TrainConfig) -> list[str]:
+    """``sample_prompt``, then the lines of ``sample_file`` (blank lines skipped);
+    read before any work, so a missing file fails first."""
+    prompts = [cfg.sample_prompt] if cfg.sample_prompt else []
+    if cfg.sample_file is not None:
+        path = pathlib.Path(cfg.sample_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"sample_file {cfg.sample_file!r} cannot be read ({why}): "
+                              "pass a text file with one prompt per line") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+        if len(prompts) == (1 if cfg.sample_prompt else 0):
+            raise ConfigError(f"sample_file {cfg.sample_file!r} holds no prompt: write one "
+                              "prompt per line")
+    return prompts
 
 
 @torch.no_grad()
-def generate_sample(wrapped, tokenizer, cfg: TrainConfig) -> str:
-    """Decode ``cfg.sample_prompt`` with the Hugging Face model itself on the CPU (its
+def generate_sample(wrapped, tokenizer, cfg: TrainConfig, prompt: str | None = None) -> str:
+    """Decode ``prompt`` (default ``cfg.sample_prompt``) with the Hugging Face model
+    itself on the CPU (its
     parameters are the trained fp32 masters): greedy, or sampled with ``temperature`` and
     ``top_p`` (seeded by ``seed``); stops at the end-of-text token (and the model's own
     end tokens); special tokens are not shown. A tokenizer with a chat template gets the
     prompt as the user's message, with the assistant header after it, and the reply
     alone is returned."""
+    text = cfg.sample_prompt if prompt is None else prompt
     model = wrapped.model
+    training = model.training      # the pipeline's layers are this model's modules
     model.eval()
+    try:
+        return _generate(model, wrapped, tokenizer, cfg, text)
+    finally:
+        model.train(training)
+
+
+def _generate(model, wrapped, tokenizer, cfg: TrainConfig, text: str) -> str:
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": cfg.sample_prompt}],
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              tokenize=False, add_generation_prompt=True)
         prompt = Tokens(tokenizer).encode(text)
     else:
         tokens = Tokens(tokenizer)
-        prompt = ([] if tokens.bos is None else [tokens.bos]) + tokens.encode(cfg.sample_prompt)
+        prompt = ([] if tokens.bos is None else [tokens.bos]) + tokens.encode(text)
     ids = torch.tensor([prompt])
     limit = getattr(wrapped.config, "max_position_embeddings", None) or 1 << 30
     new = max(0, min(cfg.sample_tokens, limit - ids.shape[1]))
