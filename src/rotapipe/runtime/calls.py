@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import NoReturn
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
