@@ -36,9 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import torch
@@ -48,6 +45,8 @@ import rotapipe
 from rotapipe import distributed
 from rotapipe.model.tiny import lm_loss, stride_batch, tiny_gpt
 from rotapipe.runtime.emulation import TimedEmulation
+
+from _ranks import launch_ranks       # the sibling helper (run from this folder)
 
 
 def rank_main(args) -> None:
@@ -148,14 +147,7 @@ def main() -> None:
     if "RANK" in os.environ:
         rank_main(args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-             for r in range(args.ranks)]
-    sys.exit(max(p.wait() for p in procs))
+    launch_ranks(__file__, args.ranks)
 
 
 if __name__ == "__main__":

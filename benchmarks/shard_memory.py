@@ -37,9 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import torch
@@ -47,6 +44,8 @@ import torch
 import rotapipe
 from rotapipe import distributed
 from rotapipe.model.tiny import lm_loss, stride_batch, tiny_gpt
+
+from _ranks import launch_ranks       # the sibling helper (run from this folder)
 
 MODES = (("none", "float32"), ("optimizer", "float32"), ("gradients", "float32"),
          ("optimizer", "bfloat16"), ("gradients", "bfloat16"))
@@ -156,14 +155,7 @@ def main() -> None:
     if "RANK" in os.environ:
         rank_main(args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-             for r in range(args.ranks)]
-    sys.exit(max(p.wait() for p in procs))
+    launch_ranks(__file__, args.ranks)
 
 
 if __name__ == "__main__":

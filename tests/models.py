@@ -9,6 +9,7 @@ share of the batch, exactly as ``RoundPipe.forward_backward`` documents.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torch import nn
@@ -33,6 +34,21 @@ class Embed(nn.Module):
 def Block(dim: int, hidden: int, heads: int = 2, dropout: float = 0.0) -> nn.Module:
     """Pre-norm transformer block with an MLP of width ``hidden`` (uneven per layer)."""
     return tiny.Block(dim, heads, dropout=dropout, hidden=hidden)
+
+
+class Sleepy(nn.Module):
+    """A linear layer that sleeps ``seconds`` in forward while ``seconds`` is set (a
+    stuck kernel; set it to 0 on the workers' shells to end the stall)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seconds = seconds
+
+    def forward(self, x):
+        if self.seconds:
+            time.sleep(self.seconds)
+        return self.lin(x)
 
 
 class RunningNorm(nn.Module):

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import rotapipe
-from models import emulated
+from models import Sleepy, emulated
 from train_util import deadline
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -48,20 +48,6 @@ def assert_state(model: nn.Module, expected: dict[str, torch.Tensor]) -> None:
     assert got.keys() == expected.keys()
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0, msg=k)
-
-
-class Sleepy(nn.Module):
-    """Sleeps ``seconds`` in forward (a stuck kernel) while ``seconds`` is set."""
-
-    def __init__(self, seconds: float):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.seconds = seconds
-
-    def forward(self, x):
-        if self.seconds:
-            time.sleep(self.seconds)
-        return self.lin(x)
 
 
 # -- lifecycle -------------------------------------------------------------------------

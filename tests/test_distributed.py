@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -34,19 +33,14 @@ import rotapipe
 from rotapipe import distributed
 from models import emulated, lm_loss, tiny_transformer, token_batch
 import dist_job
+from train_util import free_port
 
 JOB = pathlib.Path(__file__).with_name("dist_job.py")
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, world: int, *args: str) -> list[subprocess.Popen]:
-    port = _port()
+    port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0",
@@ -137,17 +131,6 @@ def test_ranks_with_different_models_fail_at_construction(tmp_path):
         rc, err = _finish(p, 40)
         assert rc == 4, err
         assert "rank(s) [1] differ from rank 0" in err, err
-
-
-@pytest.fixture
-def one_rank_group():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _run_steps(config, steps=2):

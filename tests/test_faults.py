@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 import rotapipe
-from models import emulated, lm_loss, reference_forward_backward, tiny_transformer, token_batch
+from models import (Sleepy, emulated, lm_loss, reference_forward_backward, tiny_transformer,
+                    token_batch)
 
 RTOL, ATOL = 1e-5, 1e-6
 PROMPT_S = 1.0          # the issue's bound: the caller sees the fault within a second
@@ -362,23 +363,9 @@ def test_threads_return_to_baseline_after_a_failed_call_and_close():
     assert_threads_back_to(baseline)
 
 
-class _Sleepy(nn.Module):
-    """Stalls the first time it runs (a stuck kernel), then behaves."""
-
-    def __init__(self, seconds: float):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.seconds = seconds
-
-    def forward(self, x):
-        if self.seconds:
-            time.sleep(self.seconds)
-        return self.lin(x)
-
-
 def test_a_stalled_worker_times_out_instead_of_hanging():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), _Sleepy(1.6), nn.Linear(4, 4))
+    model = nn.Sequential(nn.Linear(4, 4), Sleepy(1.6), nn.Linear(4, 4))
     config = emulated(2, 2, timeout_s=1.0)
     with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=config) as pipe:
         x, y = torch.randn(4, 4), torch.randn(4, 4)
@@ -397,7 +384,7 @@ def test_a_stalled_worker_times_out_instead_of_hanging():
 
 def test_a_worker_stuck_past_the_drain_timeout_retires_the_pipeline():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), _Sleepy(2.5), nn.Linear(4, 4))
+    model = nn.Sequential(nn.Linear(4, 4), Sleepy(2.5), nn.Linear(4, 4))
     with rotapipe.RoundPipe(model, nn.functional.mse_loss,
                             config=emulated(1, 1, timeout_s=0.5)) as pipe:
         x, y = torch.randn(4, 4), torch.randn(4, 4)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import copy
 import weakref
 
 import pytest

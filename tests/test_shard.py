@@ -16,14 +16,13 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import rotapipe
 from rotapipe import distributed
 from rotapipe.runtime.shard import ShardLayout
 from models import emulated, lm_loss, tiny_transformer, token_batch
 import dist_job
-from test_distributed import RTOL, ATOL, _finish, _launch, _port
+from test_distributed import RTOL, ATOL, _finish, _launch
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -86,17 +85,6 @@ def test_layout_pieces_cover_every_element_evenly():
         assert all(ranges[r][1] == ranges[r + 1][0] for r in range(2))
         assert max(lay[r].length(pid) for r in range(3)) - \
             min(lay[r].length(pid) for r in range(3)) <= 1
-
-
-@pytest.fixture
-def one_rank_group():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_pieces_are_the_parameters_and_state_dict_reads_the_weights(one_rank_group):

@@ -8,7 +8,7 @@ from rotapipe.cli import main
 from rotapipe.errors import ConfigError
 from rotapipe.train import TrainConfig, load_config
 from rotapipe.train.config import field_docs
-from train_util import TINY, flags, text_jsonl
+from train_util import flags, text_jsonl
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,7 +5,6 @@ metrics.jsonl, checkpoints and the export."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -13,22 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train_util import env, flags, run, text_jsonl
+from train_util import env, flags, free_port, run, text_jsonl
 
 pytest.importorskip("transformers")
 if not torch.distributed.is_available():
     pytest.skip("this torch build has no torch.distributed", allow_module_level=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 120):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            "-m", "rotapipe", "train", *args]
     return subprocess.run(cmd, env={**env(), "LOGLEVEL": "WARNING"}, capture_output=True,
                           text=True, timeout=timeout)
@@ -117,7 +110,7 @@ def test_a_time_limit_stops_every_rank_at_the_same_step(tmp_path):
 
 def _spawn(args: list[str]) -> list[subprocess.Popen]:
     """Two ranks started with torchrun's variables by hand (so a test can signal one)."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in (0, 1):
         e = {**env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",

@@ -8,6 +8,7 @@ import os
 import pathlib
 import random
 import signal
+import socket
 import subprocess
 import sys
 
@@ -145,3 +146,10 @@ def chat_jsonl(path: pathlib.Path, n: int = 200, seed: int = 0) -> pathlib.Path:
                          {"role": "assistant", "content": " ".join(reversed(words))}]
             f.write(json.dumps({"messages": msgs}) + "\n")
     return path
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for a gloo rendezvous or torchrun)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

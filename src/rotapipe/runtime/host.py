@@ -137,10 +137,6 @@ class HostState:
             self.layerset.params[pid].grad = None
         self.samples = 0.0
 
-    def grads_finite(self) -> bool:
-        return all(torch.isfinite(self.layerset.params[pid].grad).all()
-                   for pid in self.trainable if self.layerset.params[pid].grad is not None)
-
 
 class CallGrads:
     """Gradients of one call, summed over stages (tied weights) and unscaled."""

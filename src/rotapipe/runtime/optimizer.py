@@ -152,8 +152,11 @@ class HostOptimizer:
         Refreshes the compute copies of ``view`` (default: all)."""
         host = self.host
         params = host.layerset.params
-        overflow = not self.finite({pid: params[pid].grad for pid in host.trainable
-                                    if params[pid].grad is not None})
+        # With nonfinite="raise" every call's gradients were checked at its commit, and
+        # the accumulated ones are a convex combination of them: finite, no second pass.
+        checked = self.nonfinite is NonFinite.RAISE and not self.scaler.dynamic
+        overflow = not checked and not self.finite(
+            {pid: params[pid].grad for pid in host.trainable if params[pid].grad is not None})
         if not overflow:
             self.last_norm = clip((params[pid] for pid in host.trainable), self.max_norm)
             optimizer.step()

@@ -30,7 +30,7 @@ from .checkpoint import check_compatible, check_out_dir, resume_from, save_check
 from .config import TrainConfig
 from .data import Batch, TrainBatches, count_split, eval_set
 from .records import IGNORE, TextFields, iter_records, record_parts, source_files
-from .metrics import MetricSinks, check_sinks, plot_loss
+from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
 from .model import (adapter_dir, build_model, build_tokenizer, check_sequence_length,
                     fingerprint)
@@ -494,7 +494,7 @@ def _loop(job: _Job) -> TrainResult:
     if main:
         _truncate_metrics(metrics_path, job.start)
         _truncate_metrics(job.out / "samples.jsonl", job.start)
-    evals = [(m["step"], m["eval_loss"]) for m in (_read_metrics(metrics_path) if main else [])
+    evals = [(m["step"], m["eval_loss"]) for m in (read_metrics(metrics_path) if main else [])
              if "eval_loss" in m]
     t_start = time.perf_counter()
     # A bar only on a terminal: in a log file its carriage-return frames are noise, and
@@ -626,21 +626,9 @@ def _collective(pipe, what: str, fn, *args, **kwargs):
                                f"error: {type(exc).__name__}: {first}") from None
 
 
-def _read_metrics(path: pathlib.Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:       # a line cut by a crash
-            pass
-    return out
-
-
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
     """Drop lines after ``step`` (written by a run that died after its last checkpoint)."""
     if not path.is_file():
         return
-    keep = [m for m in _read_metrics(path) if m.get("step", 0) <= step] if step else []
+    keep = [m for m in read_metrics(path) if m.get("step", 0) <= step] if step else []
     path.write_text("".join(json.dumps(m) + "\n" for m in keep))

@@ -18,7 +18,7 @@ import pathlib
 
 from ..errors import ConfigError
 
-__all__ = ["MetricSinks", "check_sinks", "plot_loss"]
+__all__ = ["MetricSinks", "check_sinks", "plot_loss", "read_metrics"]
 
 _PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
@@ -80,6 +80,20 @@ class MetricSinks:
             self.run.finish()
 
 
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    """The records of a metrics.jsonl (none when it does not exist); a line cut by a
+    crash is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
 def plot_loss(metrics: pathlib.Path, png: pathlib.Path, title: str = "rotapipe train"
               ) -> pathlib.Path | None:
     """Draw the training loss per step and the evaluation loss of ``metrics`` (a
@@ -89,12 +103,7 @@ def plot_loss(metrics: pathlib.Path, png: pathlib.Path, title: str = "rotapipe t
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    rows = []
-    for line in metrics.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:           # a line cut by a crash
-            pass
+    rows = read_metrics(metrics)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
     if not train and not held:
