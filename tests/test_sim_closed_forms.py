@@ -9,7 +9,8 @@ from rotapipe.plan import LayerCost, ModelCosts, bound_plan
 from rotapipe.schedule import (Action, ActionKind as K, Schedule, gpipe_schedule,
                                interleaved_1f1b_schedule, looped_bfs_schedule,
                                one_f_one_b_schedule, roundpipe_stale_schedule)
-from rotapipe.sim import SCHEDULES, SimConfig, build_schedule, compare, simulate, table
+from rotapipe.sim import (SCHEDULES, ActionTimes, SimConfig, build_schedule, compare, run,
+                          simulate, table)
 
 COSTS = [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0)]   # (forward, backward) per layer
 
@@ -196,3 +197,28 @@ def test_sweep_all_schedules_simulate_consistently():
             b = r.report.bubble
             assert 0.0 <= b.total < 1.0 and min(b.fill, b.switch, b.drain, b.steady) >= 0.0
             assert r.report.exposed_comm <= b.total + 1e-9
+
+
+@pytest.mark.parametrize("workers, mbs", [(2, 4), (3, 6), (4, 8), (8, 16)])
+@pytest.mark.parametrize("upload_ms, opt_ms", [(0.0, 0.0), (0.3, 0.5), (1.0, 2.0)])
+def test_exact_overlapping_calls_cannot_beat_one_call(workers, mbs, upload_ms, opt_ms):
+    """The ceiling of the exact ``overlap`` mode (docs/optimizer.md): call ``c + 1``'s
+    first forward stage reads the update of call ``c``'s last backward stage, and every
+    other action of call ``c + 1`` depends on that stage's output, so each added call
+    costs at least one call alone, from its first weight upload to its last hand-off
+    (the gradient download and step of the last backward stage); ``stale`` (which never
+    waits for the latest update) is faster whenever the call has a fill or drain."""
+    costs = ModelCosts.explicit(10, 1.0, 2.0, head_forward_ms=1.5, head_backward_ms=3.0,
+                                upload_ms=upload_ms)
+    plan = even_plan(11, 3, 5, tail_layers=2)
+    times = ActionTimes(plan, costs, optimizer_ms=lambda stage: opt_ms)
+    one = run(roundpipe_schedule(plan, workers, mbs), times)
+    assert one.makespan == one.end[f"O:{plan.backward[0].name}"]
+    spans = {}
+    for staleness in (0, 1):
+        ends = [run(roundpipe_stale_schedule(plan, workers, mbs, calls=n,
+                                             staleness=staleness), times).makespan
+                for n in (3, 4)]
+        spans[staleness] = ends[1] - ends[0]
+    assert spans[0] >= one.makespan - 1e-9
+    assert spans[1] < spans[0]

@@ -11,8 +11,8 @@ at ``seq``, padded, with an attention mask).
 Nothing is loaded whole: files are read lazily, one record at a time, so a corpus
 larger than RAM works. The order is deterministic: each epoch visits the files in a
 permutation drawn from ``(seed, epoch)`` and each file's records in order. A record is
-held out for evaluation by a hash of ``(file, record index)``, independent of the
-seed. :class:`PackedStream` has a small cursor (epoch, file position, record index,
+held out for evaluation by a hash of ``(file name, record index)``, independent of the
+seed and of where the corpus lies (moving or copying it keeps the split). :class:`PackedStream` has a small cursor (epoch, file position, record index,
 the partial sequence carried over) that a checkpoint saves and restores exactly.
 """
 
@@ -64,7 +64,9 @@ class Batch(typing.NamedTuple):
 
 
 def _hash(path: pathlib.Path, index: int, salt: str = "") -> int:
-    key = f"{salt}{path.as_posix()}#{index}".encode()
+    # The file's name, not its path: the split and the lanes must not change when the
+    # corpus is moved, copied to another machine or read from another checkout.
+    key = f"{salt}{path.name}#{index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
