@@ -1,0 +1,59 @@
+"""How much of ``stale``'s speed the exact ``overlap`` mode can keep (simulator only).
+
+For each model on emulated 8x RTX 4090 (the planner's plan, sequence 2048, 16
+microbatches, host optimizer ``--optimizer-rate`` parameters/s), prints the step time of
+one call alone (from its first weight upload to its last hand-off), without optimizer
+work and with each stage's step done at its hand-off as ``overlap`` does it, of
+pipelined ``overlap`` and ``stale`` calls in their steady state (the same schedules and
+period measure as ``timed_emulation.py``), and the ceilings. An exact step cannot be
+shorter than one call alone with its last stage's step (docs/optimizer.md), so
+``overlap`` keeps at most that share of ``stale``'s tokens/s; ``free last step``: the
+share if that last step took no time.
+
+    python benchmarks/overlap_ceiling.py
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import rotapipe
+from rotapipe.planner.autoplan import PlannerConfig, choose_plan
+from rotapipe.runtime.emulation import TimedEmulation
+from rotapipe.sim import ActionTimes, run
+from timed_emulation import DEVICES, USABLE, WARMUP, loss_period, pipelined_sim
+
+MEASURED = 4
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="qwen3-1.7b,llama-3.1-8b,qwen3-32b")
+    ap.add_argument("--microbatches", type=int, default=16)
+    ap.add_argument("--optimizer-rate", type=float, default=5e9)
+    args = ap.parse_args(argv)
+    m = args.microbatches
+    print(f"{'model':14s} {'call, no step':>13s} {'call + steps':>12s} {'overlap':>9s} "
+          f"{'stale':>9s} {'overlap/stale':>13s} {'ceiling':>8s} {'free last step':>14s}")
+    for model in args.models.split(","):
+        em = TimedEmulation.of(model.strip(), "rtx4090x8", seq=2048,
+                               optimizer_params_per_s=args.optimizer_rate)
+        choice = choose_plan(lambda _: em.costs,
+                             PlannerConfig(DEVICES, USABLE, microbatch_counts=(m,),
+                                           tail_jobs=(1, 2, 3, 4)))
+        em = replace(em, costs=choice.costs)
+        call = rotapipe.roundpipe_schedule(choice.plan, DEVICES, m)
+        bare = run(call, ActionTimes(choice.plan, choice.costs)).makespan
+        one = run(call, ActionTimes(choice.plan, choice.costs,
+                                    optimizer_ms=em.optimizer_ms(choice.plan, False))).makespan
+        step = {mode: loss_period(pipelined_sim(em, choice.plan, mode, m,
+                                                WARMUP + MEASURED), choice.plan, MEASURED)
+                for mode in ("overlap", "stale")}
+        print(f"{model:14s} {bare:10,.0f} ms {one:9,.0f} ms {step['overlap']:6,.0f} ms "
+              f"{step['stale']:6,.0f} ms {step['stale'] / step['overlap']:13.1%} "
+              f"{step['stale'] / one:8.1%} {step['stale'] / bare:14.1%}")
+
+
+if __name__ == "__main__":
+    main()
