@@ -5,10 +5,12 @@ For each model: the planner's plan (``rotapipe plan MODEL --microbatches 16``: 8
 4090, sequence 2048, one sequence per microbatch, full fine-tuning, Qwen3-235B-A22B
 with LoRA rank 16; the planner's cost model, fp16 without fp16 accumulation unless
 ``--fp16-accumulate``), simulated for one call: once with the fused tail as one job
-(``tail_jobs=(1,)``) and once with the planner free to split it into up to 4 jobs. A
-split tail's extra jobs each upload the head's weights and download their gradients;
-the simulator charges both. Also the wall time of ``analyze`` (what ``rotapipe plan``
-runs, longest-sequence search included).
+(``tail_jobs=(1,)``) and once with the planner free to split it into up to 8 jobs (one
+per worker). A split tail's extra jobs each upload the head's weights and download
+their gradients; the simulator charges both. Both runs include the planner's re-cut
+candidates (thin first stages, local search on the job-grain estimate). Also the wall
+and CPU time of ``analyze`` (what ``rotapipe plan`` runs, longest-sequence search
+included; on a shared machine the CPU time is the figure to read).
 
     python benchmarks/paper_bubbles.py [--fp16-accumulate]
 
@@ -43,14 +45,14 @@ def main(argv=None) -> None:
     print(f"8x RTX 4090 ({hw.flops / 1e12:.0f} TFLOPS sustained), seq {SEQ}, {M} "
           "microbatches, exact optimizer, one call simulated")
     head = (f"{'model':22s} {'1 tail job':>18s} {'planner':>24s} {'paper':>6s} "
-            f"{'goal':>6s} {'met':>4s} {'plan s':>7s}")
+            f"{'goal':>6s} {'met':>4s} {'plan s':>7s} {'cpu s':>6s}")
     print(head)
     print(f"{'':22s} {'step ms':>9s} {'bubble':>8s} {'step ms':>9s} {'bubble':>8s} "
           f"{'tail':>6s}")
     for name, model, lora, paper, goal in MODELS:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         a = analyze(model, hw, seq=SEQ, global_batch=M, microbatches=M, lora_rank=lora)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         c = a.choice
         grads = tuple(2 * x for x in __import__("rotapipe.plan.hostmem", fromlist=["x"])
                       .lora_params(model, lora)) if lora else None
@@ -61,7 +63,7 @@ def main(argv=None) -> None:
         print(f"{name:22s} {one.step_ms:9.1f} {100 * one.report.bubble.total:7.1f}% "
               f"{best.step_ms:9.1f} {100 * best.bubble.total:7.1f}% "
               f"{'x' + str(c.plan.tail_jobs):>6s} {paper:5.1f}% {goal:5.1f}% {met:>4s} "
-              f"{seconds:7.2f}")
+              f"{seconds:7.2f} {cpu:6.2f}")
 
 
 if __name__ == "__main__":

@@ -275,7 +275,10 @@ def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) ->
     upload on the worker's link once the job two back there has ended (two stages
     resident) and the link is free; microbatch ``m`` starts when the worker is free,
     the weights are in, and microbatch ``m`` of the previous job has crossed to the
-    host and back. With ``calls > 1``: the mean period of overlapping calls."""
+    host and back. A call ends when its last microbatch is through and every tail and
+    backward job's weight gradients are down (a download as long as the job's weight
+    upload, after its last compute). With ``calls > 1``: the mean period of
+    overlapping calls."""
     return _estimate(fp, [(s.start, s.stop) for s in plan.forward], plan.tail.start,
                      [(s.start, s.stop) for s in plan.backward], plan.tail_jobs, workers,
                      calls)
@@ -325,8 +328,10 @@ def _estimate(fp: Footprint, fwd, tail: int, bwd, tail_jobs: int, workers: int,
     ended: list[float] = []
     ends, g = [], 0
     back = 2 * workers
+    nf = len(fwd)
     for _ in range(calls):
         ready = [0.0] * M
+        last = 0.0      # the call's last weight-gradient download ends
         for j, (early, t, up, hop) in enumerate(jobs):
             w = g % workers
             two_back = ended[g - back] if g >= back else 0.0
@@ -345,8 +350,10 @@ def _estimate(fp: Footprint, fwd, tail: int, bwd, tail_jobs: int, workers: int,
                 ready[m] = f
             free[w] = f
             ended.append(f)
+            if j >= nf and f + up > last:
+                last = f + up   # its weight gradients go down (as long as the upload)
             g += 1
-        ends.append(max(ready))
+        ends.append(max(last, max(ready)))
     return ends[0] if calls == 1 else (ends[-1] - ends[0]) / (calls - 1)
 
 
@@ -368,7 +375,7 @@ def _caps(fp: Footprint, n_body: int, memory: int) -> list[int]:
 def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
                     max_tail_layers: int = 3, spread: int = 2,
                     tail_layers: int | None = None, tail_jobs: int = 1,
-                    limit: int | None = None) -> list[tuple[float, Plan]]:
+                    limit: int | None = None, polish: int = 2) -> list[tuple[float, Plan]]:
     """Fitting RoundPipe plans for ``fp``, best first by :func:`estimate_step_ms`.
 
     Tries fused tails of 1..``max_tail_layers`` layers and longer ones (sizes growing
@@ -379,6 +386,10 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
     its exact min-max cut. ``tail_layers`` fixes the tail's length instead;
     ``tail_jobs`` splits the tail into that many jobs (each a share of the
     microbatches), which lowers the heaviest job the stages are sized against.
+    With ``polish`` (> 0) two families join them: the forward cut with its first
+    ``n = 1..workers`` stages one layer each (the first microbatch reaches every
+    worker sooner), the rest re-cut; and the best ``polish`` plans re-cut by local
+    search on the estimate (:func:`_polish`).
     ``limit``: return only the best ``limit``. Raises :class:`PlanError` (naming the
     layer) if nothing fits."""
     L = len(fp.costs.layers)
@@ -389,6 +400,7 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
             raise _fit_error(fp, Direction.BACKWARD, 0, 1, 0, memory)
         return [(estimate_step_ms(plan, fp, workers, calls), plan)][:limit]
     seen: dict[tuple, float] = {}   # (tail start, forward runs, backward runs) -> estimate
+    origin: dict[tuple, int] = {}   # each cap's best plan -> that cap
     tried: set = set()
     error: PlanError | None = None
     if tail_layers is not None and not 1 <= tail_layers < L:
@@ -426,14 +438,90 @@ def candidate_plans(fp: Footprint, workers: int, memory: int, *, calls: int = 1,
 
             best_f = min(fwds, key=lambda f: score(f, bwds[len(bwds) // 2]))
             best_b = min(bwds, key=lambda b: score(best_f, b))
-            min(fwds, key=lambda f: score(f, best_b))
+            last_f = min(fwds, key=lambda f: score(f, best_b))
+            f = min((best_f, last_f), key=lambda f: score(f, best_b))
+            origin.setdefault((body, tuple(f), tuple(best_b)), cap)
     if not seen:
         raise error or PlanError("no plan fits")
+    # Thin first stages on the best few: the first n forward stages one layer each (the
+    # first microbatch reaches every worker sooner), the rest re-cut as evenly.
+    for body, f, b in sorted(origin, key=seen.get)[:polish]:
+        cap = origin[body, f, b]
+        for n in range(1, min(workers + 1, len(f))):
+            try:
+                thin = tuple([(i, i + 1) for i in range(n)] + min_max_cut(
+                    fp, Direction.FORWARD, n, body, len(f) - n, cap=cap, memory=memory)[1])
+            except PlanError:
+                break
+            seen.setdefault((body, thin, b),
+                            _estimate(fp, thin, body, b, tail_jobs, workers, calls))
+            origin.setdefault((body, thin, b), cap)
+    # Re-cut the best few by local search (see _polish), under the cap each was cut with.
+    for key in sorted(origin, key=seen.get)[:polish]:
+        body, fwd, bwd = key
+        est, fwd, bwd = _polish(fp, body, list(fwd), list(bwd), tail_jobs, workers,
+                                calls, origin[key], memory, seen[key])
+        seen.setdefault((body, tuple(fwd), tuple(bwd)), est)
     # Ties (rounded) go to fewer jobs, then to the first scored.
     order = sorted(seen.items(), key=lambda kv: (round(kv[1], 6),
                                                  len(kv[0][1]) + tail_jobs + len(kv[0][2])))
     return [(est, assemble_plan(L, fwd, body, bwd, tail_jobs))
             for (body, fwd, bwd), est in order[:limit]]
+
+
+_POLISH_EVALS = 800
+"""Most estimates one :func:`_polish` computes (about 0.1 s of CPU on a 100-job plan;
+on the paper's five models the search settles well before)."""
+
+
+def _moves(runs: list[tuple[int, int]]):
+    """Cuts one step from ``runs``: a boundary moved by one layer either way, two
+    neighbouring runs merged, a run split in two halves."""
+    for i in range(len(runs) - 1):
+        (a, b), (_, d) = runs[i], runs[i + 1]
+        for nb in (b - 1, b + 1):
+            if a < nb < d:
+                yield runs[:i] + [(a, nb), (nb, d)] + runs[i + 2:]
+        yield runs[:i] + [(a, d)] + runs[i + 2:]
+    for i, (a, b) in enumerate(runs):
+        if b - a > 1:
+            m = (a + b) // 2
+            yield runs[:i] + [(a, m), (m, b)] + runs[i + 1:]
+
+
+def _polish(fp: Footprint, body: int, fwd, bwd, tail_jobs: int, workers: int, calls: int,
+            cap: int, memory: int, est: float):
+    """Local search from the cut ``fwd`` / ``bwd`` (estimate ``est``): take any single
+    move (:func:`_moves`, forward or backward) that lowers :func:`_estimate` and whose
+    runs fit (``cap``, ``memory``), until none does or :data:`_POLISH_EVALS` estimates
+    were made. Returns (estimate, forward runs, backward runs).
+
+    Why: the min-max cuts make every stage about equally heavy, but the round-robin
+    pays for the first microbatch crossing the first stages (each worker starts one
+    stage later than the one before) and for the last crossing the last ones; thinner
+    stages there, and job lengths that even out the workers' shares when the job count
+    is not a multiple of the workers, shorten the step. The job-grain estimate tracks
+    the simulated step closely on such changes; the planner simulates the result."""
+    reach = {d: _memory_reach(fp, d, 0, body, cap, memory)
+             for d in (Direction.FORWARD, Direction.BACKWARD)}
+
+    def fits(d, runs):
+        r = reach[d]
+        return all(b <= r[a] for a, b in runs)
+
+    evals, better = 0, True
+    while better and evals < _POLISH_EVALS:
+        better = False
+        for d in (Direction.FORWARD, Direction.BACKWARD):
+            for runs in _moves(fwd if d == Direction.FORWARD else bwd):
+                f2, b2 = (runs, bwd) if d == Direction.FORWARD else (fwd, runs)
+                e = _estimate(fp, f2, body, b2, tail_jobs, workers, calls)
+                evals += 1
+                if e < est - 1e-9 * est and fits(d, runs):
+                    est, fwd, bwd, better = e, f2, b2, True
+                if evals >= _POLISH_EVALS:
+                    break
+    return est, fwd, bwd
 
 
 def candidate_tail_sizes(fp: Footprint, workers: int, *, tail_layers: int | None = None,
