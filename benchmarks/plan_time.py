@@ -9,7 +9,9 @@ count dividing 16, both recompute grains, tails split up to 4 jobs):
   this process: CPU seconds, candidates simulated, and that both choose the same plan
   and step;
 - ``python -m rotapipe plan MODEL`` as a user runs it (imports included), wall and
-  CPU seconds, the best of ``--runs`` runs (the machine may be shared).
+  CPU seconds, the best of ``--runs`` runs (the machine may be shared);
+- last, ``python -m rotapipe simulate --model qwen3-32b --hardware rtx4090x8`` (every
+  schedule side by side) the same way.
 
     python benchmarks/plan_time.py [--runs 3]
 """
@@ -31,11 +33,11 @@ from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 MODELS = ("qwen3-1.7b", "llama-3.1-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b")
 
 
-def _cli(model: str) -> tuple[float, float]:
-    """(wall, CPU) seconds of one ``python -m rotapipe plan MODEL``."""
+def _cli(*args: str) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``python -m rotapipe ARGS``."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "rotapipe", "plan", model], env=os.environ,
+    subprocess.run([sys.executable, "-m", "rotapipe", *args], env=os.environ,
                    stdout=subprocess.DEVNULL, check=False)
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -62,10 +64,14 @@ def main(argv=None) -> None:
         t_every = time.process_time() - t
         same = (pruned.plan.to_text(), pruned.microbatches, pruned.grain, pruned.step_ms) == \
             (every.plan.to_text(), every.microbatches, every.grain, every.step_ms)
-        cli = [_cli(model) for _ in range(args.runs)]
+        cli = [_cli("plan", model) for _ in range(args.runs)]
         print(f"{model:16s} {t_pruned:9.2f} {pruned.simulated:5d} {t_every:8.2f} "
               f"{every.simulated:5d} {t_every / t_pruned:7.1f}x {'yes' if same else 'NO':>5s} "
               f"{min(w for w, _ in cli):11.2f} {min(c for _, c in cli):10.2f}")
+    sim = [_cli("simulate", "--model", "qwen3-32b", "--hardware", "rtx4090x8")
+           for _ in range(args.runs)]
+    print(f"rotapipe simulate --model qwen3-32b: wall {min(w for w, _ in sim):.2f} s, "
+          f"CPU {min(c for _, c in sim):.2f} s")
 
 
 if __name__ == "__main__":
