@@ -3,10 +3,16 @@ planner's prediction (docs/memory.md).
 
 1. Frozen base: a random Qwen3-architecture model (bf16) with LoRA r=16 on every
    projection of its blocks, wrapped with and without ``quantize="nf4"``, 2 emulated
-   workers, 2 training steps. Each variant runs in a fresh process with
-   ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors go back to the OS, so RSS shows what
-   is held). Printed: RSS after the steps over the process before the model existed,
-   and the planner's host bytes (``rotapipe.plan.host_memory``) for the same model.
+   workers, ``sync``, 2 training steps (one call each). Each variant runs in a fresh
+   process with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors go back to the OS, so
+   RSS shows what is held), after a warm-up run of a small model of the same kind
+   through the same code (lazy imports, library loads, thread arenas). RSS is counted
+   from before the model existed, sampled every 3 ms from the pipeline's construction
+   on, less the emulated devices' memory at that moment (on a GPU it is GPU memory):
+   their block pools and the dequantized NF4 weights they hold, measured. Printed per
+   term beside the planner (``rotapipe.plan.host_memory`` with one call per step, so
+   one fp32 gradient copy, and the largest tensor as the pin-copy transient), then
+   the peak and the held (after the steps) totals and their ratio to the planner.
 2. Gradients: a plain layer stack trained with ``overlap`` and ``undo_steps=False`` vs
    ``sync``; the peak of live fp32 weight-gradient bytes (each downloaded gradient
    counted until freed), in stages' worth, beside the planner's ``prefetch + 2``.
@@ -23,38 +29,123 @@ from rss import run_child
 
 HERE = str(pathlib.Path(__file__).parent)
 BASE = f"import sys\nsys.path.insert(0, {HERE!r})\n" + r"""
-import json, torch, transformers, peft, rotapipe, rotapipe.adapters
+import gc, json, threading, weakref, torch, transformers, peft, rotapipe, rotapipe.adapters
 from rss import rss
 from rotapipe.plan import model_costs, hardware
+from rotapipe.plan.costs import nf4_bytes
 from rotapipe.plan.hostmem import host_memory, lora_params
+from rotapipe.model.quant import NF4Weight
+from rotapipe.runtime.devices import make_devices
+from rotapipe.runtime.host import CallGrads
+from rotapipe.runtime.store import Store
 torch.set_num_threads(2)
-H, L, QUANT = {hidden}, {layers}, {quant!r}
-cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=H, intermediate_size=3 * H,
-                               num_hidden_layers=L, num_attention_heads=H // 64,
-                               num_key_value_heads=H // 128, head_dim=64,
-                               max_position_embeddings=128, tie_word_embeddings=False)
-r0 = rss()
-torch.manual_seed(0)
-model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=[
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-wrapped = rotapipe.adapters.wrap_hf(model, quantize=QUANT)
+H, L, QUANT, V = {hidden}, {layers}, {quant!r}, 512
+
+
+class Live:
+    # Bytes of tracked tensors alive now, and their peak (freed: finalizer).
+    def __init__(self):
+        self.now = self.peak = 0
+        self.lock = threading.Lock()
+
+    def track(self, t):
+        n = t.untyped_storage().nbytes()
+        with self.lock:
+            self.now += n
+            self.peak = max(self.peak, self.now)
+        weakref.finalize(t, self.gone, n)
+
+    def gone(self, n):
+        with self.lock:
+            self.now -= n
+
+
+dequantized, grads, fresh = Live(), Live(), set()
+_deq, _put, _add = NF4Weight.dequantize, Store.put, CallGrads.add
+def deq(self, *a, **k):     # a worker's dequantized weight: device memory
+    w = _deq(self, *a, **k)
+    fresh.add(w.data_ptr())
+    return w
+def put(store, key, value, *a, **k):    # ... held as the stage's parameter until freed
+    if store.device is not None and isinstance(key, tuple) and key[0] == "w":
+        for p in value[0].values():
+            if p.data_ptr() in fresh:
+                fresh.discard(p.data_ptr())
+                dequantized.track(p)
+    return _put(store, key, value, *a, **k)
+def add(self, pid, g):      # the call's fp32 gradients on the host
+    new = pid not in self.staged
+    _add(self, pid, g)
+    if new:
+        grads.track(self.staged[pid])
+NF4Weight.dequantize, Store.put, CallGrads.add = deq, put, add
+
+
+def build(h, layers):
+    cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=h, intermediate_size=3 * h,
+                                   num_hidden_layers=layers, num_attention_heads=h // 64,
+                                   num_key_value_heads=h // 128, head_dim=64,
+                                   max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    return cfg, rotapipe.adapters.wrap_hf(model, quantize=QUANT)
+
+
 pc = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated", pin="copy",
                          precision=rotapipe.PrecisionConfig("bf16"))
-ids = torch.randint(3, 512, (2, 64))
-with wrapped.pipe(pc) as pipe:
+ids = torch.randint(3, V, (2, 64))
+
+
+def train(wrapped, devices, steps):
+    pipe = wrapped.pipe(pc, devices=devices)
     pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-4))
-    for _ in range(2):
+    for _ in range(steps):
         pipe.train_step(wrapped.inputs(ids), ids)
     pipe.flush()
-    held = rss() - r0
-    plan, M = pipe.plan, 2
+    return pipe
+
+
+_, small = build(128, 2)
+train(small, make_devices(pc), 1).close()
+del small
+gc.collect()
+dequantized.peak = grads.peak = 0
+devices = make_devices(pc)
+def device_bytes():
+    return sum(d._device_blocks.nbytes for d in devices) + dequantized.now
+r0 = rss()
+cfg, wrapped = build(H, L)
+peak, stop = [0], threading.Event()
+def sample():
+    while not stop.wait(0.003):
+        peak[0] = max(peak[0], rss() - device_bytes() - r0)
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+with train(wrapped, devices, 2) as pipe:
+    stop.set()
+    sampler.join()
+    held = rss() - device_bytes() - r0
+    peak = max(peak[0], held)
+    host = pipe.host
+    measured = dict(
+        weights=sum({{c.untyped_storage().data_ptr(): c.untyped_storage().nbytes()
+                     for view in host.views for c in view}}.values()),
+        masters=sum(p.numel() * p.element_size() for p in pipe.parameters()),
+        optimizer=sum(v.numel() * v.element_size() for st in pipe.optimizer.state.values()
+                      for v in st.values() if isinstance(v, torch.Tensor)),
+        gradients=grads.peak,
+        downloads=sum(d._host_blocks.nbytes for d in devices))
+    device = dict(pools=sum(d._device_blocks.nbytes for d in devices),
+                  dequantized=dequantized.peak)
+    largest = max(nf4_bytes(3 * H * H) if QUANT else 2 * 3 * H * H, 2 * V * H)
     costs = model_costs(cfg.to_dict(), hardware("rtx4090x1"), seq=64)
-    pred = host_memory(costs, plan, M, 2, trainable_params=lora_params(cfg.to_dict(), 16),
-                       quantized=QUANT is not None, pin="copy")
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-print(json.dumps({{"held": held, "pred": pred.total, "pred_weights": pred.weights,
-                  "frozen": frozen}}))
+    pred = host_memory(costs, pipe.plan, 2, 2, trainable_params=lora_params(cfg.to_dict(), 16),
+                       quantized=QUANT is not None, pin="copy", staged_grads=False,
+                       largest_tensor=largest)
+print(json.dumps({{"peak": peak, "held": held, "measured": measured, "device": device,
+                  "pred": pred.as_dict()}}))
 """
 
 GRADS = f"import sys\nsys.path.insert(0, {HERE!r})\n" + r"""
@@ -101,17 +192,36 @@ def main() -> None:
     args = ap.parse_args()
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     print(f"1. frozen base, Qwen3 {args.layers} x {args.hidden}, LoRA r=16, bf16, "
-          "2 emulated workers, 2 threads")
-    print(f"{'base':<8}{'RSS held MB':>12}{'planner MB':>12}{'ratio':>8}")
-    rows = {}
-    for quant in (None, "nf4"):
-        r = run_child(BASE.format(hidden=args.hidden, layers=args.layers, quant=quant),
-                      **env)
-        rows[quant] = r
-        print(f"{quant or 'bf16':<8}{r['held'] / 1e6:>12.1f}{r['pred'] / 1e6:>12.1f}"
-              f"{r['held'] / r['pred']:>8.2f}")
-    print(f"planner's frozen-base bytes: NF4 {rows['nf4']['pred_weights'] / 1e6:.1f} MB vs "
-          f"bf16 {rows[None]['pred_weights'] / 1e6:.1f} MB (adapters' copies included)")
+          "2 emulated workers, 2 threads; MB (1e6 bytes)")
+    rows = {q: run_child(BASE.format(hidden=args.hidden, layers=args.layers, quant=q), **env)
+            for q in (None, "nf4")}
+    print(f"{'term':<34}" + "".join(f"{q or 'bf16':>10}{'planner':>9}" for q in rows))
+    terms = [("weights (compute copies, base)", "weights", "weights"),
+             ("fp32 masters", "masters", "masters"),
+             ("optimizer state", "optimizer", "optimizer"),
+             ("fp32 gradients (peak)", "gradients", "gradients"),
+             ("download blocks / staging+ckpts", "downloads", None),
+             ("pin-copy transient", None, "transient")]
+    for name, got, want in terms:
+        line = f"{name:<34}"
+        for r in rows.values():
+            m = r["measured"][got] if got else None
+            p = r["pred"][want] if want else r["pred"]["pinned_buffers"] \
+                + r["pred"]["checkpoints"]
+            line += (f"{m / 1e6:>10.1f}" if m is not None else f"{'-':>10}") + \
+                f"{p / 1e6:>9.1f}"
+        print(line)
+    for name, key in (("peak RSS growth, less device", "peak"),
+                      ("held after the steps, less device", "held")):
+        print(f"{name:<34}" + "".join(f"{r[key] / 1e6:>10.1f}{r['pred']['total'] / 1e6:>9.1f}"
+                                      for r in rows.values())
+              + "   ratio " + " ".join(f"{r[key] / r['pred']['total']:.2f}"
+                                       for r in rows.values()))
+    print("subtracted (emulated devices): " + "; ".join(
+        f"{q or 'bf16'} pools {r['device']['pools'] / 1e6:.1f}, dequantized weights peak "
+        f"{r['device']['dequantized'] / 1e6:.1f}" for q, r in rows.items()))
+    print(f"planner's frozen-base bytes: NF4 {rows['nf4']['pred']['weights'] / 1e6:.1f} MB vs "
+          f"bf16 {rows[None]['pred']['weights'] / 1e6:.1f} MB (adapters' copies included)")
     print("\n2. fp32 weight gradients alive on the host at once (24 layers of 256x256, "
           "24 backward stages, 4 train_steps)")
     print(f"{'mode':<28}{'threads':>8}{'peak KB':>10}{'stages':>8}{'planner':>9}")

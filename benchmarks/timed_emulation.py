@@ -42,6 +42,14 @@ in chunks of ``PipeConfig.copy_chunk_mb`` (32 MiB).
 
     python benchmarks/timed_emulation.py                       # all three models
     python benchmarks/timed_emulation.py --models qwen3-1.7b --steps 3
+    python benchmarks/timed_emulation.py --lora --steps 2      # LoRA vs QLoRA
+
+``--lora``: LoRA (rank 16 on every projection of the blocks) on a bf16 base against
+QLoRA (the same adapters on the NF4 base, ``model_costs(quantize="nf4")``: blocks
+upload NF4 bytes, dequantized on the device) for Qwen3-32B and Qwen3-235B-A22B
+(``--models`` to change), RoundPipe with the ``sync`` optimizer, each beside the
+simulator's prediction for the same plan (:func:`lora_costs` says what the costs
+assume).
 
 The host optimizer is modelled at ``--optimizer-rate`` parameters/s (fused CPU AdamW:
 1.8e9 on this 2-core machine; a dual-socket server does several times that).
@@ -63,6 +71,7 @@ from rotapipe.schedule import (gpipe_schedule, mobius_schedule, one_f_one_b_sche
 from rotapipe.runtime.emulation import TimedEmulation
 from rotapipe.sim import ActionTimes, memory_sizes, report, run
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
+from rotapipe.plan.hostmem import lora_params
 from rotapipe.sim import Timeline
 from rotapipe.plan import StageKind
 from rotapipe.schedule import ActionKind as K
@@ -243,6 +252,74 @@ def bench(model: str, args) -> list[dict]:
     return rows
 
 
+def lora_costs(model: str, seq: int, quantize: str | None, rank: int = 16):
+    """The planner's costs of LoRA of ``rank`` on a frozen base (NF4 with ``quantize``)
+    on one RTX 4090, and the adapters' parameters per layer. A frozen weight gets no
+    weight gradient: its share of the backward (the projections, ``5 forward - 2
+    backward`` of :func:`rotapipe.plan.model_work`'s arithmetic, whose backward is
+    twice the projections plus 2.5 times the attention core) goes, and only the
+    adapters' bf16 gradients are downloaded (``grad_ms``). The adapters' own FLOPs are
+    left out (rank 16: under 1% of a block's)."""
+    hw = rotapipe.plan.hardware("rtx4090x8")
+    costs = rotapipe.plan.model_costs(model, hw, seq=seq, quantize=quantize)
+    trainable = lora_params(model, rank)
+    ms_per_byte = 1e3 / hw.link_bytes_per_s
+    layers = tuple(replace(l, backward_ms=3 * l.backward_ms - 5 * l.forward_ms,
+                           grad_ms=2 * t * ms_per_byte)
+                   for l, t in zip(costs.layers, trainable))
+    return replace(costs, layers=layers), trainable
+
+
+def lora_bench(model: str, args) -> list[dict]:
+    """LoRA and QLoRA rows of ``model``: the planner's plan for each (which fits the
+    device with the adapters' gradients), one timed run each (``sync`` optimizer;
+    adapters' optimizer time left out: ``trainable=False``). No memory column: the
+    simulator's memory model sizes weight gradients like the weights (full
+    fine-tuning)."""
+    M, rows = args.microbatches, []
+    for quantize in (None, "nf4"):
+        costs, trainable = lora_costs(model, args.seq, quantize)
+        choice = choose_plan(lambda m: costs, PlannerConfig(
+            DEVICES, USABLE, microbatch_counts=(M,), tail_jobs=(1, 2, 3, 4),
+            grad_bytes=tuple(2 * t for t in trainable)))
+        sim = run(rotapipe.roundpipe_schedule(choice.plan, DEVICES, M),
+                  ActionTimes(choice.plan, costs))
+        times = ActionTimes(choice.plan, costs)
+        shortest = min(sum(times(a)) for a in sim.schedule.actions
+                       if a.lane.value == "compute" and sum(times(a)) > 0)
+        dilation = args.dilation or max(args.target_s * 1e3 / sim.makespan,
+                                        args.min_action_ms / shortest)
+        em = TimedEmulation(costs, dilation, args.optimizer_rate, trainable=False)
+        label = "QLoRA (NF4 base)" if quantize else "LoRA (bf16 base)"
+        row = measure(label, em, choice.plan, None, "sync", choice.grain.value, M,
+                      args.steps, sim)
+        row.update(plan=choice.plan, dilation=dilation,
+                   upload_gb=sum(l.upload_ms for l in costs.layers)
+                   * hardware_link(costs) / 1e9)
+        rows.append(row)
+    print(f"\n{model}: LoRA r=16 vs QLoRA, seq {args.seq}, {M} microbatches, sync "
+          "optimizer")
+    print(f"{'base':18s} {'tokens/s':>9s} {'sim tok/s':>9s} {'rt/sim':>7s} "
+          f"{'step s':>7s} {'bubble':>7s} {'stages F/B':>10s} "
+          f"{'upload GB':>9s} {'dilation':>8s}")
+    for r in rows:
+        p = r["plan"]
+        print(f"{r['label']:18s} {r['tokens']:9,.0f} {r['sim_tokens']:9,.0f} "
+              f"{r['ratio']:7.3f} {r['step_s']:7.2f} {r['bubble']:7.1%} "
+              f"{len(p.forward):>4d}/{len(p.backward):<5d} "
+              f"{r['upload_gb']:9.1f} {r['dilation']:8.2f}")
+    print(f"QLoRA over LoRA: {rows[1]['tokens'] / rows[0]['tokens']:.2f}x measured, "
+          f"{rows[1]['sim_tokens'] / rows[0]['sim_tokens']:.2f}x simulated")
+    return rows
+
+
+def hardware_link(costs) -> float:
+    """Bytes per ms of the host link (from the embedding, uploaded in bf16 in both):
+    ``upload GB`` is one pass over every layer's weights as uploaded."""
+    l = costs.layers[0]
+    return l.weight_bytes / l.upload_ms
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="qwen3-1.7b,llama-3.1-8b,qwen3-32b")
@@ -259,12 +336,16 @@ def main(argv=None) -> None:
                     help="host optimizer throughput, parameters/s")
     ap.add_argument("--no-ungated", dest="ungated", action="store_false",
                     help="skip the gate_copies=False ablation column")
+    ap.add_argument("--lora", action="store_true",
+                    help="LoRA vs QLoRA rows (default models: qwen3-32b,qwen3-235b-a22b)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"emulated {DEVICES}x RTX 4090 (usable {USABLE / GIB:.1f} GiB each), host optimizer "
           f"{args.optimizer_rate:.1e} params/s; torch threads 1")
+    if args.lora and args.models == ap.get_default("models"):
+        args.models = "qwen3-32b,qwen3-235b-a22b"
     for model in args.models.split(","):
-        bench(model.strip(), args)
+        (lora_bench if args.lora else bench)(model.strip(), args)
 
 
 if __name__ == "__main__":

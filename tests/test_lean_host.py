@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 
 import pytest
@@ -23,6 +25,7 @@ from models import emulated, tiny_transformer, token_batch
 from rotapipe.runtime.kernels import ActionRunner
 from rotapipe.runtime.optimizer import Snapshot
 from rotapipe.runtime.store import Store
+from rotapipe.schedule.roundpipe import grad_window
 from test_exactness import OPTIMIZERS, RTOL, ATOL, step_batches, train_reference
 from test_faults import faulty_model
 from test_optimizer_modes import CLIP, MODEL, WaitingTrigger, train_fused
@@ -125,6 +128,59 @@ def test_overlap_frees_each_stages_gradients_at_its_step(monkeypatch, prefetch):
         pipe.flush()
     assert meter.handoffs == 3 * stages and meter.peak > 0
     assert meter.live == 0
+
+
+class StageMeter(GradMeter):
+    """:class:`GradMeter` by stage: the most stages with a weight gradient alive on the
+    host at one moment (a stage counts from its first gradient's arrival until its
+    last one is freed)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__(monkeypatch)
+        self.alive: dict[str, int] = {}
+        self.peak_stages = 0
+        self._lock = threading.Lock()
+
+    def _track(self, t: torch.Tensor, stage: str) -> None:
+        super()._track(t, stage)
+        with self._lock:
+            self.alive[stage] = self.alive.get(stage, 0) + 1
+            self.peak_stages = max(self.peak_stages, len(self.alive))
+        weakref.finalize(t, self._gone, stage)
+
+    def _gone(self, stage: str) -> None:
+        with self._lock:
+            self.alive[stage] -= 1
+            if not self.alive[stage]:
+                del self.alive[stage]
+
+
+@pytest.mark.parametrize("prefetch,workers", [(1, 2), (2, 3)])
+def test_a_slow_host_lane_holds_back_gradient_downloads(monkeypatch, prefetch, workers):
+    """Without accumulation, ``overlap`` holds fp32 gradients of at most ``prefetch + 2``
+    stages (the planner's count, the schedule's gradient window) whatever
+    the timing: here every hand-off sleeps, so the host lane lags far behind the
+    workers, and the gradient downloads wait for it (roundpipe.grad_window)."""
+    model = tiny_transformer(dim=16, widths=(64,) * 10)
+    config = emulated(workers, 2, optimizer_mode="overlap", undo_steps=False,
+                      prefetch=prefetch, backward_stages=12, forward_stages=4)
+    meter = StageMeter(monkeypatch)
+    handoff = ActionRunner._optimizer
+
+    def slow(runner, a):
+        time.sleep(0.03)      # a host optimizer slower than the workers
+        handoff(runner, a)
+    monkeypatch.setattr(ActionRunner, "_optimizer", slow)
+    with rotapipe.RoundPipe(model, lambda y, t: torch.nn.functional.cross_entropy(
+            y.flatten(0, 1), t.flatten()), config=config,
+            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        stages = 1 + len(pipe.plan.backward)
+        for s in range(3):
+            pipe.train_step(*token_batch(4, 6, seed=s))
+        pipe.flush()
+    assert meter.handoffs == 3 * stages and meter.live == 0
+    assert grad_window(prefetch) == prefetch + 2
+    assert 2 <= meter.peak_stages <= prefetch + 2, meter.peak_stages
 
 
 def test_clipping_keeps_one_copy_of_the_gradients(monkeypatch):

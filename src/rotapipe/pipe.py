@@ -28,6 +28,7 @@ from .model import LayerSet
 from .planner.pipeline import PipePlanner
 from .plan import Plan
 from .schedule import Schedule, roundpipe_call, validate
+from .schedule.roundpipe import grad_window
 from .schedule.validate import check_runnable
 from .runtime.allreduce import GradReducer
 from .runtime.backend import Device
@@ -335,7 +336,8 @@ class RoundPipe:
                 self.plan, len(self.devices), M, index, reads=opt.reads(stream.step_ends),
                 whole_step=opt.whole_step, ties=self._ties,
                 side_inputs=self.side_inputs is not None,
-                tail_barrier=self.tail_context is not None, prefetch=cfg.prefetch),
+                tail_barrier=self.tail_context is not None, prefetch=cfg.prefetch,
+                grad_window=grad_window(cfg.prefetch)),
                 "roundpipe-stale")
         grads = CallGrads(1.0 / self.scaler.scale)
         ctx = self._calls.context(stream.next_number, True, [u / total for u in units],

@@ -49,11 +49,15 @@ class LayerCost:
     saved_bytes: int = 0
     """Activations autograd keeps for the backward when the forward keeps its graph."""
     output_bytes: int = 0
+    grad_ms: float | None = None
+    """Device-to-host download of the layer's weight gradients when it differs from
+    ``upload_ms`` (LoRA: only the adapters' gradients; ``None``: every weight is
+    trained and its gradient takes as long as its upload)."""
 
     def __post_init__(self):
         for f in ("forward_ms", "backward_ms", "recompute_ms", "upload_ms", "hop_ms",
                   "weight_bytes", "saved_bytes", "output_bytes"):
-            if getattr(self, f) < 0:
+            if getattr(self, f) < 0 or (self.grad_ms is not None and self.grad_ms < 0):
                 raise ConfigError(f"layer {self.name}: {f} must be >= 0, got "
                                   f"{getattr(self, f)}")
 

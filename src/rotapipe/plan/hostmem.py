@@ -37,9 +37,10 @@ The optimizer's host layout (:data:`LAYOUTS`, docs/memory.md) decides the gradie
   (``PipeConfig(undo_steps=True)``, its default): ``4 * (1 + optimizer_states)``
   bytes per trainable parameter at the end of a call;
 - ``"lean"``: ``overlap`` with ``undo_steps=False`` and one call per step: each
-  stage's gradients die at its step, so the host holds about ``prefetch + 2``
-  stages' gradients (when the host lane keeps up with the workers; clipping keeps the
-  whole model's once, as ``"sync"`` without accumulation).
+  stage's gradients die at its step, and gradient downloads wait for the hand-off
+  ``prefetch + 2`` jobs back (:func:`rotapipe.schedule.roundpipe.grad_window`), so the
+  host holds at most ``prefetch + 2`` stages' gradients whatever the timing (clipping
+  keeps the whole model's once, as ``"sync"`` without accumulation).
 
 What is page-locked (:attr:`HostMemory.pinned`; the kernel can neither swap nor evict
 it) depends on the pin mode (:class:`rotapipe.PinMode`, ``PipeConfig.pin``):
@@ -222,8 +223,8 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
         largest_tensor = max(l.weight_bytes for l in layers)
     gradients = grad_bytes * n_train * (2 if staged_grads else 1)
     if layout == "lean":
-        # Stages whose gradients wait on the host at once: the one being stepped, the
-        # one downloading, and those the prefetch lets run ahead.
+        # Stages whose gradients are on the host at once: the schedule's gradient
+        # window (a download waits for the hand-off prefetch + 2 jobs back).
         per_stage = [sum(trainable[s.start:s.stop]) for s in grad_stages]
         gradients = grad_bytes * min(n_train, (prefetch + 2) * max(per_stage))
     return HostMemory(weights=weights, masters=4 * n_train,

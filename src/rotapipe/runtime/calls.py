@@ -392,6 +392,10 @@ class CallStream:
             self.results[c.number] = c.result
             self.results.pop(c.number - 64, None)
             self.runner.end(c.index)
+            # The call's context points back at it (ctx.handoff): break the cycle so
+            # the call's host store (activation checkpoints, input gradients) is freed
+            # when the caller drops the call, not at some later garbage collection.
+            c.state.ctx.handoff = None
             done.append(c)
         return done
 

@@ -124,7 +124,10 @@ class ActionRunner:
         """``fn``, run with ``state`` as this thread's call."""
         def run():
             self._tls.state = state
-            fn()
+            try:
+                fn()
+            finally:
+                self._tls.state = None      # see run()
         return run
 
     timing: Callable[[Action], tuple[float, ...]] | None = None
@@ -135,13 +138,20 @@ class ActionRunner:
 
     def run(self, a: Action) -> None:
         self._tls.state = self.states[a.call]
-        if self.timing is None:
+        try:
+            if self.timing is None:
+                getattr(self, "_" + a.kind.name.lower())(a)
+                return
+            t0 = time.perf_counter()
             getattr(self, "_" + a.kind.name.lower())(a)
-            return
-        t0 = time.perf_counter()
-        getattr(self, "_" + a.kind.name.lower())(a)
-        # Sleep outside the random-generator lock: emulated workers overlap here.
-        sleep_until(t0 + sum(self.timing(a)))
+            # Sleep outside the random-generator lock: emulated workers overlap here.
+            sleep_until(t0 + sum(self.timing(a)))
+        finally:
+            # A thread must not keep the call's state once the action is done: it holds
+            # the call's host store (every activation checkpoint and input gradient), so
+            # a thread that runs nothing more would keep a finished call's checkpoints
+            # alive beside the next call's (docs/memory.md).
+            self._tls.state = None
 
     def chunks(self, a: Action) -> list | None:
         """The chunks of a weight upload or weight-gradient download (``None`` for
@@ -149,8 +159,11 @@ class ActionRunner:
         if a.kind not in (K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD):
             return None
         state = self._tls.state = self.states[a.call]
-        chunks = self.copies.upload(a) if a.kind is K.UPLOAD_WEIGHTS else \
-            self.copies.download(a)
+        try:
+            chunks = self.copies.upload(a) if a.kind is K.UPLOAD_WEIGHTS else \
+                self.copies.download(a)
+        finally:
+            self._tls.state = None      # see run()
         for c in chunks:
             c.copy = self._in_call(state, c.copy)
             if c.stage is not None:

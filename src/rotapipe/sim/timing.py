@@ -29,11 +29,11 @@ class ActionTimes:
     model-input upload costs ``input_hop_ms``). A weight upload moves each layer in
     ``layer_chunks(weight_bytes, chunk_bytes)`` equal chunks (the runtime's gated
     chunks, ``rotapipe.runtime.transfer``); a weight-gradient download takes as long as
-    the upload, in the same chunks. Frees, side inputs, buffer downloads and optimizer
-    hand-offs take no time, unless ``optimizer_ms(stage)`` gives the host optimizer
-    work an ``O`` action does
-    (:meth:`rotapipe.runtime.emulation.TimedEmulation.optimizer_ms`). ``chunk_bytes=None``:
-    one chunk per layer.
+    the upload (or the layer's ``grad_ms``: LoRA), in the same chunks. Frees, side
+    inputs, buffer downloads and optimizer hand-offs take no time, unless
+    ``optimizer_ms(stage)`` gives the host optimizer work an ``O`` action does
+    (:meth:`rotapipe.runtime.emulation.TimedEmulation.optimizer_ms`).
+    ``chunk_bytes=None``: one chunk per layer.
     """
 
     def __init__(self, plan: Plan, costs: ModelCosts, chunk_bytes: int | None = DEFAULT_CHUNK,
@@ -71,7 +71,9 @@ class ActionTimes:
             for l in layers:
                 k = 1 if self.chunk_bytes is None else \
                     layer_chunks(l.weight_bytes, self.chunk_bytes)
-                out += [l.upload_ms / k] * k
+                ms = l.grad_ms if a.kind is K.DOWNLOAD_WGRAD and l.grad_ms is not None \
+                    else l.upload_ms
+                out += [ms / k] * k
             return tuple(out)
         if a.kind is K.OPTIMIZER and self.optimizer_ms is not None:
             return (self.optimizer_ms(s),)
