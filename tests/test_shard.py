@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -183,3 +185,102 @@ def test_planner_per_server_memory_and_traffic():
     assert slow.servers[1].host.gradients > opt.host.gradients
     with pytest.raises(rotapipe.ConfigError, match="multiple of --nodes"):
         analyze("qwen3-32b", hw, seq=2048, global_batch=15, nodes=2)
+
+
+class _SlowLink:
+    """A fake link in front of a reducer's all-to-alls: each collective completes only
+    ``s_per_mib`` seconds per MiB after the previous one did (one FIFO link), and
+    what is in flight (issued, not yet waited for by the pipeline) is counted here,
+    independently of the runtime's own counter."""
+
+    def __init__(self, reducer, s_per_mib: float):
+        self.s_per_mib, self.free_at = s_per_mib, 0.0
+        self.bytes = self.peak = self.issued = 0
+        self.lock = threading.Lock()
+        real = reducer.exchange
+
+        def exchange(out, inp, out_splits, in_splits):
+            work, seq = real(out, inp, out_splits, in_splits)
+            nbytes = inp.numel() * inp.element_size() + out.numel() * out.element_size()
+            with self.lock:
+                self.free_at = max(self.free_at, time.monotonic()) + \
+                    nbytes / 2**20 * self.s_per_mib
+                self.bytes += nbytes
+                self.peak = max(self.peak, self.bytes)
+                self.issued += 1
+            return _Delayed(self, work, self.free_at, nbytes), seq
+
+        reducer.exchange = exchange
+
+
+class _Delayed:
+    def __init__(self, link, work, at, nbytes):
+        self.link, self.work, self.at, self.nbytes, self.waited = link, work, at, nbytes, False
+
+    def is_completed(self):
+        return time.monotonic() >= self.at and self.work.is_completed()
+
+    def wait(self):
+        time.sleep(max(0.0, self.at - time.monotonic()))
+        self.work.wait()
+        with self.link.lock:
+            if not self.waited:
+                self.link.bytes -= self.nbytes
+                self.waited = True
+
+
+def _backpressure_run(dp, steps: int = 2, link: float | None = None):
+    """1 worker, 8 backward stages, sync steps; ``link``: seconds per MiB of a slow
+    fake link. Returns (weights, pipe's reducer, link)."""
+    model = tiny_transformer(widths=(24,) * 8)
+    config = emulated(1, 2, data_parallel=dp, forward_stages=2, backward_stages=8)
+    with rotapipe.RoundPipe(model, lm_loss, config=config,
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2)) as pipe:
+        slow = _SlowLink(pipe.data_parallel, link) if link else None
+        gates = []
+        for step in range(steps):
+            pipe.forward_backward(*token_batch(8, seed=step))
+            gates.append(pipe.data_parallel.last_gate if dp else None)
+            pipe.step()
+        state = {k: v.detach().float().clone() for k, v in pipe.state_dict().items()}
+        return state, gates, pipe._shard, slow
+
+
+def test_backpressure_caps_the_buckets_in_flight_and_stays_exact(one_rank_group):
+    """A link far slower than the backward: the bytes of the collectives in flight
+    (send + receive buffers, counted by the fake link itself) never pass
+    ``inflight_mb``, the host lane and the backward both waited, at most ``2 x
+    workers`` stages ran ahead of the host lane, and the weights equal a run without
+    data parallelism (and one without the cap: the cap changes when, not what)."""
+    bucket = 2**-8                                     # 4 KiB buckets: many per stage
+    cap_mb = 3 * 2 * bucket                            # about three buckets' buffers
+    dp = rotapipe.DataParallelConfig(enabled=True, shard="gradients", timeout_s=30,
+                                     bucket_mb=bucket, inflight_mb=cap_mb)
+    got, gates, shard, link = _backpressure_run(dp, link=0.5)        # 2 MiB/s
+    cap = int(cap_mb * 2**20)
+    assert 0 < link.peak <= cap, (link.peak, cap)
+    for g in gates:
+        assert 0 < g.peak <= cap and g.host_waits > 0
+        assert g.backward_waits > 0 and g.most_ahead <= g.stages == 2
+    assert shard.last_step_gate.peak <= cap and shard.last_step_gate.host_waits > 0
+    want, _, _, _ = _backpressure_run(False)
+    free, _, _, _ = _backpressure_run(rotapipe.DataParallelConfig(
+        enabled=True, shard="gradients", timeout_s=30, bucket_mb=bucket, inflight_mb=1e6))
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=k)
+        assert torch.equal(got[k], free[k]), k
+
+
+def test_backpressure_caps_the_all_reduce_too(one_rank_group):
+    """shard="none": the flat all-reduce buckets in flight stay within the cap (the
+    oldest is applied early), with the weights of a run without data parallelism."""
+    bucket = 2**-8
+    cap_mb = 3 * bucket
+    dp = rotapipe.DataParallelConfig(enabled=True, timeout_s=30, bucket_mb=bucket,
+                                     inflight_mb=cap_mb)
+    got, gates, _, _ = _backpressure_run(dp)
+    for g in gates:
+        assert 0 < g.peak <= int(cap_mb * 2**20) and g.host_waits > 0
+    want, _, _, _ = _backpressure_run(False)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=k)
