@@ -15,6 +15,11 @@ One :class:`GradReducer` per pipeline; one :class:`CallReduce` per training call
 3. :meth:`CallReduce.finish` waits for every bucket and points the call's staged
    gradients at the reduced buffers; the pipeline then commits them as usual.
 
+Backpressure (:class:`InFlight`, ``DataParallelConfig.inflight_mb``): a hand-off waits
+for older buckets while the buffers in flight would pass the cap, and the workers'
+backward waits once ``2 x workers`` stages queue behind the host lane, so a slow link
+costs time instead of host memory.
+
 Ordering (why no tags are needed): gloo matches collectives by issue order. Every rank
 runs the same schedule, so its host lane issues the same buckets in the same order; the
 caller-thread collectives (units, loss) are issued only while no bucket is in flight.

@@ -154,6 +154,8 @@ class ShardedOptimizer(HostOptimizer):
         """``shard="optimizer"``: the full local gradient accumulated since the last step."""
         self.latest = 0        # the set of compute copies holding the newest weights
         self.traffic = Traffic()
+        self.last_global_norm: float | None = None
+        """The global gradient norm of the last whole step (clipping on or off)."""
         self.last_step_gate: InFlight | None = None
         """Backpressure counters of the last whole-step collectives (caller thread)."""
 
@@ -371,6 +373,7 @@ class ShardedOptimizer(HostOptimizer):
         # the non-finite check (the same sum on every rank, so every rank decides alike).
         sq = sum((float(q.grad.double().square().sum()) for q in qs), 0.0)
         total = self.r.global_sum(sq, "sum of the shards' squared gradient norms")
+        self.last_global_norm = math.sqrt(total) if math.isfinite(total) else float("nan")
         if not math.isfinite(total):
             if not self.scaler.dynamic and self.nonfinite is NonFinite.RAISE:
                 raise NonFiniteError(
