@@ -410,6 +410,7 @@ class InFlight:
         self.backward_wait_s = 0.0     # seconds workers spent waiting in enter
         self.handed_off = 0            # O actions done (leave)
         self.most_ahead = 0            # the most stages ever entered and not handed off
+        self.waiting = 0               # workers waiting in enter now
         self._entered: set[str] = set()
         self._cv = threading.Condition()
 
@@ -442,9 +443,12 @@ class InFlight:
                 return
             t0 = None
             while place >= self.handed_off + self.stages and not self.aborted():
-                t0 = t0 or time.perf_counter()
+                if t0 is None:
+                    t0 = time.perf_counter()
+                    self.waiting += 1
                 self._cv.wait(0.01)
             if t0 is not None:
+                self.waiting -= 1
                 self.backward_waits += 1
                 self.backward_wait_s += time.perf_counter() - t0
             self._entered.add(stage)
