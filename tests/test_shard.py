@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -170,6 +172,9 @@ def test_planner_per_server_memory_and_traffic():
     one = analyze("qwen3-32b", hw, seq=2048, global_batch=8, host_ram=384 * GB)
     two = analyze("qwen3-32b", hw, seq=2048, global_batch=16, host_ram=384 * GB, nodes=2,
                   network_gbps=200)
+    # The acceptance case: 2 servers of 384 GB at the default 25 Gb/s.
+    slow = analyze("qwen3-32b", hw, seq=2048, global_batch=16, host_ram=384 * GB, nodes=2)
+    assert slow.fits and slow.shard == "optimizer"
     assert not one.fits_host and two.fits and two.shard == "optimizer"
     none, opt, grads = two.servers
     assert none.host == one.host            # unsharded: every server holds everything
@@ -177,9 +182,132 @@ def test_planner_per_server_memory_and_traffic():
     assert opt.host.optimizer == -(-one.host.optimizer // 2)
     assert opt.sent_bytes < none.sent_bytes and opt.comm_s < none.comm_s
     assert "per server (2 servers" in two.to_text()
-    # A slow link leaves gradients queued: more host bytes per server.
-    slow = analyze("qwen3-32b", hw, seq=2048, global_batch=16, host_ram=384 * GB, nodes=2,
-                   network_gbps=25)
-    assert slow.servers[1].host.gradients > opt.host.gradients
+    # Gradients waiting for the network are the runtime's cap (inflight_mb) plus one
+    # stage's fp32 gradients at its hand-off, at any link rate: a slow link costs
+    # exposed time instead (the backward waits).
+    stage = one.host.pinned_buffers // hw.count
+    for m in (opt, slow.servers[1]):
+        assert m.host.gradients == -(-one.host.masters // 2) + stage + 100 * 2**20
+    assert slow.servers[1].host == opt.host
+    assert slow.servers[1].exposed_s > opt.exposed_s > 0
+    assert slow.servers[1].step_s == pytest.approx(
+        slow.servers[1].compute_s + slow.servers[1].exposed_s)
+    small = analyze("qwen3-32b", hw, seq=2048, global_batch=16, host_ram=384 * GB, nodes=2,
+                    inflight_mb=10)
+    assert small.servers[1].host.gradients == opt.host.gradients - 90 * 2**20
+    assert "capped at 100 MiB" in slow.to_text()
     with pytest.raises(rotapipe.ConfigError, match="multiple of --nodes"):
         analyze("qwen3-32b", hw, seq=2048, global_batch=15, nodes=2)
+
+
+class _SlowLink:
+    """A fake link in front of a reducer's all-to-alls: each collective completes only
+    ``s_per_mib`` seconds per MiB after the previous one did (one FIFO link), and
+    what is in flight (issued, not yet waited for by the pipeline) is counted here,
+    independently of the runtime's own counter. The first training call's link
+    delivers nothing until a worker waits at the backward gate (at most 10 s), so
+    that the backward's wait does not depend on how loaded the machine is."""
+
+    def __init__(self, reducer, s_per_mib: float):
+        self.s_per_mib, self.free_at = s_per_mib, 0.0
+        self.bytes = self.peak = self.issued = 0
+        self.lock = threading.Lock()
+        self.hold, self.held_until = None, time.monotonic() + 10.0
+        real = reducer.exchange
+
+        def exchange(out, inp, out_splits, in_splits):
+            work, seq = real(out, inp, out_splits, in_splits)
+            nbytes = inp.numel() * inp.element_size() + out.numel() * out.element_size()
+            with self.lock:
+                self.free_at = max(self.free_at, time.monotonic()) + \
+                    nbytes / 2**20 * self.s_per_mib
+                self.bytes += nbytes
+                self.peak = max(self.peak, self.bytes)
+                self.issued += 1
+                if self.hold is None:
+                    self.hold = reducer.last_gate
+            return _Delayed(self, work, self.free_at, nbytes), seq
+
+        reducer.exchange = exchange
+
+    def holding(self) -> bool:
+        if self.hold is not None and not self.hold.waiting and \
+                time.monotonic() < self.held_until:
+            return True
+        self.held_until = 0.0            # released for good
+        return False
+
+
+class _Delayed:
+    def __init__(self, link, work, at, nbytes):
+        self.link, self.work, self.at, self.nbytes, self.waited = link, work, at, nbytes, False
+
+    def is_completed(self):
+        return not self.link.holding() and time.monotonic() >= self.at and \
+            self.work.is_completed()
+
+    def wait(self):
+        time.sleep(max(0.0, self.at - time.monotonic()))
+        self.work.wait()
+        with self.link.lock:
+            if not self.waited:
+                self.link.bytes -= self.nbytes
+                self.waited = True
+
+
+def _backpressure_run(dp, steps: int = 2, link: float | None = None):
+    """1 worker, 8 backward stages, sync steps; ``link``: seconds per MiB of a slow
+    fake link. Returns (weights, pipe's reducer, link)."""
+    model = tiny_transformer(widths=(24,) * 8)
+    config = emulated(1, 2, data_parallel=dp, forward_stages=2, backward_stages=8)
+    with rotapipe.RoundPipe(model, lm_loss, config=config,
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2)) as pipe:
+        slow = _SlowLink(pipe.data_parallel, link) if link else None
+        gates = []
+        for step in range(steps):
+            pipe.forward_backward(*token_batch(8, seed=step))
+            gates.append(pipe.data_parallel.last_gate if dp else None)
+            pipe.step()
+        state = {k: v.detach().float().clone() for k, v in pipe.state_dict().items()}
+        return state, gates, pipe._shard, slow
+
+
+def test_backpressure_caps_the_buckets_in_flight_and_stays_exact(one_rank_group):
+    """A link far slower than the backward: the bytes of the collectives in flight
+    (send + receive buffers, counted by the fake link itself) never pass
+    ``inflight_mb``, the host lane and the backward both waited, at most ``2 x
+    workers`` stages ran ahead of the host lane, and the weights equal a run without
+    data parallelism (and one without the cap: the cap changes when, not what)."""
+    bucket = 2**-8                                     # 4 KiB buckets: many per stage
+    cap_mb = 3 * 2 * bucket                            # about three buckets' buffers
+    dp = rotapipe.DataParallelConfig(enabled=True, shard="gradients", timeout_s=30,
+                                     bucket_mb=bucket, inflight_mb=cap_mb)
+    got, gates, shard, link = _backpressure_run(dp, link=0.5)        # 2 MiB/s
+    cap = int(cap_mb * 2**20)
+    assert 0 < link.peak <= cap, (link.peak, cap)
+    assert gates[0].backward_waits > 0
+    for g in gates:
+        assert 0 < g.peak <= cap and g.host_waits > 0
+        assert g.most_ahead <= g.stages == 2
+    assert shard.last_step_gate.peak <= cap and shard.last_step_gate.host_waits > 0
+    want, _, _, _ = _backpressure_run(False)
+    free, _, _, _ = _backpressure_run(rotapipe.DataParallelConfig(
+        enabled=True, shard="gradients", timeout_s=30, bucket_mb=bucket, inflight_mb=1e6))
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=k)
+        assert torch.equal(got[k], free[k]), k
+
+
+def test_backpressure_caps_the_all_reduce_too(one_rank_group):
+    """shard="none": the flat all-reduce buckets in flight stay within the cap (the
+    oldest is applied early), with the weights of a run without data parallelism."""
+    bucket = 2**-8
+    cap_mb = 3 * bucket
+    dp = rotapipe.DataParallelConfig(enabled=True, timeout_s=30, bucket_mb=bucket,
+                                     inflight_mb=cap_mb)
+    got, gates, _, _ = _backpressure_run(dp)
+    for g in gates:
+        assert 0 < g.peak <= int(cap_mb * 2**20) and g.host_waits > 0
+    want, _, _, _ = _backpressure_run(False)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=k)

@@ -174,3 +174,77 @@ def test_a_killed_rank_ends_the_other_with_a_one_line_error(tmp_path):
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGKILL)
             p.communicate()
+
+
+def _final(out) -> dict:
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def test_sharded_training_resumes_exactly_and_reshards_2_3_1(tmp_path):
+    """`--shard` under torchrun, 3 steps on 2 ranks (`optimizer`): each checkpoint
+    holds one shard per rank and the consolidated fp32 masters (the exported weights).
+    Resuming its step-2 checkpoint on 2 ranks ends bit-identical to it. Resharding:
+    its step-1 checkpoint resumed on 3 ranks (`gradients`) for step 2, then that
+    step-2 checkpoint in 1 process for step 3, ends at its weights (fp32 tolerance:
+    the batch is cut into other microbatches). That sharded ranks equal one process
+    with the whole batch is tests/test_shard.py's (the library, every mode)."""
+    import shutil
+    from rotapipe.train.checkpoint import load_shards
+    data = text_jsonl(tmp_path / "d.jsonl", 300)
+    common = dict(data=str(data), steps=3, batch=12, eval_interval=0, save_interval=1,
+                  dist_timeout=60, lr=2e-3)
+    a = torchrun(flags(out_dir=str(tmp_path / "a"), microbatches=2, shard="optimizer",
+                       **common))
+    assert a.returncode == 0, a.stdout + a.stderr
+    assert "shard optimizer: each rank holds 1/2" in a.stdout, a.stdout
+    got = want = _final(tmp_path / "a")
+    ck = tmp_path / "a" / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == [f"step-0000000{i}" for i in (1, 2, 3)]
+    shards = load_shards(ck / "step-00000003")
+    assert [s["rank"] for s in shards] == [0, 1] and all(s["world"] == 2 for s in shards)
+    # The consolidated masters are the exported weights (fp32, the model's names).
+    masters = load_file(str(ck / "step-00000003" / "masters.safetensors"))
+    for k, v in masters.items():
+        assert torch.equal(v, got[k]), k
+
+    def resume_from_copy(name: str, step: int, world: int, **extra):
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ck / f"step-{step:08d}",
+                        tmp_path / name / "checkpoints" / f"step-{step:08d}")
+        args = flags(out_dir=str(tmp_path / name), resume=True, **{**common, **extra})
+        r = torchrun(args, nproc=world) if world > 1 else run(args)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "resumed from" in r.stdout, r.stdout
+        return r
+
+    # Exact resume on the same world size.
+    resume_from_copy("c", 2, 2, microbatches=2, shard="optimizer")
+    again = _final(tmp_path / "c")
+    for k in got:
+        assert torch.equal(again[k], got[k]), k
+    # 2 -> 3 -> 1: step 2 on 3 ranks, then step 3 in one process (the 3-rank run's
+    # step-3 checkpoint and export removed: that process redoes step 3).
+    resume_from_copy("b", 1, 3, microbatches=2, shard="gradients")
+    b = tmp_path / "b"
+    assert len(load_shards(b / "checkpoints" / "step-00000002")) == 3
+    shutil.rmtree(b / "checkpoints" / "step-00000003")
+    shutil.rmtree(b / "final")
+    one = run(flags(out_dir=str(b), resume=True, microbatches=4, **common))
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert "resumed from" in one.stdout and "step 2" in one.stdout, one.stdout
+    final = _final(b)
+    for k in want:
+        torch.testing.assert_close(final[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    steps = [json.loads(l)["step"] for l in (b / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3], steps
+
+
+def test_shard_without_torchrun_is_one_line(tmp_path):
+    data = text_jsonl(tmp_path / "d.jsonl", 50)
+    r = run(flags(data=str(data), out_dir=str(tmp_path / "o"), steps=1, shard="optimizer"))
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.splitlines() if l.startswith("rotapipe train: error")]
+    assert lines and "torchrun --nproc-per-node" in lines[0] and "--shard" in lines[0], \
+        r.stderr
+    r = run(flags(data=str(data), out_dir=str(tmp_path / "o"), steps=1, grad_dtype="bf16"))
+    assert r.returncode == 2 and "--shard optimizer" in r.stderr, r.stderr

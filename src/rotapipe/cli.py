@@ -341,6 +341,10 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     a("--network-gbps", type=_real(), default=25.0,
       help="link rate between servers in Gb/s, for the communication time per step "
            "(default: 25)")
+    a("--inflight-mb", type=_real(), default=100.0,
+      help="with --nodes: MiB of gradient buffers each server keeps in flight before "
+           "the backward waits, as DataParallelConfig.inflight_mb (default: 100, "
+           "4 x bucket_mb)")
     a("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -366,7 +370,7 @@ def plan(args: argparse.Namespace) -> int:
                      microbatches=args.microbatches, stale=args.stale,
                      memory_fraction=args.memory_fraction, pin=args.pin,
                      chunk_mb=args.copy_chunk_mb, nodes=args.nodes,
-                     network_gbps=args.network_gbps)
+                     network_gbps=args.network_gbps, inflight_mb=args.inflight_mb)
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.to_text())
     return EXIT_OK if result.fits else EXIT_NO_FIT
 

@@ -192,10 +192,27 @@ class DataParallelConfig:
     the bytes; the owner sums the ranks' contributions and steps in fp32, but each
     contribution is rounded to bf16 first: an approximation)."""
 
+    inflight_mb: float | None = None
+    """Backpressure: MiB of collective buffers a rank keeps in flight (the send and
+    receive buffers of the sharded modes' reduce-scatters and all-gathers, the flat
+    buckets of the all-reduce). When the next bucket would pass it, the host lane first
+    waits for the oldest, and the workers' backward waits once ``2 x workers`` stages
+    are queued behind the host lane: a link slower than the backward costs step time,
+    not host memory (docs/distributed.md, "Backpressure"). ``None``: ``4 x bucket_mb``.
+    A bucket larger than this still goes, alone."""
+
+    @property
+    def inflight_bytes(self) -> int:
+        """:attr:`inflight_mb` in bytes (its default filled in)."""
+        mb = self.inflight_mb if self.inflight_mb is not None else 4 * self.bucket_mb
+        return int(mb * 2**20)
+
     def __post_init__(self):
         if self.enabled not in (None, True, False):
             raise ConfigError(f"data_parallel.enabled={self.enabled!r}: use None (auto), "
                               "True or False")
+        check.number("data_parallel.inflight_mb", self.inflight_mb, low=0, low_open=True,
+                     unit="MiB", optional=True)
         check.number("data_parallel.bucket_mb", self.bucket_mb, low=0, low_open=True,
                      unit="MiB")
         check.number("data_parallel.timeout_s", self.timeout_s, low=0, low_open=True,

@@ -251,36 +251,111 @@ def load_shard_state_dicts(pipe, optimizer: torch.optim.Optimizer, shards: list[
     world size that wrote it: the masters (all of them: every compute copy is set) and
     this rank's pieces of the optimizer state, cut for the current layout. ``optimizer``
     is built over ``pipe.parameters()`` with the same parameter groups as the one
-    saved. Every rank reads every shard (shared storage); no collective."""
-    whole = consolidate(shards)
+    saved. Every rank reads every shard (shared storage); no collective.
+
+    One parameter at a time: each whole master exists only while its compute copies
+    are written, and only the slices of the saved state this rank steps are read (with
+    :func:`rotapipe.train.checkpoint.load_shards` ``mmap=True`` the rest is never
+    read), so resuming needs no more memory than training."""
+    parts = _pieces(shards)
     named = _named(pipe)
-    missing = [name for name, *_ in named if name not in whole["masters"]]
+    missing = [name for name, *_ in named if name not in parts]
     if missing:
         raise InputError(f"the checkpoint has no {missing[0]!r}: it is from another model")
-    pipe.load_state_dict(_container_keys(pipe, whole["masters"]))
-    index = {id(q): i for i, q in enumerate(q for g in optimizer.param_groups
-                                            for q in g["params"])}
-    state, groups = {}, []
-    for name, q, a, b, _ in named:
-        saved = whole["state"].get(name)
-        if saved:
-            state[index[id(q)]] = {
-                k: v.reshape(-1)[a:b].clone().view(q.shape)
-                if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                for k, v in saved.items()}
-    if len(whole["groups"]) != len(optimizer.param_groups):
-        raise InputError(f"the checkpoint's optimizer has {len(whole['groups'])} parameter "
+    groups_saved = shards[0]["groups"]
+    if len(groups_saved) != len(optimizer.param_groups):
+        raise InputError(f"the checkpoint's optimizer has {len(groups_saved)} parameter "
                          f"groups, this one {len(optimizer.param_groups)}: build it with "
                          "the same groups")
-    for g, group in enumerate(optimizer.param_groups):
-        groups.append({**whole["groups"][g], "params": [index[id(q)] for q in group["params"]]})
+    pipe.flush()
+    ls, shard = pipe.layerset, getattr(pipe, "_shard", None)
+    with torch.no_grad():
+        for pid in pipe.host.trainable:
+            name = ls.param_names[pid]
+            whole = _span(parts[name], "master", 0, ls.params[pid].numel())
+            if shard is not None:
+                shard.load_full({pid: whole})
+            else:
+                ls.params[pid].copy_(whole.view(ls.params[pid].shape))
+    if shard is None:
+        pipe.host.write_back()               # the compute-dtype copies follow the masters
+    index = {id(q): i for i, q in enumerate(q for g in optimizer.param_groups
+                                            for q in g["params"])}
+    state = {}
+    for name, q, a, b, _ in named:
+        ps = parts[name]
+        if not ps[0]["state"]:
+            continue
+        state[index[id(q)]] = {
+            k: _span(ps, k, a, b).clone().view(q.shape)
+            if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            for k, v in ps[0]["state"].items()}
+    groups = [{**groups_saved[g], "params": [index[id(q)] for q in group["params"]]}
+              for g, group in enumerate(optimizer.param_groups)]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _container_keys(pipe, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Masters named ``"<layer>.<path>"`` -> the container's state_dict (buffers and
-    frozen weights kept from it)."""
+def _pieces(shards: list[dict]) -> dict[str, list[dict]]:
+    """``{parameter name: its saved pieces in range order}``; checks the shards are every
+    rank's of one checkpoint and the pieces cover each parameter."""
+    if not shards:
+        raise InputError("no shards: pass every rank's shard_state_dict")
+    worlds = {s["world"] for s in shards}
+    ranks = sorted(s["rank"] for s in shards)
+    if len(worlds) != 1 or ranks != list(range(shards[0]["world"])):
+        raise InputError(f"the shards are ranks {ranks} of world sizes {sorted(worlds)}: "
+                         "pass the shard of every rank of one checkpoint")
+    parts: dict[str, list[dict]] = {}
+    for s in shards:
+        for name, piece in s["pieces"].items():
+            parts.setdefault(name, []).append(piece)
+    for name, ps in parts.items():
+        ps.sort(key=lambda p: p["range"][0])
+        n = int(torch.Size(ps[0]["shape"]).numel())
+        got = [tuple(p["range"]) for p in ps]
+        if got[0][0] != 0 or got[-1][1] != n or any(x[1] != y[0] for x, y in zip(got, got[1:])):
+            raise InputError(f"the shards hold {got} of {name!r} ({n} elements): a rank's "
+                             "shard is missing or from another checkpoint")
+    return parts
+
+
+def _span(pieces: list[dict], key: str, a: int, b: int) -> torch.Tensor:
+    """Elements ``[a, b)`` of the flattened tensor ``key`` (``"master"`` or an optimizer
+    state key) that ``pieces`` (in range order) hold between them, fp32 or as saved."""
+    out = []
+    for p in pieces:
+        s, e = p["range"]
+        lo, hi = max(a, s), min(b, e)
+        if lo < hi:
+            t = p["master"] if key == "master" else p["state"][key]
+            out.append(t.reshape(-1)[lo - s:hi - s])
+    if not out:
+        dtype = pieces[0]["master"].dtype if key == "master" else \
+            pieces[0]["state"][key].dtype
+        return torch.empty(0, dtype=dtype)
+    return torch.cat(out) if len(out) > 1 else out[0].clone()
+
+
+def shard_from_state(pipe, masters: dict[str, torch.Tensor], optimizer_state: dict) -> dict:
+    """A checkpoint written without sharding (whole fp32 ``masters`` by pipeline
+    parameter name, and the ``state_dict()`` of an optimizer built over the unsharded
+    ``pipe.parameters()``) as the one shard of a world of 1, for
+    :func:`load_shard_state_dicts`: how a sharded run resumes an unsharded checkpoint.
+    ``pipe`` is the pipeline resuming (any sharding): it gives the unsharded parameter
+    order."""
     ls = pipe.layerset
-    by_param = {id(ls.params[ls.param_names.index(n)]): t for n, t in masters.items()}
-    full = dict(pipe._container.state_dict(keep_vars=True))
-    return {k: by_param.get(id(v), v).detach() for k, v in full.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"}
+              for g in optimizer_state["param_groups"]]
+    group_of = {i: g for g, grp in enumerate(optimizer_state["param_groups"])
+                for i in grp["params"]}
+    pieces = {}
+    for i, pid in enumerate(pipe.host.trainable):      # the unsharded optimizer's order
+        name = ls.param_names[pid]
+        t = masters[name]
+        saved = optimizer_state["state"].get(i, {})
+        pieces[name] = {"range": (0, t.numel()), "shape": tuple(t.shape),
+                        "group": group_of.get(i, 0), "master": t.detach().reshape(-1).float(),
+                        "state": {k: v.reshape(-1) if isinstance(v, torch.Tensor) and
+                                  v.dim() > 0 else v for k, v in saved.items()}}
+    return {"format": "rotapipe-shard-1", "rank": 0, "world": 1, "groups": groups,
+            "pieces": pieces}

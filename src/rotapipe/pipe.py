@@ -161,6 +161,13 @@ class RoundPipe:
             {pid: self.layerset.params[pid].shape for pid in trainable},
             lambda stage: [pid for pid in self.layerset.stage_params(stages[stage].layers)
                            if pid in trainable])
+        if self.data_parallel is not None:
+            # Backpressure (allreduce.InFlight): two stages per worker may wait for the
+            # host lane (the planner's gradient staging); a failed call frees waiters.
+            self.data_parallel.stage_limit = 2 * len(self.devices)
+            stream = self._stream
+            self.data_parallel.aborted = lambda: (stream.session is not None and
+                                                  stream.session.abort.is_set())
         self._shard: ShardedOptimizer | None = None
         """The sharded host optimizer (``data_parallel.shard`` not ``"none"``)."""
         dpc = config.data_parallel
@@ -355,6 +362,9 @@ class RoundPipe:
                     self._keep_buffers, on_host=overlap, reduce=reduce,
                     after_step=self._after_step)
         ctx.handoff = call.handoff
+        gate = getattr(reduce if reduce is not None else hook, "gate", None)
+        if gate is not None:            # data parallel: backpressure (allreduce.InFlight)
+            ctx.grad_gate = gate.enter
         try:
             stream.submit(call)
             loss = stream.wait_loss(call)

@@ -262,9 +262,13 @@ def per_server(mem: HostMemory, nodes: int, shard: str, in_flight: int = 0) -> H
     - ``"optimizer"`` / ``"gradients"``: masters and optimizer state are 1/N. With one
       call per step (what ``rotapipe train`` does) a stage's gradients are copied into
       send buffers at its hand-off and dropped, so a server keeps the fp32 1/N it owns
-      plus ``in_flight``: the send and receive buffers of the buckets the network has
-      not finished (the caller's estimate). With several calls per step
-      ``"optimizer"`` also keeps a full local fp32 gradient between the calls.
+      plus ``in_flight``: what waits for the network, which the runtime bounds
+      (``DataParallelConfig.inflight_mb``, :class:`rotapipe.runtime.allreduce.InFlight`):
+      the send and receive buffers of the collectives in flight (at most the cap) and
+      one stage's fp32 gradients waiting at its hand-off; the backward then waits, with
+      at most two stages per worker downloaded ahead (the pinned staging buffers,
+      already counted). With several calls per step ``"optimizer"`` also keeps a full
+      local fp32 gradient between the calls.
     """
     if shard not in SHARD_MODES:
         raise ConfigError(f"shard={shard!r}: use one of {', '.join(map(repr, SHARD_MODES))}")

@@ -32,12 +32,31 @@ class ServerMode:
     host: HostMemory
     sent_bytes: int
     network_gbps: float
+    compute_s: float = 0.0
+    """The plan's step without communication (the pipeline's prediction)."""
+    window_s: float = 0.0
+    """The part of it gradients can be sent in: the backward (from the first hand-off)."""
+    gather_bytes: int = 0
+    """Of ``sent_bytes``, the all-gather of the updated weights: after the whole step
+    (the exact optimizer with clipping), so never hidden."""
 
     @property
     def comm_s(self) -> float:
-        """Seconds per step to send ``sent_bytes`` at the link's rate (most of it
-        overlaps the backward: docs/distributed.md)."""
+        """Seconds per step to send ``sent_bytes`` at the link's rate."""
         return self.sent_bytes * 8 / (self.network_gbps * 1e9)
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication the step waits for: gradients beyond the backward window (the
+        backward waits on the in-flight cap: :class:`rotapipe.runtime.allreduce.InFlight`)
+        plus the weight all-gather after the step."""
+        gather_s = self.gather_bytes * 8 / (self.network_gbps * 1e9)
+        return max(0.0, self.comm_s - gather_s - self.window_s) + gather_s
+
+    @property
+    def step_s(self) -> float:
+        """Predicted step time with the data-parallel communication."""
+        return self.compute_s + self.exposed_s
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,9 @@ class PlanAnalysis:
     """Per shard mode: host bytes per server and traffic per step (``nodes`` > 1)."""
     qlora: bool = False
     """LoRA on an NF4-quantized frozen base (``--qlora``)."""
+    inflight_mb: float = 100.0
+    """``nodes`` > 1: the runtime's cap on collective buffers in flight per server
+    (``DataParallelConfig.inflight_mb``), as the host memory counts it."""
 
     @property
     def fits_device(self) -> bool:
@@ -107,7 +129,8 @@ class PlanAnalysis:
                "shard": self.shard,
                "servers": [{"shard": m.shard, "host_bytes": m.host.as_dict(),
                             "sent_bytes_per_step": m.sent_bytes, "comm_s": m.comm_s,
-                            "network_gbps": m.network_gbps} for m in self.servers]}
+                            "network_gbps": m.network_gbps, "exposed_s": m.exposed_s,
+                            "step_s": m.step_s} for m in self.servers]}
         if c is not None:
             r = c.report
             out.update({"plan": c.plan.to_text(), "forward_stages": len(c.plan.forward),
@@ -158,13 +181,20 @@ class PlanAnalysis:
                          f"{self.servers[0].network_gbps:g} Gb/s each; exact optimizer):")
             lines.append(f"  {'shard':>10} {'host RAM (GB)':>14} {'masters':>8} "
                          f"{'optimizer':>10} {'gradients':>10} {'sent/step (GB)':>15} "
-                         f"{'comm (s)':>9}")
+                         f"{'comm (s)':>9} {'exposed (s)':>12} {'step (s)':>9} "
+                         f"{'tokens/s':>9}")
+            tokens = self.nodes * self.global_batch * self.seq
             for m in self.servers:
                 mark = "  <- fits" if m.shard == self.shard and self.fits_host else ""
+                rate = tokens / m.step_s if m.step_s > 0 else 0.0
                 lines.append(f"  {m.shard:>10} {m.host.total / GB:>14.1f} "
                              f"{m.host.masters / GB:>8.1f} {m.host.optimizer / GB:>10.1f} "
                              f"{m.host.gradients / GB:>10.1f} {m.sent_bytes / GB:>15.1f} "
-                             f"{m.comm_s:>9.2f}{mark}")
+                             f"{m.comm_s:>9.2f} {m.exposed_s:>12.2f} {m.step_s:>9.2f} "
+                             f"{rate:>9,.0f}{mark}")
+            lines.append(f"  gradients in flight capped at {self.inflight_mb:g} MiB per server "
+                         "(DataParallelConfig.inflight_mb): a slower link makes the backward "
+                         "wait (exposed) instead of queueing gradients in host RAM")
         lines += [f"suggestion: {s}" for s in self.suggestions]
         return "\n".join(lines)
 
@@ -264,7 +294,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
             memory_fraction: float = 0.9, pin: str = "register",
             chunk_mb: float = 32.0, nodes: int = 1, network_gbps: float = 25.0,
             qlora: bool = False, layout: str | None = None,
-            prefetch: int = 1) -> PlanAnalysis:
+            prefetch: int = 1, inflight_mb: float = 100.0) -> PlanAnalysis:
     """Plan ``model`` on ``hw`` for steps of ``global_batch`` sequences of ``seq``
     tokens (LoRA of ``lora_rank`` if given) and judge the fit; see :class:`PlanAnalysis`.
     Host memory assumes the weights' pin mode ``pin`` (:class:`rotapipe.PinMode`) and
@@ -273,7 +303,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     ``nodes`` > 1: data parallel over that many servers linked at ``network_gbps``;
     each plans its ``global_batch / nodes`` sequences, and the host memory is per
     server for the first shard mode that fits (:attr:`PlanAnalysis.servers` lists
-    every mode).
+    every mode), with ``inflight_mb`` MiB of collective buffers in flight (the
+    runtime's backpressure cap, ``DataParallelConfig.inflight_mb``).
 
     ``qlora``: the LoRA base is NF4 (needs ``lora_rank``). ``layout``: the optimizer's
     host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`); ``None``: the first of
@@ -286,16 +317,20 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
                           "evenly over the servers (a multiple of --nodes)")
     if not network_gbps > 0:
         raise ConfigError(f"--network-gbps {network_gbps}: use the link rate in Gb/s, > 0")
+    if not inflight_mb > 0:
+        raise ConfigError(f"--inflight-mb {inflight_mb}: use MiB > 0 (the runtime's "
+                          "default is 4 x bucket_mb = 100)")
     if nodes > 1:
         a = analyze(model, hw, seq=seq, global_batch=global_batch // nodes,
                     lora_rank=lora_rank, host_ram=host_ram, microbatches=microbatches,
                     stale=stale, memory_fraction=memory_fraction, pin=pin,
                     chunk_mb=chunk_mb, qlora=qlora, layout=layout, prefetch=prefetch)
-        modes = tuple(_server_mode(a, hw, nodes, m, network_gbps) for m in SHARD_MODES)
+        modes = tuple(_server_mode(a, hw, nodes, m, network_gbps, inflight_mb)
+                      for m in SHARD_MODES)
         pick = next((m for m in modes if m.host.total <= a.host_limit), modes[-1])
         out = PlanAnalysis(**{**a.__dict__, "host": pick.host, "nodes": nodes,
                               "shard": pick.shard, "servers": modes,
-                              "suggestions": ()})
+                              "suggestions": (), "inflight_mb": inflight_mb})
         return _with_suggestions(out, model, hw, lora_rank,
                                  (microbatches,) if microbatches else
                                  _divisors(global_batch // nodes))
@@ -353,19 +388,28 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     return _with_suggestions(analysis, model, hw, lora_rank, counts)
 
 
-def _server_mode(a: PlanAnalysis, hw, nodes: int, shard: str, gbps: float) -> ServerMode:
-    """Host bytes per server and traffic of ``shard``. Gradient buffers in flight: one
-    stage's fp32 gradients being handed off, or, when sending takes longer than the
-    step's compute, the share of the send and receive buffers (fp32, twice the
-    gradients) still queued when the backward ends."""
+def _server_mode(a: PlanAnalysis, hw, nodes: int, shard: str, gbps: float,
+                 inflight_mb: float) -> ServerMode:
+    """Host bytes per server, traffic and step time of ``shard``. Gradients waiting for
+    the network: the runtime caps them (:class:`rotapipe.runtime.allreduce.InFlight`)
+    at ``inflight_mb`` of send and receive buffers plus one stage's fp32 gradients at
+    its hand-off; a link slower than the backward then costs time, not memory:
+    gradient traffic beyond the backward is exposed, and so is the all-gather of the
+    weights after the step."""
     trainable = a.host.masters // 4
     sent = bytes_sent(trainable, nodes, shard)
-    comm_s = sent * 8 / (gbps * 1e9)
-    step_s = a.choice.report.step_ms / 1e3 if a.choice is not None else comm_s
-    queued = max(0.0, 1.0 - step_s / comm_s) if comm_s > 0 else 0.0
     stage = a.host.pinned_buffers // max(1, hw.count)     # one stage, fp32
-    in_flight = max(stage, int(queued * 2 * 4 * trainable))
-    return ServerMode(shard, per_server(a.host, nodes, shard, in_flight), sent, gbps)
+    in_flight = stage + int(inflight_mb * 2**20)
+    compute_s = window_s = 0.0
+    if a.choice is not None:
+        compute_s = a.choice.report.step_ms / 1e3
+        layers = a.choice.costs.layers
+        back = sum(l.backward_ms + l.recompute_ms for l in layers)
+        window_s = compute_s * back / max(1e-9, back + sum(l.forward_ms for l in layers))
+    gather = 0 if shard == "none" or nodes == 1 else \
+        int((nodes - 1) / nodes * 2 * trainable)             # compute dtype (bf16)
+    return ServerMode(shard, per_server(a.host, nodes, shard, in_flight), sent, gbps,
+                      compute_s, window_s, gather)
 
 
 def _with_suggestions(a: PlanAnalysis, model, hw, lora_rank, counts) -> PlanAnalysis:

@@ -15,6 +15,11 @@ One :class:`GradReducer` per pipeline; one :class:`CallReduce` per training call
 3. :meth:`CallReduce.finish` waits for every bucket and points the call's staged
    gradients at the reduced buffers; the pipeline then commits them as usual.
 
+Backpressure (:class:`InFlight`, ``DataParallelConfig.inflight_mb``): a hand-off waits
+for older buckets while the buffers in flight would pass the cap, and the workers'
+backward waits once ``2 x workers`` stages queue behind the host lane, so a slow link
+costs time instead of host memory.
+
 Ordering (why no tags are needed): gloo matches collectives by issue order. Every rank
 runs the same schedule, so its host lane issues the same buckets in the same order; the
 caller-thread collectives (units, loss) are issued only while no bucket is in flight.
@@ -86,6 +91,16 @@ class GradReducer:
         self.issued = 0          # collectives issued so far (published by the heartbeat)
         self.broken: str | None = None
         self.last = ReduceStats()
+        self.cap_bytes = int(config.inflight_bytes)
+        """Buffers of collectives a rank keeps in flight (:class:`InFlight`)."""
+        self.stage_limit: int | None = None
+        """Stages whose backward may run ahead of their hand-off (:class:`InFlight`;
+        the pipeline sets ``2 x workers``); ``None``: the backward never waits."""
+        self.aborted: Callable[[], bool] = lambda: False
+        """True once the call in flight failed (the pipeline sets it)."""
+        self.last_gate: InFlight | None = None
+        """The backpressure counters of the last training call."""
+        self._stage_of: dict[str, str] = {}
         token = f"{time.time_ns()}-{id(self)}"
         self._heartbeat = _Heartbeat.start(dist.get_rank(), config.heartbeat_s, self)
         gathered: list = [None] * self.world
@@ -136,7 +151,26 @@ class GradReducer:
 
     def begin(self, schedule: Schedule, grads: CallGrads) -> CallReduce:
         self.check()
-        return CallReduce(self, self._layout(schedule), grads)
+        return CallReduce(self, self._layout(schedule), grads, self.gate(schedule))
+
+    def gate(self, schedule: Schedule | None = None) -> InFlight:
+        """A call's :class:`InFlight` (``schedule=None``: the collectives of a whole
+        step, issued by the caller: no backward to hold). The backward waits only on
+        the generated RoundPipe schedules, where a worker finishes one backward stage
+        before it starts the next (a user schedule may interleave stages on a worker,
+        and could then wait for a hand-off that needs itself)."""
+        stages, order = None, None
+        if schedule is not None and schedule.name in ("roundpipe", "roundpipe-stale"):
+            stages, order = self.stage_limit, {}
+            for a in schedule.actions:
+                if a.kind is K.OPTIMIZER:
+                    order.setdefault(a.stage, len(order))
+        self.last_gate = InFlight(self.cap_bytes, stages, order, self.aborted)
+        return self.last_gate
+
+    def stage_of(self, key: str) -> str | None:
+        """The stage of an ``O`` action key (of a schedule seen by :meth:`_layout`)."""
+        return self._stage_of.get(key)
 
     def check(self) -> None:
         if self.broken:
@@ -160,6 +194,7 @@ class GradReducer:
         if cached is not None and cached[0] is schedule:
             return cached[1]
         handoffs = [a for a in schedule.actions if a.kind is K.OPTIMIZER]
+        self._stage_of.update((a.key, a.stage) for a in handoffs)
         last: dict[int, str] = {}
         for a in handoffs:
             for pid in self._params_of(a.stage):
@@ -233,16 +268,36 @@ class CallReduce:
     """The bucketed gradient all-reduce of one training call."""
 
     def __init__(self, reducer: GradReducer, layout: dict[str, list[list[int]]],
-                 grads: CallGrads):
+                 grads: CallGrads, gate: InFlight | None = None):
         self.r, self.layout, self.grads = reducer, layout, grads
+        self.gate = gate if gate is not None else InFlight(1 << 62)
         self._inflight: list[_Bucket] = []
         self._lock = threading.Lock()   # finish() runs on the caller, handoff on the host lane
 
     def handoff(self, key: str) -> list[_Bucket]:
         """The O action ``key`` added its stage's gradients: start its buckets (the
-        parameters whose last hand-off this is) and return them."""
+        parameters whose last hand-off this is) and return them. A bucket waits for
+        older ones while the buffers in flight would pass the cap (:class:`InFlight`)."""
+        try:
+            return self._handoff(key)
+        finally:
+            self.gate.leave(self.r.stage_of(key))
+
+    def _apply_oldest(self) -> bool:
+        """Wait for the oldest bucket not yet applied and apply it (its flat buffer
+        becomes the staged gradients, the copy it was made from goes)."""
+        with self._lock:
+            oldest = next((b for b in self._inflight if not b.applied), None)
+        if oldest is None:
+            return False
+        self.apply([oldest])
+        return True
+
+    def _handoff(self, key: str) -> list[_Bucket]:
         launched = []
         for pids in self.layout.get(key, ()):
+            nbytes = 4 * (sum(self.r._shapes[pid].numel() for pid in pids) + len(pids))
+            self.gate.admit(nbytes, self._apply_oldest)
             parts = []
             for pid in pids:
                 g = self.grads.staged.get(pid)
@@ -255,7 +310,7 @@ class CallReduce:
             start = time.perf_counter()
             seq = self.r.issued
             work = self.r._launch(flat)
-            bucket = _Bucket(pids, flat, work, seq, start)
+            bucket = _Bucket(pids, flat, work, seq, start, nbytes=nbytes)
             work.get_future().add_done_callback(bucket.done)
             with self._lock:
                 self._inflight.append(bucket)
@@ -296,6 +351,7 @@ class CallReduce:
                         staged.pop(pid, None)
                     off += numel
                 b.applied = True
+                self.gate.release(b.nbytes)
 
     def finish(self) -> ReduceStats:
         """Wait for every bucket; replace the staged gradients by the reduced sums."""
@@ -315,6 +371,97 @@ class CallReduce:
         return stats
 
 
+class InFlight:
+    """Backpressure on the gradient collectives of one training call (or of one whole
+    step's collectives): how much a rank queues when its link is slower than its
+    backward (``DataParallelConfig.inflight_mb``; docs/distributed.md, "Backpressure").
+
+    Two bounds, so that a slow link makes the backward wait instead of queueing
+    gradients in host memory:
+
+    - :meth:`admit`: the host lane issues a collective only while the buffers of those
+      issued and not yet collected (send and receive buffers of the sharded modes'
+      all-to-alls, the flat buckets of the all-reduce) plus the new one's stay within
+      ``cap`` bytes; else it first completes the oldest (``wait_oldest``, which calls
+      :meth:`release`). A collective larger than the cap goes alone.
+    - :meth:`enter`: a worker starts the backward of a stage (the first of its
+      microbatches to run) only when the stage is among the next ``stages`` hand-offs
+      of the host lane (``order``: a stage's place among the ``O`` actions; the host
+      lane runs them in that order and :meth:`leave` counts them). With the host lane
+      waiting in :meth:`admit`, the workers wait here next, and at most ``stages``
+      stages' gradients wait between a worker and the host lane. The stage the host
+      lane waits for is always admitted, so the wait cannot close a cycle. The
+      planner's host-memory model counts both bounds
+      (:func:`rotapipe.plan.hostmem.per_server`).
+
+    The order of collectives is unchanged (the host lane issues them in schedule
+    order; only *when* changes), so every rank still issues the same sequence.
+    ``aborted()`` true (the call failed) releases every waiting worker."""
+
+    def __init__(self, cap: int, stages: int | None = None,
+                 order: dict[str, int] | None = None,
+                 aborted: Callable[[], bool] = lambda: False):
+        self.cap, self.stages, self.aborted = cap, stages, aborted
+        self.order = order or {}
+        self.bytes = 0                 # buffers of the collectives issued, not collected
+        self.peak = 0                  # the most ``bytes`` ever was (after an admit)
+        self.host_waits = 0            # admits that first completed an older collective
+        self.backward_waits = 0        # enters that waited
+        self.backward_wait_s = 0.0     # seconds workers spent waiting in enter
+        self.handed_off = 0            # O actions done (leave)
+        self.most_ahead = 0            # the most stages ever entered and not handed off
+        self.waiting = 0               # workers waiting in enter now
+        self._entered: set[str] = set()
+        self._cv = threading.Condition()
+
+    def admit(self, nbytes: int, wait_oldest: Callable[[], bool]) -> None:
+        """Reserve ``nbytes`` for a collective about to be issued (host lane).
+        ``wait_oldest()`` completes the oldest collective still counted and returns
+        ``False`` when none is left."""
+        waited = False
+        while self.bytes > 0 and self.bytes + nbytes > self.cap:
+            waited = True
+            if not wait_oldest():
+                break
+        with self._cv:
+            self.host_waits += waited
+            self.bytes += nbytes
+            self.peak = max(self.peak, self.bytes)
+
+    def release(self, nbytes: int) -> None:
+        with self._cv:
+            self.bytes -= nbytes
+
+    def enter(self, stage: str) -> None:
+        """A worker is about to run a backward of ``stage`` (blocks until it is among
+        the next ``stages`` hand-offs; at once for a stage already entered)."""
+        place = self.order.get(stage)
+        if self.stages is None or place is None:
+            return
+        with self._cv:
+            if stage in self._entered:
+                return
+            t0 = None
+            while place >= self.handed_off + self.stages and not self.aborted():
+                if t0 is None:
+                    t0 = time.perf_counter()
+                    self.waiting += 1
+                self._cv.wait(0.01)
+            if t0 is not None:
+                self.waiting -= 1
+                self.backward_waits += 1
+                self.backward_wait_s += time.perf_counter() - t0
+            self._entered.add(stage)
+            ahead = sum(1 for st in self._entered if self.order[st] >= self.handed_off)
+            self.most_ahead = max(self.most_ahead, ahead)
+
+    def leave(self, stage: str | None) -> None:
+        """An ``O`` action handed its stage's gradients off (its buckets issued)."""
+        with self._cv:
+            self.handed_off += 1
+            self._cv.notify_all()
+
+
 @dataclass
 class _Bucket:
     pids: list[int]
@@ -324,6 +471,7 @@ class _Bucket:
     start: float
     end: float | None = field(default=None)
     applied: bool = False
+    nbytes: int = 0
 
     def done(self, _future) -> None:
         self.end = time.perf_counter()

@@ -64,6 +64,8 @@ class CallContext:
     handoff: Callable[[str], None] | None = None   # data parallel: after each O action
     mb_offset: int = 0         # data parallel: rank * microbatches, for random streams
     extra_weight: float = 1.0  # data parallel: this rank's share of the global units
+    grad_gate: Callable[[str], None] | None = None   # data parallel: backpressure, before
+    # a stage's backward (allreduce.InFlight.enter: waits while hand-offs queue up)
 
 
 @dataclass
@@ -273,6 +275,8 @@ class ActionRunner:
                 self._keep_buffers(a, s)
 
     def _fused(self, a: Action) -> None:
+        if self.ctx.grad_gate is not None:
+            self.ctx.grad_gate(a.stage)
         s, store = self.stages[a.stage], self.stores[a.worker]
         x = store.pop(("in", s.name, a.mb))
         labels = store.pop(("labels", a.mb))
@@ -315,6 +319,8 @@ class ActionRunner:
         return self.ctx.tail_value
 
     def _recompute(self, a: Action) -> None:
+        if self.ctx.grad_gate is not None:
+            self.ctx.grad_gate(a.stage)
         s, store = self.stages[a.stage], self.stores[a.worker]
         x = store.pop(("in", s.name, a.mb))
         with self._bound(a) as params:
@@ -334,6 +340,8 @@ class ActionRunner:
                   extra_bytes=saved)
 
     def _backward(self, a: Action) -> None:
+        if self.ctx.grad_gate is not None:
+            self.ctx.grad_gate(a.stage)
         s, store = self.stages[a.stage], self.stores[a.worker]
         graph = store.pop(("graph", s.name, a.mb))
         g = store.pop(("gout", s.name, a.mb))
@@ -383,6 +391,8 @@ class ActionRunner:
         """Backward through the graph the stage's ``FK`` kept (freeing it), from the
         output gradient (``UG`` or the deeper stage's ``BK`` on this device) or, on the
         tail, from the scaled loss."""
+        if self.ctx.grad_gate is not None:
+            self.ctx.grad_gate(a.stage)
         s, store = self.stages[a.stage], self.stores[a.worker]
         x, out = store.pop(("graph", s.name, a.mb))
         params, _ = store.get(("w", self.routes.weights_of.get(s.name, s.name)))

@@ -51,6 +51,7 @@ from torch import nn
 from ..config import NonFinite, OptimizerMode, ShardMode
 from ..errors import NonFiniteError
 from ..schedule import Schedule
+from .allreduce import InFlight
 from .host import CallGrads, HostState, LossScaler
 from .optimizer import Cost, HostOptimizer, Snapshot, _merged
 
@@ -100,6 +101,10 @@ class _Exchange:
     seq: int
     what: str
     done: bool = field(default=False)
+    nbytes: int = 0
+    """Its send and receive buffers (what :class:`InFlight` counts)."""
+    gate: InFlight | None = None
+    views: list[int] = field(default_factory=list)
 
 
 class ShardedOptimizer(HostOptimizer):
@@ -149,6 +154,10 @@ class ShardedOptimizer(HostOptimizer):
         """``shard="optimizer"``: the full local gradient accumulated since the last step."""
         self.latest = 0        # the set of compute copies holding the newest weights
         self.traffic = Traffic()
+        self.last_global_norm: float | None = None
+        """The global gradient norm of the last whole step (clipping on or off)."""
+        self.last_step_gate: InFlight | None = None
+        """Backpressure counters of the last whole-step collectives (caller thread)."""
 
     # -- what the pipeline reads -----------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -181,9 +190,13 @@ class ShardedOptimizer(HostOptimizer):
         """``pipe.step()``: reduce-scatter what ``shard="optimizer"`` accumulated, then
         one whole step (a collective: every rank calls it)."""
         if self.shard is ShardMode.OPTIMIZER and self.samples > 0:
-            sent = [self._scatter(pids, lambda pid: self.local.pop(pid, None))
-                    for pids in self.buckets]
-            reduced = self._collect(sent)
+            reduced: dict = {}
+            sent = self._bounded(
+                [(self._scatter_bytes(pids),
+                  lambda pids=pids: self._scatter(pids, lambda pid: self.local.pop(pid, None)))
+                 for pids in self.buckets],
+                lambda x: self._collect([x], reduced))
+            self._collect(sent, reduced)
             for pid, q in self.masters.items():
                 q.grad = reduced.get(pid)
         return self._whole_step(optimizer, cost, view)
@@ -219,6 +232,43 @@ class ShardedOptimizer(HostOptimizer):
         self.latest = 0
 
     # -- collectives --------------------------------------------------------------------------
+    def _bounded(self, issues: list[tuple[int, object]], complete) -> list[_Exchange]:
+        """Issue ``(bytes, start)`` collectives in order, keeping at most the cap in
+        flight (:class:`InFlight`): before one that would pass it, ``complete(x)`` the
+        oldest. Returns them all (the caller completes the rest)."""
+        gate = InFlight(self.r.cap_bytes)
+        out: list[_Exchange] = []
+
+        def oldest() -> bool:
+            x = next((x for x in out if not x.done), None)
+            if x is None:
+                return False
+            complete(x)
+            return True
+
+        for nbytes, start in issues:
+            gate.admit(nbytes, oldest)
+            x = start()
+            x.gate = gate
+            out.append(x)
+        self.last_step_gate = gate
+        return out
+
+    def _scatter_bytes(self, pids: list[int]) -> int:
+        """Send and receive buffer bytes of :meth:`_scatter` of ``pids``."""
+        W = self.layout.world
+        total = sum(self.host.layerset.params[pid].numel() for pid in pids) + W * len(pids)
+        mine = sum(self.layout.length(pid) for pid in pids) + len(pids)
+        return (total + W * mine) * self.grad_dtype.itemsize
+
+    def _gather_bytes(self, pids: list[int], views: list[int]) -> int:
+        """Send and receive buffer bytes of :meth:`_gather` of ``pids``."""
+        W = self.layout.world
+        size = self.host.views[views[0]][pids[0]].element_size()
+        mine = sum(self.layout.length(pid) for pid in pids)
+        total = sum(self.host.layerset.params[pid].numel() for pid in pids)
+        return (W * mine + total) * size
+
     def _scatter(self, pids: list[int], source) -> _Exchange:
         """Start the reduce-scatter of ``source(pid)`` (a full fp32 gradient or ``None``)
         for ``pids``; a presence flag per parameter rides along, so a parameter no rank
@@ -242,7 +292,8 @@ class ShardedOptimizer(HostOptimizer):
         self.traffic.scatter_bytes += (sum(splits) - splits[lay.rank]) * size
         self.traffic.collectives += 1
         return _Exchange(pids, out, work, seq,
-                         f"gradient reduce-scatter of {len(pids)} parameters")
+                         f"gradient reduce-scatter of {len(pids)} parameters",
+                         nbytes=(inp.numel() + out.numel()) * size)
 
     def _collect(self, sent: list[_Exchange], into: dict | None = None,
                  ready_only: bool = False) -> dict:
@@ -264,7 +315,9 @@ class ShardedOptimizer(HostOptimizer):
                 if flags[k] > 0 and n > 0:
                     into[pid] = total[off:off + n]
                 off += n
-            x.done, x.out = True, None
+            x.done, x.out, x.work = True, None, None
+            if x.gate is not None:
+                x.gate.release(x.nbytes)
         return into
 
     def _gather(self, pids: list[int], views: list[int]) -> _Exchange:
@@ -280,9 +333,9 @@ class ShardedOptimizer(HostOptimizer):
         work, seq = self.r.exchange(out, send.repeat(W), splits, [send.numel()] * W)
         self.traffic.gather_bytes += send.numel() * send.element_size() * (W - 1)
         self.traffic.collectives += 1
-        x = _Exchange(pids, out, work, seq, f"weight all-gather of {len(pids)} parameters")
-        x.views = views
-        return x
+        return _Exchange(pids, out, work, seq, f"weight all-gather of {len(pids)} parameters",
+                         nbytes=(W * send.numel() + out.numel()) * send.element_size(),
+                         views=views)
 
     def _land(self, gathers: list[_Exchange]) -> None:
         """Wait for all-gathers and copy every rank's pieces into the compute copies."""
@@ -299,10 +352,15 @@ class ShardedOptimizer(HostOptimizer):
                         for v in x.views:
                             self.host.views[v][pid].view(-1)[a:b].copy_(x.out[off:off + b - a])
                         off += b - a
-                x.done = True
+                x.done, x.out, x.work = True, None, None
+                if x.gate is not None:
+                    x.gate.release(x.nbytes)
 
     def _publish(self, views: list[int]) -> None:
-        self._land([self._gather(pids, views) for pids in self.buckets])
+        """All-gather every bucket into ``views``, at most the cap in flight."""
+        self._land(self._bounded(
+            [(self._gather_bytes(pids, views), lambda pids=pids: self._gather(pids, views))
+             for pids in self.buckets], lambda x: self._land([x])))
 
     # -- the whole step -----------------------------------------------------------------------
     def _whole_step(self, optimizer, cost: Cost, view: int | None) -> bool:
@@ -315,6 +373,7 @@ class ShardedOptimizer(HostOptimizer):
         # the non-finite check (the same sum on every rank, so every rank decides alike).
         sq = sum((float(q.grad.double().square().sum()) for q in qs), 0.0)
         total = self.r.global_sum(sq, "sum of the shards' squared gradient norms")
+        self.last_global_norm = math.sqrt(total) if math.isfinite(total) else float("nan")
         if not math.isfinite(total):
             if not self.scaler.dynamic and self.nonfinite is NonFinite.RAISE:
                 raise NonFiniteError(
@@ -351,12 +410,14 @@ class ShardCall:
         self.o, self.opt, self.grads, self.units = owner, optimizer, grads, units
         self.step, self.cost, self.view = step, cost, view
         self.layout = owner.r._layout(schedule)      # O action key -> buckets (pids)
+        self.gate = owner.r.gate(schedule)           # backpressure (InFlight)
         total = owner.samples + units
         self.keep, self.new = owner.samples / total, units / total
         self.sends = owner.shard is ShardMode.GRADIENTS or step
         self.per_stage = step and owner.mode is OptimizerMode.OVERLAP and not owner.whole_step
         self.sent: list[_Exchange] = []
         self.gathers: list[_Exchange] = []
+        self.queue: list[_Exchange] = []       # both kinds, in issue order
         self.reduced: dict[int, torch.Tensor] = {}
         self.prev: dict[int, torch.Tensor | None] | None = None
         self.snapshots: list[Snapshot] = []
@@ -378,9 +439,32 @@ class ShardCall:
         return _merged(prev, self.reduced.get(pid), self.keep, self.new)
 
     def handoff(self, key: str) -> None:
-        if not self.sends:
-            return
-        sent = [self.o._scatter(pids, self._source) for pids in self.layout.get(key, ())]
+        try:
+            if self.sends:
+                self._handoff(key)
+        finally:
+            self.gate.leave(self.o.r.stage_of(key))
+
+    def _complete_oldest(self) -> bool:
+        """Complete the oldest collective of the call still in flight (a reduce-scatter
+        is collected, an all-gather landed): :class:`InFlight`'s ``wait_oldest``."""
+        x = next((x for x in self.queue if not x.done), None)
+        if x is None:
+            return False
+        if x.views:
+            self.o._land([x])
+        else:
+            self.o._collect([x], self.reduced)
+        return True
+
+    def _handoff(self, key: str) -> None:
+        sent = []
+        for pids in self.layout.get(key, ()):
+            self.gate.admit(self.o._scatter_bytes(pids), self._complete_oldest)
+            x = self.o._scatter(pids, self._source)
+            x.gate = self.gate
+            sent.append(x)
+            self.queue.append(x)
         self.sent += sent
         if self.per_stage and sent:
             self.o._collect(sent, self.reduced)
@@ -424,7 +508,11 @@ class ShardCall:
                 self.cost(list(stepped))
         # Every rank gathers the same buckets, stepped here or not.
         views = [self.view] if self.view is not None else list(range(len(o.host.views)))
-        self.gathers.append(o._gather(pids, views))
+        self.gate.admit(o._gather_bytes(pids, views), self._complete_oldest)
+        x = o._gather(pids, views)
+        x.gate = self.gate
+        self.gathers.append(x)
+        self.queue.append(x)
 
     def commit(self) -> None:
         o = self.o

@@ -9,6 +9,10 @@ Layout of ``out_dir/checkpoints/step-00000050/``:
 - ``meta.json``: step, plan, the model fingerprint (parameter names and shapes,
   architecture) and the config
 - ``tokenizer/``: the tokenizer the run uses
+- ``shard-<rank>-of-<world>.pt`` (``TrainConfig.shard``, torchrun): each rank's pieces
+  of the fp32 masters and the optimizer state; ``masters.safetensors`` is then their
+  consolidation and ``state.pt`` holds no optimizer state
+  (:func:`save_sharded_checkpoint`; docs/distributed.md, "Sharded checkpoints")
 - ``manifest.json``: the size in bytes of every other file (written last): a file
   truncated or deleted later marks the checkpoint as damaged, and resuming falls back
   to the newest checkpoint that is whole (:func:`resume_from`)
@@ -24,17 +28,20 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import pathlib
 import re
 import shutil
+import struct
 
 import torch
 
 from ..errors import CheckpointError, ConfigError
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoints",
-           "resume_from", "check_out_dir", "save_shard", "load_shards", "save_consolidated"]
+           "resume_from", "check_out_dir", "save_shard", "load_shards", "save_consolidated",
+           "save_sharded_checkpoint", "is_sharded"]
 
 log = logging.getLogger("rotapipe.train")
 
@@ -137,15 +144,18 @@ def verify_checkpoint(path: pathlib.Path) -> None:
                                   f"{size} were written (truncated or overwritten)")
 
 
-def load_checkpoint(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+def load_checkpoint(path: pathlib.Path, masters: bool = True
+                    ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """``(masters, state, meta)`` of a checkpoint directory; :class:`CheckpointError`
-    (naming the file) when it is damaged."""
+    (naming the file) when it is damaged. ``masters=False``: ``{}`` instead of reading
+    ``masters.safetensors`` (a sharded checkpoint resumes from its shards)."""
     from safetensors.torch import load_file
 
     verify_checkpoint(path)
+    want_masters = masters
     try:
         meta = json.loads((path / "meta.json").read_text())
-        masters = load_file(str(path / "masters.safetensors"))
+        masters = load_file(str(path / "masters.safetensors")) if want_masters else {}
         state = torch.load(path / "state.pt", weights_only=True)
     except Exception as exc:   # noqa: BLE001 - safetensors, pickle, zip, json errors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -176,7 +186,7 @@ def resume_from(ckpt_dir: pathlib.Path, resume: bool | str
     damaged = []
     for path in reversed(found):
         try:
-            masters, state, meta = load_checkpoint(path)
+            masters, state, meta = load_checkpoint(path, masters=not is_sharded(path))
             missing = [k for k in _STATE_KEYS if k not in state] + \
                 [k for k in ("config", "fingerprint") if k not in meta]
             if missing:
@@ -262,9 +272,17 @@ def save_shard(path: pathlib.Path, shard: dict) -> pathlib.Path:
     return final
 
 
-def load_shards(path: pathlib.Path) -> list[dict]:
+def is_sharded(path: pathlib.Path) -> bool:
+    """Whether checkpoint ``path`` holds per-rank shards (written under
+    ``DataParallelConfig(shard=...)``)."""
+    return path.is_dir() and any(_SHARD.match(f.name) for f in path.glob("shard-*-of-*.pt"))
+
+
+def load_shards(path: pathlib.Path, mmap: bool = False) -> list[dict]:
     """Every rank's shard in ``path`` (:func:`save_shard`); :class:`CheckpointError`
-    naming the missing ranks when the set is incomplete."""
+    naming the missing ranks when the set is incomplete. ``mmap``: the tensors stay
+    memory-mapped (read when used), so a reader holding every shard does not hold the
+    whole optimizer state in RAM."""
     found = {}
     for f in path.glob("shard-*-of-*.pt") if path.is_dir() else ():
         m = _SHARD.match(f.name)
@@ -280,22 +298,118 @@ def load_shards(path: pathlib.Path) -> list[dict]:
                               "missing (a rank did not finish writing): resume from an "
                               "earlier checkpoint")
     try:
-        return [torch.load(files[r], weights_only=True) for r in range(world)]
+        return [torch.load(files[r], weights_only=True, mmap=mmap) for r in range(world)]
     except Exception as exc:  # noqa: BLE001 - pickle / zip errors
         raise CheckpointError(f"a shard in {path} cannot be read ({type(exc).__name__})") \
             from None
 
 
-def save_consolidated(path: pathlib.Path) -> pathlib.Path:
+def save_consolidated(path: pathlib.Path, names: dict[str, str] | None = None
+                      ) -> pathlib.Path:
     """The consolidated export of a sharded checkpoint: the whole fp32 masters of every
     rank's shard in ``path`` as ``path / "masters.safetensors"`` (one rank writes it,
-    after every shard is written), atomically."""
-    from safetensors.torch import save_file
+    after every shard is written), atomically. ``names``: the tensor names to write
+    (``{pipeline parameter name: name in the file}``, e.g. the Hugging Face names;
+    default the pipeline's). The pieces stream from the memory-mapped shards into the
+    file one at a time: the whole model is never in RAM (:func:`_write_safetensors`)."""
+    shards = load_shards(path, mmap=True)
+    parts: dict[str, list[dict]] = {}
+    for s in shards:
+        for name, piece in s["pieces"].items():
+            parts.setdefault(name, []).append(piece)
+    entries = []
+    for name, ps in parts.items():
+        ps.sort(key=lambda p: p["range"][0])
+        shape = tuple(ps[0]["shape"])
+        n = math.prod(shape)
+        got = [tuple(p["range"]) for p in ps]
+        if got[0][0] != 0 or got[-1][1] != n or any(x[1] != y[0] for x, y in zip(got, got[1:])):
+            raise CheckpointError(f"{path}: the shards hold {got} of {name!r} ({n} elements):"
+                                  " a rank's shard is missing or from another checkpoint")
+        out_name = names.get(name, name) if names is not None else name
+        entries.append((out_name, shape, [p["master"] for p in ps]))
+    return _write_safetensors(path / "masters.safetensors", entries)
 
-    from ..distributed import consolidate
-    masters = consolidate(load_shards(path))["masters"]
-    tmp = path / f".tmp-masters-{os.getpid()}.safetensors"
-    save_file({k: v.contiguous() for k, v in masters.items()}, str(tmp))
-    os.replace(tmp, path / "masters.safetensors")
-    _fsync_dir(path)
-    return path / "masters.safetensors"
+
+def _write_safetensors(path: pathlib.Path,
+                       entries: list[tuple[str, tuple, list[torch.Tensor]]]) -> pathlib.Path:
+    """Write fp32 tensors, each given as pieces to concatenate, in the safetensors
+    format (an 8-byte little-endian header length, a JSON header of dtype, shape and
+    byte offsets, then the bytes), streaming piece by piece; atomically (temporary
+    file, fsync, rename). ``safetensors.torch.save_file`` needs every tensor whole in
+    memory at once, which is what sharding avoids."""
+    header, off = {}, 0
+    for name, shape, pieces in entries:
+        n = 4 * sum(p.numel() for p in pieces)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)                  # the data starts 8-byte aligned
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, _, pieces in entries:
+            for p in pieces:
+                f.write(memoryview(p.detach().float().contiguous().numpy()).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return path
+
+
+def save_sharded_checkpoint(ckpt_dir: pathlib.Path, step: int, *, shard: dict,
+                            names: dict[str, str], state: dict, meta: dict, tokenizer=None,
+                            keep: int = 3, is_main: bool, barrier) -> pathlib.Path:
+    """Checkpoint ``step`` of a sharded data-parallel run; every rank calls it
+    (``barrier()`` waits for all of them). Into ``checkpoints/.tmp-step-...-sharded``
+    (on storage every rank sees):
+
+    1. rank 0 clears leftovers and creates the directory; barrier;
+    2. every rank writes its shard (:func:`save_shard`: temporary file, fsync,
+       rename); barrier;
+    3. rank 0 checks every shard is there, writes the consolidated fp32 masters
+       (``masters.safetensors`` under the names ``names`` gives, what a run without
+       data parallelism and other tools read), ``state.pt`` (the state every rank
+       shares: scheduler, counters, RNG, data cursor; the optimizer state is in the
+       shards), ``meta.json``, the tokenizer and the manifest (the shards' sizes
+       included), fsyncs, renames the directory into place, prunes to ``keep``; barrier.
+
+    A crash at any point leaves the previous checkpoints whole: nothing is visible
+    before the rename."""
+    final = ckpt_dir / f"step-{step:08d}"
+    tmp = ckpt_dir / f".tmp-step-{step:08d}-sharded"
+    if is_main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_dir.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        _fsync_dir(ckpt_dir)
+    barrier()
+    save_shard(tmp, shard)
+    barrier()
+    if is_main:
+        try:
+            save_consolidated(tmp, names)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} (every rank writes its shard into out_dir: put it "
+                                  "on storage every server sees)") from None
+        torch.save(state, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        (tmp / MANIFEST).write_text(json.dumps(_sizes(tmp), indent=1))
+        _fsync_tree(tmp)
+        if final.exists():
+            old = ckpt_dir / f".tmp-old-{final.name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(ckpt_dir)
+        for old in list_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final

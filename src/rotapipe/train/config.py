@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, fields
 
 from ..config import (BackendKind, DataParallelConfig, NonFinite, OptimizerMode,
-                      PipeConfig, PrecisionConfig, RecomputeGrain, resolve_dtype)
+                      PipeConfig, PrecisionConfig, RecomputeGrain, ShardMode, resolve_dtype)
 from .. import _validate as check
 from ..errors import ConfigError
 
@@ -43,7 +43,8 @@ REPORT_TO = ("none", "tensorboard", "wandb")
 CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "optimizer": ("adamw", "sgd"),
            "optimizer_mode": ("sync", "overlap", "stale"), "backend": ("auto", "cuda",
                                                                        "emulated"),
-           "grain": ("stage", "layer"), "packing": ("documents", "concat", "pad")}
+           "grain": ("stage", "layer"), "packing": ("documents", "concat", "pad"),
+           "shard": ("none", "optimizer", "gradients"), "grad_dtype": ("float32", "bfloat16")}
 """The allowed values of the settings that are closed sets (listed in ``--help``)."""
 
 
@@ -228,6 +229,16 @@ class TrainConfig:
     dist_timeout: float = 300.0
     """Under ``torchrun`` (``WORLD_SIZE`` > 1): seconds a rank waits for a dead or hung
     peer in any collective before failing with an error naming it."""
+    shard: ShardMode | str = ShardMode.NONE
+    """Under ``torchrun``: what the data-parallel ranks split (:class:`rotapipe.ShardMode`):
+    ``none`` (every rank holds the whole fp32 masters and optimizer state), ``optimizer``
+    (each rank 1/W of them, ZeRO-1) or ``gradients`` (the accumulated gradients too,
+    ZeRO-2). Checkpoints then hold one shard per rank plus the consolidated fp32
+    weights; ``--resume`` works on any world size (docs/distributed.md)."""
+    grad_dtype: str = "float32"
+    """Under ``torchrun`` with ``shard``: the dtype gradients travel in, ``float32``
+    (exact) or ``bfloat16`` (half the bytes; summed and stepped in fp32 on the owner,
+    an approximation: docs/distributed.md)."""
 
     def __post_init__(self):
         for n in ("layers", "dim", "heads", "vocab", "seq", "eval_sequences", "batch",
@@ -307,6 +318,17 @@ class TrainConfig:
                            check.choice(OptimizerMode, "optimizer_mode", self.optimizer_mode))
         object.__setattr__(self, "nonfinite",
                            check.choice(NonFinite, "nonfinite", self.nonfinite))
+        object.__setattr__(self, "shard", check.choice(ShardMode, "shard", self.shard))
+        grad = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+                "bf16": "bfloat16"}.get(str(self.grad_dtype).strip().lower())
+        if grad is None:
+            raise ConfigError(f"grad_dtype={self.grad_dtype!r}: use 'float32' (exact) or "
+                              "'bfloat16' (half the bytes, with --shard)")
+        if grad == "bfloat16" and self.shard is ShardMode.NONE:
+            raise ConfigError("grad_dtype='bfloat16' needs a sharded mode (the owner sums "
+                              "the bf16 contributions in fp32): add --shard optimizer (or "
+                              "gradients), or drop --grad-dtype")
+        object.__setattr__(self, "grad_dtype", grad)
         try:
             resolve_dtype(self.dtype)
         except ConfigError:
@@ -363,7 +385,9 @@ class TrainConfig:
                           optimizer_mode=self.optimizer_mode,
                           clip_grad_norm=self.grad_clip or None,
                           nonfinite=self.nonfinite,
-                          data_parallel=DataParallelConfig(timeout_s=self.dist_timeout))
+                          data_parallel=DataParallelConfig(timeout_s=self.dist_timeout,
+                                                           shard=self.shard,
+                                                           grad_dtype=self.grad_dtype))
 
     def replace(self, **changes) -> TrainConfig:
         """A copy with ``changes`` (validated; unknown names get a suggestion)."""

@@ -8,6 +8,7 @@ step, saves a checkpoint and returns normally; a second Ctrl-C aborts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -24,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import distributed
-from ..errors import ConfigError, DistributedError, NonFiniteError, RotapipeError
+from ..errors import (CheckpointError, ConfigError, DistributedError, NonFiniteError,
+                      RotapipeError)
 from ..sim.report import report
-from .checkpoint import check_compatible, check_out_dir, resume_from, save_checkpoint
+from .checkpoint import (check_compatible, check_out_dir, is_sharded, latest_checkpoint,
+                         load_shards, resume_from, save_checkpoint, save_sharded_checkpoint)
 from .config import TrainConfig
 from .data import Batch, TrainBatches, count_split, eval_set
 from .records import IGNORE, TextFields, iter_records, record_parts, source_files
@@ -179,14 +182,22 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         held = _eval_set(cfg, files, eval_files, tokenizer, fields)
         start = 0
         if resume is not None:
-            _restore(pipe, model, opt, sched, stream, masters, state)
+            if _sharded(pipe) or is_sharded(resume):
+                _restore_sharded(pipe, model, opt, resume, masters, state)
+            else:
+                _restore(pipe, model, opt, masters, state)
+            _restore_rest(pipe, sched, stream, state)
             start = int(state["step"])
             echo(f"resumed from {resume} (step {start})")
         _describe(cfg, given, pipe, wrapped, tokenizer, files, held,
                   time.perf_counter() - t0, echo)
         if dinfo.distributed:
+            shard = "" if not _sharded(pipe) else \
+                f"; shard {cfg.shard.value}: each rank holds 1/{dinfo.world_size} of the " \
+                f"fp32 masters and optimizer state, gradients sent in {cfg.grad_dtype}"
             echo(f"data parallel: {dinfo.world_size} ranks (torchrun), "
-                 f"{cfg.batch // dinfo.world_size} sequences of the global batch per rank")
+                 f"{cfg.batch // dinfo.world_size} sequences of the global batch per rank"
+                 + shard)
         job = _Job(cfg, out, pipe, wrapped, tokenizer, opt, sched, stream, held, start,
                    state, echo)
         job.prompts = prompts
@@ -246,6 +257,11 @@ def _join(cfg: TrainConfig) -> distributed.DistInfo:
     turns data parallelism on by itself); else rank 0 of 1."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
+        if cfg.shard.value != "none":
+            raise ConfigError(f"shard={cfg.shard.value!r} splits the optimizer state across "
+                              "data-parallel ranks, but this is one process: launch with "
+                              "torchrun --nproc-per-node N (N >= 2; or --nnodes) -m rotapipe "
+                              "train ..., or drop --shard")
         return distributed.DistInfo(0, 1, int(os.environ.get("LOCAL_RANK", 0)))
     if cfg.batch % world or cfg.batch < world * cfg.microbatches:
         raise ConfigError(f"batch={cfg.batch} cannot be split over {world} ranks of "
@@ -286,14 +302,50 @@ def _check_resume_config(path, saved: dict, cfg: TrainConfig) -> None:
                               f"{saved.get(name)} to resume it, or use a new out_dir")
 
 
-def _restore(pipe, model, opt, sched, stream, masters, state) -> None:
-    """Masters, optimizer, scheduler, pipeline counters, RNG states, data cursor."""
+def _restore(pipe, model, opt, masters, state) -> None:
+    """Masters and optimizer state of an unsharded checkpoint into an unsharded run
+    (the rest: :func:`_restore_rest`)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in masters:
                 p.copy_(masters[name])
     pipe.host.write_back()               # compute-dtype copies follow the masters
     opt.load_state_dict(state["optimizer"])
+
+
+def _sharded(pipe) -> bool:
+    """Whether ``pipe`` shards its optimizer state (``TrainConfig.shard``, torchrun)."""
+    return getattr(pipe, "_shard", None) is not None
+
+
+def _pipe_names(pipe, model) -> dict[str, str]:
+    """``{pipeline parameter name: the model's (Hugging Face) name}`` of the trainable
+    parameters (a tied weight under its first name, as ``named_parameters`` gives)."""
+    ls = pipe.layerset
+    by_id = {id(p): pid for pid, p in enumerate(ls.params)}
+    return {ls.param_names[by_id[id(p)]]: n for n, p in model.named_parameters()
+            if id(p) in by_id}
+
+
+def _restore_sharded(pipe, model, opt, path, masters, state) -> None:
+    """Masters and optimizer state from a sharded checkpoint (every rank's shard, cut
+    for this run's world size and sharding: resharding), or from an unsharded one into
+    a sharded run."""
+    if is_sharded(path):
+        try:
+            shards = load_shards(path, mmap=True)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; resuming needs every rank's shard: put out_dir "
+                                  "on storage every server sees") from None
+    else:
+        hf = {v: k for k, v in _pipe_names(pipe, model).items()}
+        shards = [distributed.shard_from_state(
+            pipe, {name: masters[hf[name]] for name in hf}, state["optimizer"])]
+    distributed.load_shard_state_dicts(pipe, opt, shards)
+
+
+def _restore_rest(pipe, sched, stream, state) -> None:
+    """Scheduler, pipeline counters, RNG states, data cursor (the same on every rank)."""
     sched.load_state_dict(state["scheduler"])
     pipe.load_pipeline_state(state["pipe"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -309,7 +361,7 @@ def _describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) 
     """The run's summary: model, effective settings (which ones are defaults chosen for
     this kind of run), data, evaluation, pipeline."""
     kind = "CUDA GPU" if pipe.devices[0].torch_device.type == "cuda" else "emulated CPU"
-    n = sum(p.numel() for p in pipe.parameters())
+    n = sum(pipe.layerset.params[pid].numel() for pid in pipe.host.trainable)
     what = cfg.model or f"Qwen3 from scratch ({cfg.layers} layers, hidden {cfg.dim})"
     if cfg.resume_from_adapter:
         what += f" + adapter {cfg.resume_from_adapter}"
@@ -368,7 +420,11 @@ class _Job:
         scale = pipe.scaler.scale
         # The pipeline clips (config.clip_grad_norm) and reports the norm, in every
         # optimizer mode; without clipping the norm is measured here (sync only).
-        if cfg.optimizer_mode == "sync" and not cfg.grad_clip:
+        if cfg.optimizer_mode == "sync" and not cfg.grad_clip and _sharded(pipe):
+            loss = pipe.forward_backward(x, y)
+            stepped = pipe.step()              # measures the global norm across the ranks
+            norm = pipe._shard.last_global_norm
+        elif cfg.optimizer_mode == "sync" and not cfg.grad_clip:
             loss = pipe.forward_backward(x, y)                       # the global mean
             norm = torch.nn.utils.clip_grad_norm_(list(pipe.parameters()), float("inf")).item()
             stepped = pipe.step()
@@ -423,6 +479,8 @@ class _Job:
     def save(self) -> None:
         # Stale optimizer: every rank applies its pending step before the state is read.
         self.pipe.flush()
+        if _sharded(self.pipe):
+            return self._save_sharded()
         if not self.dist.is_main:                    # rank 0 writes; the others wait for it
             self.checkpoint = self.out / "checkpoints" / f"step-{self.step:08d}"
             _collective(self.pipe, "checkpoint barrier", distributed.barrier)
@@ -447,6 +505,33 @@ class _Job:
                                           tokenizer=self.tokenizer, keep=self.cfg.keep)
         # no rank reads a half-written one
         _collective(self.pipe, "checkpoint barrier", distributed.barrier)
+
+    def _save_sharded(self) -> None:
+        """Every rank writes its shard of the masters and optimizer state; rank 0 the
+        consolidated fp32 masters and the shared state (``save_sharded_checkpoint``)."""
+        pipe, model = self.pipe, self.wrapped.model
+        shard = distributed.shard_state_dict(pipe, self.opt)
+        bad = [n for n, piece in shard["pieces"].items()
+               if not torch.isfinite(piece["master"]).all()]
+        if _collective(pipe, "finite-weights check", distributed.any_rank, bool(bad)):
+            raise NonFiniteError(
+                f"the weights are not finite at step {self.step}"
+                + (f" ({bad[0]} on this rank)" if bad else " (on another rank)") + ": no "
+                f"checkpoint written; the last one is {self.checkpoint}. Lower --lr or "
+                "check the data, and resume from it")
+        state = {"step": self.step, "tokens": self.tokens,
+                 "optimizer": {"sharded": self.dist.world_size},
+                 "scheduler": self.sched.state_dict(), "pipe": pipe.pipeline_state(),
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                 "data": self.stream.state_dict()}
+        meta = {"step": self.step, "plan": pipe.plan.to_text(),
+                "fingerprint": fingerprint(model), "config": dataclasses.asdict(self.cfg),
+                "shards": self.dist.world_size}
+        self.checkpoint = save_sharded_checkpoint(
+            self.out / "checkpoints", self.step, shard=shard, names=_pipe_names(pipe, model),
+            state=state, meta=meta, tokenizer=self.tokenizer, keep=self.cfg.keep,
+            is_main=self.dist.is_main,
+            barrier=lambda: _collective(pipe, "checkpoint barrier", distributed.barrier))
 
     def samples(self) -> list[str]:
         """Sample every prompt with the current weights (rank 0); print them and append
@@ -479,9 +564,36 @@ class _Job:
 
     def export(self) -> None:
         final = self.out / "final"
-        self.wrapped.save_pretrained(str(final))
+        if _sharded(self.pipe):
+            # The model's trainable weights are the compute-dtype copies: export the
+            # fp32 masters, as an unsharded run does, from the last checkpoint's
+            # consolidated masters (always written at the end of a run).
+            with _masters_in_model(self.wrapped.model, self.out / "checkpoints"):
+                self.wrapped.save_pretrained(str(final))
+        else:
+            self.wrapped.save_pretrained(str(final))
         self.tokenizer.save_pretrained(str(final))
         self.echo(f"exported {'LoRA adapter' if self.cfg.lora or self.cfg.qlora else 'model'} to {final}")
+
+
+@contextlib.contextmanager
+def _masters_in_model(model, ckdir: pathlib.Path):
+    """The latest checkpoint's consolidated fp32 masters in ``model``'s trainable
+    parameters for the block (the compute copies back after it)."""
+    from safetensors import safe_open
+    path = latest_checkpoint(ckdir)
+    swapped = []
+    try:
+        with safe_open(str(path / "masters.safetensors"), framework="pt") as f:
+            keys = set(f.keys())
+            for name, p in model.named_parameters():
+                if name in keys:
+                    swapped.append((p, p.data))
+                    p.data = f.get_tensor(name)
+        yield
+    finally:
+        for p, data in swapped:
+            p.data = data
 
 
 def _loop(job: _Job) -> TrainResult:
