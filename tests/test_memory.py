@@ -24,6 +24,7 @@ import copy
 import gc
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from torch import nn
 
 import rotapipe
 from models import emulated, reference_forward_backward
+from rotapipe.runtime.chunks import ChunkedCopies
 
 DIM, HIDDEN, LAYERS = 64, 256, 40
 BATCH, MICROBATCHES = 16, 2
@@ -110,6 +112,37 @@ def test_worker_with_one_stage_budget_trains_a_model_8x_larger(grain):
         # The budget is tight, not loose: each worker did hold two stages' weights.
         assert all(peak >= 2 * L for peak in peaks), (peaks, L)
         assert all(d.memory_in_use() == 0 for d in pipe.devices)
+
+
+@pytest.mark.parametrize("optimizer_mode", ["sync", "overlap"])
+def test_slow_gradient_downloads_keep_two_stages_of_gradients(monkeypatch, optimizer_mode):
+    """The budget holds whatever the copies' timing: with every weight-gradient download
+    slowed far behind the compute, a backward waits for the download two gradient jobs
+    back on its worker (schedule/roundpipe.py) instead of piling up gradients."""
+    download = ChunkedCopies.download
+
+    def slow(self, a):
+        chunks = download(self, a)
+        for chunk in chunks:           # small chunks: input gradients pass between them
+            def late(copy=chunk.copy):
+                time.sleep(0.004)
+                copy()
+            chunk.copy = late
+        return chunks
+    monkeypatch.setattr(ChunkedCopies, "download", slow)
+    model = deep_mlp(16)
+    L = layer_bytes(model)
+    budget = 4 * L + L // 4
+    config = emulated(2, MICROBATCHES, forward_stages=15, backward_stages=15, tail_layers=1,
+                      device_memory=budget, optimizer_mode=optimizer_mode,
+                      copy_chunk_mb=L / 8 / 2**20)
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=config) as pipe:
+        pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=1e-2))
+        for step in range(2):
+            pipe.train_step(*task(step))
+        pipe.flush()
+        assert all(2 * L <= peak <= budget for peak in pipe.peak_memory()), \
+            (pipe.peak_memory(), budget)
 
 
 def test_budget_smaller_than_one_stage_fails_before_any_work():

@@ -8,6 +8,12 @@ stages' weights are resident per worker: the upload of job ``j`` waits (on the h
 for the free of the job ``prefetch + 1`` back on the same worker (default 1: two
 stages, the running one and the next).
 
+A job's weight gradients stay on its worker from its first backward until their
+download: the first backward of a gradient-producing job (tail or backward stage)
+waits for the weight-gradient download of the gradient job before the previous one on
+its worker, so a worker holds at most two jobs' weight gradients (its own and the
+previous one's, still downloading) however slow its copies run.
+
 With a gradient window ``g`` (overlapping calls, :func:`roundpipe_stale_schedule`) the
 weight-gradient download of the ``i``-th gradient-producing job (tail and backward
 stages, counted over calls) waits (on the host) for the optimizer hand-off of job
@@ -238,12 +244,14 @@ class _Generator:
                 if i == 0 and self.tail_barrier:
                     producer = self.act_producer[s.start]
                     ins = ins + [f"DA:{producer}:m{k}@{s.start}" for k in range(1, self.M)]
-                compute_keys.append(self.emit(K.FUSED, w, s, m, deps=ins))
+                hold = self.grad_hold(g, w) if i == 0 else []
+                compute_keys.append(self.emit(K.FUSED, w, s, m, deps=ins + hold))
                 last_dg = self.emit(K.DOWNLOAD_GRAD, w, s, m, s.start, deps=[compute_keys[-1]])
             else:
                 r = self.emit(K.RECOMPUTE, w, s, m, deps=[k for k in ins if not k.startswith("UG:")])
                 ug = [k for k in ins if k.startswith("UG:")]
-                compute_keys.append(self.emit(K.BACKWARD, w, s, m, deps=[r] + ug))
+                hold = self.grad_hold(g, w) if i == 0 else []
+                compute_keys.append(self.emit(K.BACKWARD, w, s, m, deps=[r] + ug + hold))
                 if s.start > 0:
                     last_dg = self.emit(K.DOWNLOAD_GRAD, w, s, m, s.start,
                                         deps=[compute_keys[-1]])
@@ -259,6 +267,19 @@ class _Generator:
             dw = self.emit(K.DOWNLOAD_WGRAD, w, s, deps=[last] + ([last_dg] if last_dg else []),
                            host_deps=self.grad_gate(j))
             self.emit(K.OPTIMIZER, HOST, s, host_deps=[dw])
+
+    def grad_hold(self, g: int, w: int) -> list[str]:
+        """The weight-gradient download the first backward of job ``g`` (over calls) on
+        worker ``w`` waits for: that of the gradient job before the previous one on the
+        same worker (none if there is no such job)."""
+        seen = 0
+        for g2 in range(g - self.W, -1, -self.W):
+            call2, j2 = divmod(g2, len(self.jobs))
+            if self.jobs[j2].kind is not StageKind.FORWARD:
+                seen += 1
+                if seen == 2:
+                    return [self.key(K.DOWNLOAD_WGRAD, self.jobs[j2].name, call=call2)]
+        return []
 
     def grad_gate(self, j: int) -> list[str]:
         """The hand-off the weight-gradient download of job ``j`` waits for: the
