@@ -105,10 +105,11 @@ class GradReducer:
         self._heartbeat = _Heartbeat.start(dist.get_rank(), config.heartbeat_s, self)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, (fingerprint, token), group=group)
-        if self._heartbeat is not None:
-            self._heartbeat.prefix = f"rotapipe/{gathered[0][1]}"
         bad = [self.members[r] for r, (fp, _) in enumerate(gathered) if fp != gathered[0][0]]
         if bad:
+            # The heartbeat has not written yet (no prefix) and never will: ranks that
+            # fail here exit at once, and a thread left inside a store call that the
+            # exited rank 0 served would abort this process at interpreter exit.
             self.close()
             raise ConfigError(
                 f"data parallelism needs the same model, plan and precision on every rank, "
@@ -116,6 +117,8 @@ class GradReducer:
                 f"{self.members[0]}: {gathered[0][0]}\n  rank {bad[0]}: "
                 f"{gathered[self.members.index(bad[0])][0]}\nuse the same PipeConfig "
                 "(workers, stages, precision) and model on every rank")
+        if self._heartbeat is not None:
+            self._heartbeat.prefix = f"rotapipe/{gathered[0][1]}"
 
     @classmethod
     def create(cls, config: DataParallelConfig, group, *args) -> GradReducer | None:
