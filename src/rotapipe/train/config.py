@@ -21,8 +21,12 @@ import pathlib
 import typing
 from dataclasses import dataclass, fields
 
-from ..config import (BackendKind, DataParallelConfig, NonFinite, OptimizerMode,
-                      PipeConfig, PrecisionConfig, RecomputeGrain, resolve_dtype)
+# No torch at import (`rotapipe train --help`): the pipeline's config classes are
+# imported where a TrainConfig is built.
+from .._enums import BackendKind, NonFinite, OptimizerMode, RecomputeGrain
+
+if typing.TYPE_CHECKING:
+    from ..config import PipeConfig
 from .. import _validate as check
 from ..errors import ConfigError
 
@@ -307,6 +311,7 @@ class TrainConfig:
                            check.choice(OptimizerMode, "optimizer_mode", self.optimizer_mode))
         object.__setattr__(self, "nonfinite",
                            check.choice(NonFinite, "nonfinite", self.nonfinite))
+        from ..config import resolve_dtype
         try:
             resolve_dtype(self.dtype)
         except ConfigError:
@@ -357,6 +362,7 @@ class TrainConfig:
     # -- each component's part ---------------------------------------------------------
     def pipe_config(self) -> PipeConfig:
         """The pipeline's part: workers, microbatches, recompute grain, precision."""
+        from ..config import DataParallelConfig, PipeConfig, PrecisionConfig
         return PipeConfig(workers=self.workers, microbatches=self.microbatches,
                           grain=self.grain, backend=self.backend, seed=self.seed,
                           precision=PrecisionConfig(compute_dtype=self.dtype),
