@@ -29,7 +29,8 @@ from ..sim.report import report
 from .checkpoint import check_compatible, check_out_dir, resume_from, save_checkpoint
 from .config import TrainConfig
 from .data import Batch, TrainBatches, count_split, eval_set
-from .records import IGNORE, TextFields, iter_records, record_parts, source_files
+from .records import (IGNORE, TextFields, check_chats, iter_records, record_parts,
+                      source_files)
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
 from .model import (adapter_dir, build_model, build_tokenizer, check_sequence_length,
@@ -158,6 +159,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     # -- model, tokenizer, pipeline, optimizer ------------------------------------------
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(cfg, files, resume / "tokenizer" if resume else None)
+    # Every chat record renders with the template now, not at the step that reads it.
+    check_chats(files + (eval_files or []), tokenizer, fields)
     if cfg.steps is None:                      # the schedule length from epochs
         cfg = cfg.with_steps(_epoch_steps(cfg, files, tokenizer, fields))
     model = build_model(cfg, tokenizer)

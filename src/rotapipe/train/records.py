@@ -22,7 +22,7 @@ from ..errors import ConfigError, InputError
 
 __all__ = ["IGNORE", "TEXT_SUFFIXES", "RECORD_SUFFIXES", "CHUNK_CHARS", "COMPLETION",
            "TextFields", "Tokens", "RendersDifferently", "chat_documents", "chat_segments",
-           "check_text", "hub_dataset_files", "is_dataset_dir", "iter_records",
+           "check_chats", "check_text", "hub_dataset_files", "is_dataset_dir", "iter_records",
            "record_parts", "record_text", "source_files", "stdlib_files"]
 
 IGNORE = -100
@@ -344,6 +344,25 @@ def chat_documents(tokenizer, messages: list[dict], where: str
                              "add_generation_prompt output starts the assistant turn")
         docs.append([(t, c) for t, c in ((head, False), (upto[len(head):], True)) if t])
     return docs
+
+
+def check_chats(files, tokenizer, fields: TextFields) -> int:
+    """Render every chat record of ``files`` with the tokenizer's chat template (as
+    :func:`chat_documents` does, without tokenizing), so that a template failing on any
+    record (a role it refuses, its own ``raise_exception``) fails before training,
+    naming ``file:line``, rather than at the step that first reads the record. Returns
+    the number of chats rendered."""
+    chats = 0
+    for path in files:
+        if path.is_file() and path.suffix not in RECORD_SUFFIXES:
+            continue                                  # a text file holds no chats
+        for i, rec in iter_records(path):
+            where = f"{path}:{i + 1}"
+            kind, value = record_parts(rec, fields, where)
+            if kind == "chat":
+                chat_documents(tokenizer, value, where)
+                chats += 1
+    return chats
 
 
 class Tokens:
