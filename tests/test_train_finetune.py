@@ -200,13 +200,11 @@ def test_resume_from_adapter_continues_the_lora(tmp_path, model_dir):
                           resume_from_adapter=str(tmp_path)), echo=lambda s: None)
 
 
-def _wandb_history(run_file: pathlib.Path) -> list[dict]:
-    """The history records of a W&B ``.wandb`` file: a LevelDB-style log (a 7-byte file
-    header, 32 KiB blocks, each record chunk behind a 7-byte header: crc32, length,
-    kind 1 full / 2 first / 3 middle / 4 last) of ``wandb_internal_pb2.Record``s."""
+def _wandb_records(run_file: pathlib.Path) -> list[bytes]:
+    """The serialized ``wandb_internal_pb2.Record``s of a W&B ``.wandb`` file: a
+    LevelDB-style log (a 7-byte file header, 32 KiB blocks, each record chunk behind a
+    7-byte header: crc32, length, kind 1 full / 2 first / 3 middle / 4 last)."""
     import struct
-
-    from wandb.proto import wandb_internal_pb2 as pb
 
     data, block, pos, chunks, buf = run_file.read_bytes(), 32768, 7, [], b""
     assert data[:4] == b":W&B"
@@ -225,10 +223,15 @@ def _wandb_history(run_file: pathlib.Path) -> list[dict]:
         if kind in (1, 4):
             chunks.append(buf)
             buf = b""
+    return chunks
+
+
+def _wandb_history(run_file: pathlib.Path) -> list[dict]:
+    """The history records (the logged rows) of a W&B ``.wandb`` file."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
     rows = []
-    for raw in chunks:
-        record = pb.Record()
-        record.ParseFromString(raw)
+    for record in map(pb.Record.FromString, _wandb_records(run_file)):
         if record.WhichOneof("record_type") == "history":
             rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
                          for i in record.history.item})
@@ -251,6 +254,39 @@ def test_wandb_offline_run_holds_the_logged_scalars(tmp_path, model_dir, monkeyp
     assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-9)) for r in rows
                       if "loss" in r]
     assert [h["_step"] for h in history if "eval/eval_loss" in h] == [0, 3]
+
+
+def _wandb_run_id(run_file: pathlib.Path) -> str:
+    """The run id in a ``.wandb`` log's ``run`` record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    return next(r.run.run_id for r in map(pb.Record.FromString, _wandb_records(run_file))
+                if r.WhichOneof("record_type") == "run")
+
+
+def test_wandb_resume_continues_the_same_run(tmp_path, model_dir, monkeypatch):
+    """--resume logs to the W&B run of the run it resumes (its id kept in out_dir), from
+    the checkpoint's step on."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    data = sft_jsonl(tmp_path / "s.jsonl", 100)
+    out = tmp_path / "o"
+    cfg = TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=0.1,
+                      out_dir=str(out), steps=3, eval_interval=3, report_to="wandb")
+    train(cfg, echo=lambda s: None)
+    train(cfg.replace(steps=5, resume=True), echo=lambda s: None)
+    first, second = sorted(out.glob("wandb/offline-run-*/run-*.wandb"),
+                           key=lambda f: f.stat().st_mtime)
+    run_id = (out / "wandb-run-id").read_text().strip()
+    assert _wandb_run_id(first) == _wandb_run_id(second) == run_id
+    assert first.parent.name.endswith(run_id) and second.parent.name.endswith(run_id)
+    steps = [h["_step"] for h in _wandb_history(second) if "train/loss" in h]
+    assert steps == [4, 5]
+    # A new run in the same out_dir (no --resume) is a new W&B run.
+    import shutil
+    shutil.rmtree(out / "checkpoints")
+    train(cfg.replace(steps=1, eval_interval=0), echo=lambda s: None)
+    assert (out / "wandb-run-id").read_text().strip() != run_id
 
 
 def test_hub_dataset_splits_resolve_from_the_cache(tmp_path, model_dir, monkeypatch):
