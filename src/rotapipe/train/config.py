@@ -97,13 +97,21 @@ class TrainConfig:
     # -- data ------------------------------------------------------------------------
     data: str = "stdlib"
     """Comma-separated data files (.jsonl, .json, .parquet, or text: .txt .md .py .rst),
-    directories of them, saved Hugging Face dataset directories, or hub dataset ids
-    (org/name, or org/name:split; default split train) resolved through the Hugging
-    Face cache; stdlib: the Python standard library's .py files."""
+    directories of them, saved Hugging Face dataset directories, or Hugging Face
+    datasets by name (org/name, or org/name:split), loaded with datasets.load_dataset
+    from the Hugging Face cache (offline with HF_HUB_OFFLINE) or the hub; stdlib: the
+    Python standard library's .py files."""
     eval_data: str | None = None
-    """Evaluation files (same forms as data), every record of them held out (each
-    evaluation runs on up to eval_sequences sequences); None: the held-out split of
-    data (see holdout)."""
+    """Evaluation files (same forms as data; a dataset name's default split is test),
+    every record of them held out (each evaluation runs on up to eval_sequences
+    sequences); None: the held-out split of data (see holdout)."""
+    data_config: str | None = None
+    """The builder config (subset) of the datasets named in data and eval_data, as
+    load_dataset(name, data_config) takes it (TRL's dataset_config); None: the
+    dataset's only or default one."""
+    data_split: str | None = None
+    """The split of the datasets named in data (org/name:split names one per dataset);
+    any split load_dataset takes, e.g. train[:1000]; None: train."""
     messages_field: str = "messages"
     """The field holding a chat: a list of {"role", "content"} rendered with the
     tokenizer's chat template, the loss on assistant turns only."""
@@ -246,7 +254,8 @@ class TrainConfig:
         check.integer("warmup", self.warmup, minimum=0, optional=True)
         check.text("model", self.model, optional=True,
                    allowed="a Hugging Face model directory or hub id")
-        for n in ("resume_from_adapter", "eval_data", "sample_file"):
+        for n in ("resume_from_adapter", "eval_data", "sample_file", "data_config",
+                  "data_split"):
             check.text(n, getattr(self, n), optional=True)
         for n in ("data", "lora_targets", "text_field", "prompt_field", "response_field",
                   "messages_field", "out_dir"):

@@ -1,5 +1,7 @@
 """Hugging Face hub ids (``org/name``) resolved to local snapshot folders through the
-hub cache: models for ``model``, dataset repositories for ``data`` and ``eval_data``.
+hub cache: models for ``model``, and dataset repositories for ``data`` and
+``eval_data`` (which ``datasets.load_dataset`` then loads from the snapshot:
+:func:`rotapipe.train.records.hub_dataset`).
 
 The cache is asked first (``snapshot_download(local_files_only=True)``: no request), so
 offline use of an existing cache works; otherwise the snapshot is downloaded into the
@@ -15,7 +17,7 @@ import re
 
 from ..errors import ConfigError
 
-__all__ = ["is_hub_id", "snapshot"]
+__all__ = ["cached_snapshot", "is_hub_id", "snapshot"]
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -31,22 +33,32 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def snapshot(repo: str, what: str, *, repo_type: str = "model",
-             patterns: list[str] | None = None) -> pathlib.Path:
-    """The local folder of hub repository ``repo``; ``what`` names the setting in
-    errors (``"model"``, ``"data"``)."""
-    kind = "dataset " if repo_type == "dataset" else ""
+def cached_snapshot(repo: str, what: str, *, repo_type: str = "model"
+                    ) -> pathlib.Path | None:
+    """The folder of hub repository ``repo`` in the Hugging Face cache, or None when the
+    cache does not hold it (no request is made)."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise ConfigError(f"{what} {repo!r} is a hub id, and resolving it needs "
                           "huggingface_hub: pip install huggingface_hub, or pass a local "
                           "path") from None
-    try:       # the cache first: works offline, no request
+    try:
         return pathlib.Path(snapshot_download(repo, repo_type=repo_type,
                                               local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError and kin)
-        pass
+        return None
+
+
+def snapshot(repo: str, what: str, *, repo_type: str = "model",
+             patterns: list[str] | None = None) -> pathlib.Path:
+    """The local folder of hub repository ``repo``; ``what`` names the setting in
+    errors (``"model"``, ``"data"``)."""
+    kind = "dataset " if repo_type == "dataset" else ""
+    cached = cached_snapshot(repo, what, repo_type=repo_type)
+    if cached is not None:
+        return cached
+    from huggingface_hub import snapshot_download
     if _offline():
         raise ConfigError(f"{what} {repo!r} is not in the Hugging Face cache and "
                           "HF_HUB_OFFLINE is set: download it first (hf download "

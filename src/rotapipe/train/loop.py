@@ -42,9 +42,9 @@ log = logging.getLogger("rotapipe.train")
 
 RESUME_FIXED = ("model", "layers", "dim", "heads", "kv_heads", "ffn", "vocab",
                 "tokenizer_bytes", "lora", "qlora", "lora_rank", "lora_alpha", "lora_targets",
-                "resume_from_adapter", "data", "text_field", "prompt_field",
-                "response_field", "messages_field", "seq", "packing", "holdout", "batch",
-                "seed", "optimizer")
+                "resume_from_adapter", "data", "data_config", "data_split", "text_field",
+                "prompt_field", "response_field", "messages_field", "seq", "packing",
+                "holdout", "batch", "seed", "optimizer")
 """Fields a resumed run must share with its checkpoint (the rest may change, e.g. steps)."""
 
 
@@ -138,9 +138,10 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     check_sinks(cfg.report_to)
     if not (cfg.progress and sys.stderr.isatty()):
         _quiet_third_party()              # no weight-loading bars in a log file either
-    files = source_files(cfg.data)
+    files = source_files(cfg.data, cfg.data_config, cfg.data_split)
     check_data(files, fields)
-    eval_files = source_files(cfg.eval_data) if cfg.eval_data else None
+    eval_files = source_files(cfg.eval_data, cfg.data_config, "test", "eval_data") \
+        if cfg.eval_data else None
     if eval_files:
         check_data(eval_files, fields)
     check_sequence_length(cfg)
@@ -218,6 +219,12 @@ def _quiet_third_party() -> None:
         huggingface_hub.utils.disable_progress_bars()
     except ImportError:
         pass
+    # datasets (hub datasets by name) reads this when it is imported; not imported here,
+    # which costs most of a second.
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def _epoch_steps(cfg: TrainConfig, files, tokenizer, fields) -> int:

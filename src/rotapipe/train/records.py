@@ -1,8 +1,9 @@
 """Records: data files read one record at a time, what a record holds (plain text, a
 prompt/response pair or a chat) and its tokens.
 
-A *record* is one JSONL line, one object of a JSON list, one row of a Parquet file or
-of a saved Hugging Face dataset, or a chunk of about 32 KiB of lines of a text file.
+A *record* is one JSONL line, one object of a JSON list, one row of a Parquet file, of
+a saved Hugging Face dataset or of a hub dataset loaded by name (:func:`hub_dataset`),
+or a chunk of about 32 KiB of lines of a text file.
 :class:`Tokens` makes a record into one or more documents of token ids and labels
 (``-100`` where a token does not count): the beginning-of-text token as the tokenizer
 adds it, the end-of-text token after text and responses, and a chat rendered with the
@@ -14,16 +15,15 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 import sysconfig
 from collections.abc import Iterator
 
 from ..errors import ConfigError, InputError
 
 __all__ = ["IGNORE", "TEXT_SUFFIXES", "RECORD_SUFFIXES", "CHUNK_CHARS", "COMPLETION",
-           "TextFields", "Tokens", "RendersDifferently", "chat_documents", "chat_segments",
-           "check_chats", "check_text", "hub_dataset_files", "is_dataset_dir", "iter_records",
-           "record_parts", "record_text", "source_files", "stdlib_files"]
+           "HubSplit", "TextFields", "Tokens", "RendersDifferently", "chat_documents",
+           "chat_segments", "check_chats", "check_text", "hub_dataset", "is_dataset_dir",
+           "iter_records", "record_parts", "record_text", "source_files", "stdlib_files"]
 
 IGNORE = -100
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -51,8 +51,10 @@ def stdlib_files() -> list[pathlib.Path]:
                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
 
 
-def source_files(spec: str) -> list[pathlib.Path]:
-    """Resolve ``data``: comma-separated files and directories, or ``stdlib``."""
+def source_files(spec: str, config: str | None = None, split: str | None = None,
+                 what: str = "data") -> list[pathlib.Path]:
+    """Resolve ``data``: comma-separated files, directories and hub dataset names
+    (:func:`hub_dataset`, with ``config`` and the default ``split``), or ``stdlib``."""
     if spec == "stdlib":
         files = stdlib_files()
         if not files:
@@ -74,7 +76,7 @@ def source_files(spec: str) -> list[pathlib.Path]:
         elif p.is_file():
             files.append(p)
         elif _hub_dataset_spec(part):
-            files += hub_dataset_files(part)
+            files.append(hub_dataset(part, config, split, what))
         else:
             raise ConfigError(f"data file {part!r} does not exist: check the path "
                               "(data is a comma-separated list of files or directories)")
@@ -145,31 +147,108 @@ def _hub_dataset_spec(part: str) -> bool:
         is_hub_id(name)
 
 
-def hub_dataset_files(spec: str) -> list[pathlib.Path]:
-    """``org/name[:split]``: the record files of that split (default ``train``) of a
-    dataset repository in the Hugging Face cache (downloaded into it when not cached
-    and not offline). A file belongs to a split when the split's name is a part of its
-    path (``data/train-00000.parquet``, ``train/x.jsonl``, ``train.jsonl``); a
-    repository without split names in its paths is one split."""
-    from .hub import snapshot
+class HubSplit:
+    """One split of a Hugging Face dataset loaded by name (``datasets.load_dataset``): a
+    data source like a file, read row by row (:func:`iter_records`). Its
+    :meth:`as_posix`, which the held-out and lane hashes read, names the dataset, config
+    and split, not where the cache is; printed, it is ``org/name[config]:split``, so a
+    row's place reads ``org/name:train:12``."""
 
-    repo, _, split = spec.partition(":")
-    root = snapshot(repo, "data", repo_type="dataset",
-                    patterns=[f"*{x}" for x in RECORD_SUFFIXES] + ["*.md"])
-    found = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in RECORD_SUFFIXES)
-    words = lambda f: set(re.split(r"[-_./]", f.relative_to(root).as_posix().lower()))
-    named = [f for f in found if words(f) & _SPLITS]
-    chosen = [f for f in named if (split or "train") in words(f)] if named else \
-        (found if not split else [])
-    if not chosen:
-        raise ConfigError(f"dataset {repo!r} in the Hugging Face cache has no "
-                          f"{split or 'train'!r} split among its .jsonl/.json/.parquet files "
-                          f"({', '.join(str(f.relative_to(root)) for f in found[:5]) or 'none'})"
-                          ": name another split (org/name:test)")
-    return chosen
+    suffix = ""
+
+    def __init__(self, name: str, config: str | None, split: str, data):
+        self.name, self.config, self.split, self.data = name, config, split, data
+
+    def as_posix(self) -> str:
+        return f"hf://datasets/{self.name}/{self.config or 'default'}/{self.split}"
+
+    def __str__(self) -> str:
+        return f"{self.name}{f'[{self.config}]' if self.config else ''}:{self.split}"
+
+    __repr__ = __str__
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HubSplit) and self.as_posix() == other.as_posix()
+
+    def __hash__(self) -> int:
+        return hash(self.as_posix())
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def is_file(self) -> bool:
+        return False
+
+    def is_dir(self) -> bool:
+        return False
 
 
-_SPLITS = {"train", "test", "validation", "valid", "dev", "eval"}
+def hub_dataset(spec: str, config: str | None = None, split: str | None = None,
+                what: str = "data") -> HubSplit:
+    """``org/name[:split]`` as the Hugging Face ``datasets`` library loads it
+    (``load_dataset(name, config, split=split)``: the repository's own configs and
+    split files, as its dataset card declares them), with builder config ``config``
+    and split ``split`` (default ``train``; a split named in ``spec`` wins; any split
+    expression ``load_dataset`` takes, such as ``train[:1000]``).
+
+    Looked up in the caches first: a snapshot of the repository in the hub cache (``hf
+    download --repo-type dataset``, or a previous download) is loaded from there, with
+    no request; otherwise ``load_dataset(name)`` uses the ``datasets`` cache when
+    offline (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) and downloads otherwise."""
+    from .hub import cached_snapshot
+
+    name, _, named = spec.partition(":")
+    split = named or split or "train"
+    ds = _optional("datasets", f"hub dataset {name!r}", "datasets")
+    local = cached_snapshot(name, what, repo_type="dataset")
+    label = f"dataset {name!r}" + (f" (config {config!r})" if config else "")
+    try:
+        data = ds.load_dataset(str(local) if local else name, config, split=split)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types for these
+        raise _dataset_error(ds, exc, name, local, config, split, label, what) from None
+    if isinstance(data, dict) or not hasattr(data, "__len__"):
+        raise ConfigError(f"{label} split {split!r} is not one table of rows: name one "
+                          "split (--data-split, or org/name:SPLIT)")
+    return HubSplit(name, config, split, data)
+
+
+def _dataset_error(ds, exc: Exception, name: str, local, config, split: str, label: str,
+                   what: str) -> ConfigError:
+    """The one-line error of a hub dataset ``load_dataset`` refused: a config or split
+    it does not have (with the ones it has), or not cached offline (with the fix)."""
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    source = str(local) if local else name
+    configs = None
+    try:
+        configs = ds.get_dataset_config_names(source)
+    except Exception:  # noqa: BLE001 - offline and not cached: no list to give
+        pass
+    if configs and (config is None and len(configs) > 1 or
+                    config is not None and config not in configs):
+        choose = "choose one with --data-config (data_config)" if config is None else \
+            f"data_config={config!r} is not one of them"
+        return ConfigError(f"{what} {name!r} has the configs {', '.join(configs)}: {choose}")
+    if configs or local:
+        try:
+            splits = ds.get_dataset_split_names(source, config)
+        except Exception:  # noqa: BLE001
+            splits = []
+        base = split.split("[", 1)[0]
+        if splits and base not in splits:
+            return ConfigError(f"{label} has no {base!r} split (it has "
+                               f"{', '.join(splits)}): name one with --data-split, or "
+                               f"{name}:SPLIT")
+    if local is None and ds.config.HF_HUB_OFFLINE:
+        return ConfigError(
+            f"{what} {name!r} is not in the Hugging Face cache (neither a snapshot in the "
+            "hub cache nor a dataset the datasets library prepared) and offline mode is "
+            "set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): download it first on a "
+            "connected machine (python -c \"import datasets; datasets.load_dataset("
+            f"'{name}'{f', {config!r}' if config else ''})\", or hf download "
+            f"--repo-type dataset {name}) and use that HF_HOME here, or pass a local path")
+    return ConfigError(f"{label}, split {split!r}, could not be loaded "
+                       f"({type(exc).__name__}: {first}): check the name, config and "
+                       "split, log in (hf auth login) for a gated one, or pass a local path")
 
 
 def is_dataset_dir(path: pathlib.Path) -> bool:
@@ -210,6 +289,9 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
                     yield i + j, row
             i += len(rows)
         return
+    if isinstance(path, HubSplit):
+        yield from _rows(path.data, start)
+        return
     if path.is_dir():
         ds = _optional("datasets", "a saved Hugging Face dataset", "datasets")
         data = ds.load_from_disk(str(path))
@@ -218,8 +300,7 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
                 raise InputError(f"dataset {path} has splits {sorted(data)} and no 'train': "
                                  "pass the folder of one split")
             data = data["train"]
-        for i in range(start, len(data)):
-            yield i, data[i]
+        yield from _rows(data, start)
         return
     with open(path, encoding="utf-8", errors="replace") as f:
         i, chunk, size = 0, [], 0
@@ -232,6 +313,16 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
                 i, chunk, size = i + 1, [], 0
         if chunk and i >= start:
             yield i, "".join(chunk)
+
+
+def _rows(data, start: int, batch: int = 1024) -> Iterator[tuple[int, dict]]:
+    """``(index, row)`` of a ``datasets.Dataset`` from row ``start`` on, read in slices
+    of ``batch`` rows (one Arrow read per slice, not per row)."""
+    for i in range(start, len(data), batch):
+        columns = data[i:i + batch]                      # {column: [values]}
+        names = list(columns)
+        for j, values in enumerate(zip(*columns.values())):
+            yield i + j, dict(zip(names, values))
 
 
 def record_parts(record, fields: TextFields, where: str) -> tuple[str, object]:
