@@ -336,6 +336,25 @@ def test_hub_dataset_configs_and_splits_load_by_name(tmp_path, model_dir, monkey
                                           "cache .* download it first on a connected "
                                           "machine .* or pass a local path"):
         source_files("tiny-org/other")
+    # Without a hub snapshot: a dataset the datasets library prepared on this HF_HOME
+    # before (load_dataset("tiny-org/prepared", "sft") online leaves it in the layout
+    # datasets 5 writes: org___name/config/version/hash/name-split.arrow).
+    loaded = datasets.load_dataset(str(tmp_path / "repo"), "sft", split="test",
+                                   cache_dir=str(tmp_path / "elsewhere"))
+    built = pathlib.Path(loaded.cache_files[0]["filename"]).parent
+    prepared = tmp_path / "prepared" / "tiny-org___prepared" / "sft" / built.parent.name / \
+        built.name
+    prepared.parent.mkdir(parents=True)
+    prepared.mkdir()
+    (prepared / "dataset_info.json").write_bytes((built / "dataset_info.json").read_bytes())
+    for f in built.glob("*.arrow"):
+        (prepared / ("prepared-" + f.name.rsplit("-", 1)[1])).write_bytes(f.read_bytes())
+    (src,) = source_files("tiny-org/prepared:test", "sft")
+    lines = (tmp_path / "repo" / "sft" / "test.jsonl").read_text().splitlines()
+    assert [r for _, r in iter_records(src)] == [json.loads(x) for x in lines]
+    with pytest.raises(ConfigError, match="'tiny-org/prepared' is not in the Hugging Face "
+                                          "cache .* with config 'chat'"):
+        source_files("tiny-org/prepared", "chat")
 
 
 def test_train_from_a_dataset_name_offline_in_a_fresh_hf_home(tmp_path, model_dir,

@@ -219,16 +219,16 @@ def _dataset_error(ds, exc: Exception, name: str, local, config, split: str, lab
     first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
     source = str(local) if local else name
     configs = None
-    try:
-        configs = ds.get_dataset_config_names(source)
-    except Exception:  # noqa: BLE001 - offline and not cached: no list to give
+    try:      # the snapshot's card lists them; offline, a name's lookup would guess
+        configs = ds.get_dataset_config_names(source) if local else None
+    except Exception:  # noqa: BLE001 - a card that does not parse: no list to give
         pass
     if configs and (config is None and len(configs) > 1 or
                     config is not None and config not in configs):
         choose = "choose one with --data-config (data_config)" if config is None else \
             f"data_config={config!r} is not one of them"
         return ConfigError(f"{what} {name!r} has the configs {', '.join(configs)}: {choose}")
-    if configs or local:
+    if local:
         try:
             splits = ds.get_dataset_split_names(source, config)
         except Exception:  # noqa: BLE001
@@ -241,9 +241,10 @@ def _dataset_error(ds, exc: Exception, name: str, local, config, split: str, lab
     if local is None and ds.config.HF_HUB_OFFLINE:
         return ConfigError(
             f"{what} {name!r} is not in the Hugging Face cache (neither a snapshot in the "
-            "hub cache nor a dataset the datasets library prepared) and offline mode is "
-            "set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): download it first on a "
-            "connected machine (python -c \"import datasets; datasets.load_dataset("
+            "hub cache nor a dataset the datasets library prepared"
+            + (f" with config {config!r}" if config else "") + f"; datasets: {first}) "
+            "and offline mode is set (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): download it "
+            "first on a connected machine (python -c \"import datasets; datasets.load_dataset("
             f"'{name}'{f', {config!r}' if config else ''})\", or hf download "
             f"--repo-type dataset {name}) and use that HF_HOME here, or pass a local path")
     return ConfigError(f"{label}, split {split!r}, could not be loaded "
