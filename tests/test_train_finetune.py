@@ -279,7 +279,7 @@ def test_wandb_resume_continues_the_same_run(tmp_path, model_dir, monkeypatch):
                            key=lambda f: f.stat().st_mtime)
     run_id = (out / "wandb-run-id").read_text().strip()
     assert _wandb_run_id(first) == _wandb_run_id(second) == run_id
-    assert first.parent.name.endswith(run_id) and second.parent.name.endswith(run_id)
+    assert first.name == second.name == f"run-{run_id}.wandb" and first != second
     steps = [h["_step"] for h in _wandb_history(second) if "train/loss" in h]
     assert steps == [4, 5]
     # A new run in the same out_dir (no --resume) is a new W&B run.
