@@ -38,10 +38,8 @@ def bench(model: str, args) -> None:
                                        tail_jobs=(1, 2, 3, 4)))
     costs, plan = choice.costs, choice.plan
     schedule = rotapipe.roundpipe_schedule(plan, DEVICES, M)
-    times = ActionTimes(plan, costs)
-    shortest = min(sum(times(a)) for a in schedule.actions
-                   if a.lane.value == "compute" and sum(times(a)) > 0)
-    dilation = args.min_action_ms / shortest
+    dilation = replace(em0, costs=costs).calibrated(
+        plan, schedule, min_action_ms=args.min_action_ms).dilation
     layer_mb = max(l.weight_bytes for l in costs.layers) / MIB
     print(f"\n{model}: plan {plan.to_text()}, dilation {dilation:.2f}x, largest layer "
           f"{layer_mb:,.0f} MiB")

@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -385,15 +385,6 @@ def timed_emulation_ms(em: TimedEmulation, plan, workers: int, microbatches: int
         return median_call_s(pipe, x, y, steps) / em.dilation * 1e3
 
 
-def dilation_for(em: TimedEmulation, schedule, plan, min_action_ms: float) -> float:
-    """Slow-down at which the shortest compute action takes ``min_action_ms`` real ms
-    (Python overhead per action is a fraction of a millisecond)."""
-    times = ActionTimes(plan, em.costs)
-    shortest = min(sum(times(a)) for a in schedule.actions
-                   if a.lane.value == "compute" and sum(times(a)) > 0)
-    return max(1.0, min_action_ms / shortest)
-
-
 def timing(args, backend: str, devices: int) -> None:
     config, M = qwen3_like(args.layers), args.microbatches
     print(f"\n(b) timing: Qwen3-like, {args.layers} layers, hidden 2048, vocab 32000, seq "
@@ -431,7 +422,7 @@ def timing(args, backend: str, devices: int) -> None:
         sim_ms = None
     else:
         sim_ms = simulate(schedule, ActionTimes(plan, em.costs)).makespan
-        em = replace(em, dilation=dilation_for(em, schedule, plan, args.min_action_ms))
+        em = em.calibrated(plan, schedule, min_action_ms=args.min_action_ms)
         rows.append(("timed emulation",
                      timed_emulation_ms(em, plan, devices, M, args.timing_steps)))
         rows.append(("simulator", sim_ms))

@@ -204,12 +204,11 @@ def bench(model: str, args) -> list[dict]:
     # Slow down enough that the shortest compute action takes --min-action-ms of real
     # time (Python overhead per action is a fraction of a millisecond), and the call
     # about --target-s seconds, whichever is slower.
-    times = ActionTimes(choice.plan, costs)
-    shortest = min(sum(times(a)) for a in sim_rp.schedule.actions
-                   if a.lane.value == "compute" and sum(times(a)) > 0)
-    dilation = args.dilation or max(args.target_s * 1e3 / sim_rp.makespan,
-                                    args.min_action_ms / shortest)
-    em = replace(em0, costs=costs, dilation=dilation)
+    em = replace(em0, costs=costs).calibrated(choice.plan, sim_rp.schedule,
+                                              min_action_ms=args.min_action_ms,
+                                              target_s=args.target_s)
+    dilation = args.dilation or em.dilation
+    em = replace(em, dilation=dilation)
     em_b = replace(em0, dilation=dilation)
     runs = [(f"roundpipe {mode}", em, choice.plan, None, mode, choice.grain.value,
              sim_rp if mode == "sync" else

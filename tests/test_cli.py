@@ -64,11 +64,14 @@ def test_example_script_trains(capsys, monkeypatch):
     assert len(losses) >= 2 and losses[-1] < losses[0], out
 
 
-def test_version_and_top_level_help_do_not_import_torch():
+def test_version_and_help_do_not_import_torch():
+    # --version, the top-level help, train's help (every TrainConfig flag) and a flag
+    # error (exit 2) are answered without loading torch or transformers.
     code = ("import sys; from rotapipe.cli import main\n"
-            "for argv in (['--version'], ['--help']):\n"
+            "for argv, code in ((['--version'], 0), (['--help'], 0), (['train', '--help'], 0),"
+            " (['train', '--steps', 'x'], 2)):\n"
             "    try: main(argv)\n"
-            "    except SystemExit as e: assert e.code == 0\n"
+            "    except SystemExit as e: assert e.code == code, (argv, e.code)\n"
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**__import__("os").environ,

@@ -217,3 +217,30 @@ def test_template_that_rewrites_history_gives_one_document_per_turn(tmp_path):
 def train_words():
     from train_util import WORDS
     return WORDS
+
+
+def test_a_template_failing_on_a_late_record_fails_before_training(tmp_path):
+    """Every chat record is rendered before step 0: a template that refuses record 2,900
+    of 3,000 stops the run there, naming file:line, with no step taken."""
+    from rotapipe.train import TrainConfig, train
+    from train_util import CHAT_TEMPLATE
+    tok = chat_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['content'] == 'boom' %}"
+                         "{{ raise_exception('no booms') }}{% endif %}{% endfor %}"
+                         + CHAT_TEMPLATE)
+    model = tiny_model_dir(tmp_path / "model", tok)
+    data = chat_jsonl(tmp_path / "c.jsonl", 3000)
+    lines = data.read_text().splitlines()
+    bad = {"messages": [{"role": "user", "content": "boom"},
+                        {"role": "assistant", "content": "fox"}]}
+    lines[2899] = json.dumps(bad)
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "o"
+    said = []
+    with pytest.raises(InputError, match=r"c\.jsonl:2900: the chat template fails on this "
+                                         r"conversation \(TemplateError: no booms\)"):
+        train(TrainConfig(model=str(model), data=str(data), seq=48, batch=4, microbatches=2,
+                          workers=2, backend="emulated", progress=False, steps=50,
+                          holdout=0.0, out_dir=str(out)), echo=said.append)
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert not any(s.startswith(("model:", "step")) for s in said), said

@@ -200,13 +200,11 @@ def test_resume_from_adapter_continues_the_lora(tmp_path, model_dir):
                           resume_from_adapter=str(tmp_path)), echo=lambda s: None)
 
 
-def _wandb_history(run_file: pathlib.Path) -> list[dict]:
-    """The history records of a W&B ``.wandb`` file: a LevelDB-style log (a 7-byte file
-    header, 32 KiB blocks, each record chunk behind a 7-byte header: crc32, length,
-    kind 1 full / 2 first / 3 middle / 4 last) of ``wandb_internal_pb2.Record``s."""
+def _wandb_records(run_file: pathlib.Path) -> list[bytes]:
+    """The serialized ``wandb_internal_pb2.Record``s of a W&B ``.wandb`` file: a
+    LevelDB-style log (a 7-byte file header, 32 KiB blocks, each record chunk behind a
+    7-byte header: crc32, length, kind 1 full / 2 first / 3 middle / 4 last)."""
     import struct
-
-    from wandb.proto import wandb_internal_pb2 as pb
 
     data, block, pos, chunks, buf = run_file.read_bytes(), 32768, 7, [], b""
     assert data[:4] == b":W&B"
@@ -225,10 +223,15 @@ def _wandb_history(run_file: pathlib.Path) -> list[dict]:
         if kind in (1, 4):
             chunks.append(buf)
             buf = b""
+    return chunks
+
+
+def _wandb_history(run_file: pathlib.Path) -> list[dict]:
+    """The history records (the logged rows) of a W&B ``.wandb`` file."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
     rows = []
-    for raw in chunks:
-        record = pb.Record()
-        record.ParseFromString(raw)
+    for record in map(pb.Record.FromString, _wandb_records(run_file)):
         if record.WhichOneof("record_type") == "history":
             rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
                          for i in record.history.item})
@@ -253,33 +256,132 @@ def test_wandb_offline_run_holds_the_logged_scalars(tmp_path, model_dir, monkeyp
     assert [h["_step"] for h in history if "eval/eval_loss" in h] == [0, 3]
 
 
-def test_hub_dataset_splits_resolve_from_the_cache(tmp_path, model_dir, monkeypatch):
-    """data and eval_data as hub dataset ids: the train and test splits of a dataset
-    repository in the cache (looked up without a request)."""
+def _wandb_run_id(run_file: pathlib.Path) -> str:
+    """The run id in a ``.wandb`` log's ``run`` record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    return next(r.run.run_id for r in map(pb.Record.FromString, _wandb_records(run_file))
+                if r.WhichOneof("record_type") == "run")
+
+
+def test_wandb_resume_continues_the_same_run(tmp_path, model_dir, monkeypatch):
+    """--resume logs to the W&B run of the run it resumes (its id kept in out_dir), from
+    the checkpoint's step on."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    data = sft_jsonl(tmp_path / "s.jsonl", 100)
+    out = tmp_path / "o"
+    cfg = TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=0.1,
+                      out_dir=str(out), steps=3, eval_interval=3, report_to="wandb")
+    train(cfg, echo=lambda s: None)
+    train(cfg.replace(steps=5, resume=True), echo=lambda s: None)
+    first, second = sorted(out.glob("wandb/offline-run-*/run-*.wandb"),
+                           key=lambda f: f.stat().st_mtime)
+    run_id = (out / "wandb-run-id").read_text().strip()
+    assert _wandb_run_id(first) == _wandb_run_id(second) == run_id
+    assert first.name == second.name == f"run-{run_id}.wandb" and first != second
+    steps = [h["_step"] for h in _wandb_history(second) if "train/loss" in h]
+    assert steps == [4, 5]
+    # A new run in the same out_dir (no --resume) is a new W&B run.
+    import shutil
+    shutil.rmtree(out / "checkpoints")
+    train(cfg.replace(steps=1, eval_interval=0), echo=lambda s: None)
+    assert (out / "wandb-run-id").read_text().strip() != run_id
+
+
+def _dataset_repo(root: pathlib.Path) -> pathlib.Path:
+    """A dataset repository with two builder configs declared in its card, as the hub
+    has them: ``chat`` (train 120 and test 10 chats) and ``sft`` (train 40 and test 7
+    prompt/response pairs)."""
+    for config, make, sizes in (("chat", chat_jsonl, (120, 10)), ("sft", sft_jsonl, (40, 7))):
+        (root / config).mkdir(parents=True)
+        for split, n in zip(("train", "test"), sizes):
+            make(root / config / f"{split}.jsonl", n, seed=n)
+    card = ["---", "configs:"]
+    for config in ("chat", "sft"):
+        card += [f"- config_name: {config}", "  data_files:"]
+        card += [f"  - split: {s}\n    path: {config}/{s}.jsonl" for s in ("train", "test")]
+    (root / "README.md").write_text("\n".join(card + ["---", "# tiny mixed data", ""]))
+    return root
+
+
+def test_hub_dataset_configs_and_splits_load_by_name(tmp_path, model_dir, monkeypatch):
+    """data and eval_data as dataset names, loaded with datasets.load_dataset from a
+    snapshot in the hub cache with no request: the builder config and split chosen by
+    data_config / data_split / org/name:split, and errors that name what exists."""
+    datasets = pytest.importorskip("datasets")
     import huggingface_hub.constants
-    repo = tmp_path / "repo"
-    (repo / "data").mkdir(parents=True)
-    chat_jsonl(repo / "data" / "train-00000.jsonl", 120, seed=1)
-    chat_jsonl(repo / "data" / "test-00000.jsonl", 10, seed=2)
-    (repo / "README.md").write_text("a dataset card\n")
-    cache = _hub_cache(tmp_path / "hub", "tiny-org/chats", repo, kind="datasets")
+    cache = _hub_cache(tmp_path / "hub", "tiny-org/mixed", _dataset_repo(tmp_path / "repo"),
+                       kind="datasets")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "prepared")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from rotapipe.train.data import source_files
-    (train_file,) = source_files("tiny-org/chats")
-    (test_file,) = source_files("tiny-org/chats:test")
-    assert train_file.name == "train-00000.jsonl" and test_file.name == "test-00000.jsonl"
-    with pytest.raises(ConfigError, match="no 'validation' split"):
-        source_files("tiny-org/chats:validation")
-    with pytest.raises(ConfigError, match="not in the Hugging Face cache and HF_HUB_OFFLINE"):
+    from rotapipe.train.data import iter_records, source_files
+    for spec, config, split, file, rows in (
+            ("tiny-org/mixed", "chat", None, "chat/train.jsonl", 120),
+            ("tiny-org/mixed:test", "sft", None, "sft/test.jsonl", 7),
+            ("tiny-org/mixed", "sft", "train[:5]", "sft/train.jsonl", 5)):
+        (src,) = source_files(spec, config, split)
+        lines = (tmp_path / "repo" / file).read_text().splitlines()
+        assert [r for _, r in iter_records(src)] == [json.loads(x) for x in lines[:rows]]
+    with pytest.raises(ConfigError, match="has the configs chat, sft: choose one with "
+                                          "--data-config"):
+        source_files("tiny-org/mixed")
+    with pytest.raises(ConfigError, match="has no 'validation' split \\(it has train, "
+                                          "test\\): name one with --data-split"):
+        source_files("tiny-org/mixed", "chat", "validation")
+    with pytest.raises(ConfigError, match="'tiny-org/other' is not in the Hugging Face "
+                                          "cache .* download it first on a connected "
+                                          "machine .* or pass a local path"):
         source_files("tiny-org/other")
-    lines = []
-    result = train(TrainConfig(**RUN, model=str(model_dir), data="tiny-org/chats",
-                               eval_data="tiny-org/chats:test", holdout=0.0, steps=2,
-                               eval_interval=2, out_dir=str(tmp_path / "o")),
-                   echo=lines.append)
-    assert result.step == 2 and result.eval_first is not None
-    assert any("evaluation on tiny-org/chats:test" in line for line in lines), lines
+    # Without a hub snapshot: a dataset the datasets library prepared on this HF_HOME
+    # before (load_dataset("tiny-org/prepared", "sft") online leaves it in the layout
+    # datasets 5 writes: org___name/config/version/hash/name-split.arrow).
+    loaded = datasets.load_dataset(str(tmp_path / "repo"), "sft", split="test",
+                                   cache_dir=str(tmp_path / "elsewhere"))
+    built = pathlib.Path(loaded.cache_files[0]["filename"]).parent
+    prepared = tmp_path / "prepared" / "tiny-org___prepared" / "sft" / built.parent.name / \
+        built.name
+    prepared.parent.mkdir(parents=True)
+    prepared.mkdir()
+    (prepared / "dataset_info.json").write_bytes((built / "dataset_info.json").read_bytes())
+    for f in built.glob("*.arrow"):
+        (prepared / ("prepared-" + f.name.rsplit("-", 1)[1])).write_bytes(f.read_bytes())
+    (src,) = source_files("tiny-org/prepared:test", "sft")
+    lines = (tmp_path / "repo" / "sft" / "test.jsonl").read_text().splitlines()
+    assert [r for _, r in iter_records(src)] == [json.loads(x) for x in lines]
+    with pytest.raises(ConfigError, match="'tiny-org/prepared' is not in the Hugging Face "
+                                          "cache .* with config 'chat'"):
+        source_files("tiny-org/prepared", "chat")
+
+
+def test_train_from_a_dataset_name_offline_in_a_fresh_hf_home(tmp_path, model_dir,
+                                                                monkeypatch):
+    """The command line, offline, with HF_HOME holding only the hub cache: trains on a
+    named dataset's config and split, evaluates on its test split; an uncached name is
+    a one-line error (exit 2) that says how to get it."""
+    pytest.importorskip("datasets")
+    home = tmp_path / "hf"
+    _hub_cache(home / "hub", "tiny-org/mixed", _dataset_repo(tmp_path / "repo"),
+               kind="datasets")
+    base = ["--model", str(model_dir), "--data-config", "chat", "--holdout", "0",
+            "--steps", "2", "--eval-interval", "2", "--seq", "48", "--batch", "4",
+            "--microbatches", "2", "--backend", "emulated", "--no-progress"]
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    p = run(["--data", "tiny-org/mixed", "--data-split", "train",
+             "--eval-data", "tiny-org/mixed", "--out-dir", str(tmp_path / "o"), *base],
+            timeout=300)
+    q = run(["--data", "tiny-org/absent", "--out-dir", str(tmp_path / "o2"), *base])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "evaluation on tiny-org/mixed" in p.stdout and "Generating" not in p.stderr
+    assert (home / "datasets").is_dir()          # datasets prepared it in HF_HOME's cache
+    assert q.returncode == 2 and "Traceback" not in q.stderr
+    assert "'tiny-org/absent' is not in the Hugging Face cache" in q.stderr, q.stderr
 
 
 def test_an_empty_heldout_split_trains_without_evaluation(tmp_path, model_dir, caplog):

@@ -162,6 +162,24 @@ def test_timed_emulation_takes_the_emulated_time_and_changes_no_result():
     assert measured.makespan >= simulated.makespan * 0.99
 
 
+def test_calibrated_dilation_sets_the_shortest_compute_action():
+    """TimedEmulation.calibrated (examples/timed_emulation.py and the benchmarks): the
+    shortest compute action of the schedule lasts min_action_ms of real time, a call at
+    least target_s, and the emulation is never faster than the hardware."""
+    costs = _costs(6, fwd=0.5, upload=0.2, hop=0.1)
+    plan = even_plan(6, 2, 2, tail_layers=1)
+    schedule = roundpipe_schedule(plan, 2, 4)
+    times = ActionTimes(plan, costs)
+    compute = [sum(times(a)) for a in schedule.actions if a.kind.lane is Lane.COMPUTE]
+    shortest = min(ms for ms in compute if ms > 0)
+    em = TimedEmulation(costs).calibrated(plan, schedule, min_action_ms=20.0)
+    assert shortest * em.dilation == pytest.approx(20.0)
+    makespan = run(schedule, times).makespan
+    slow = TimedEmulation(costs).calibrated(plan, schedule, target_s=5.0)
+    assert makespan * slow.dilation == pytest.approx(5000.0) and slow.dilation > em.dilation
+    assert TimedEmulation(costs).calibrated(plan, schedule, min_action_ms=1e-6).dilation == 1.0
+
+
 def test_timed_emulation_must_match_the_model():
     costs = _costs(5, fwd=1.0, upload=1.0, hop=1.0)
     torch.manual_seed(0)

@@ -86,14 +86,18 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", metavar="NAME", default=None,
                    help="a named recipe shipped with rotapipe (full, lora: fine-tuning "
                         "settings for a pretrained --model); --config and flags override it")
+    import dataclasses
+
     docs, types = field_docs(), field_types()
-    defaults = TrainConfig()
+    # The fields' declared defaults, without building a TrainConfig (that imports torch,
+    # which --help and argument errors do not need).
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     g = p.add_argument_group("settings (rotapipe.train.TrainConfig; every one also a config "
                              "file key)")
     choices = {**CHOICES, "report_to": REPORT_TO}
     for name, t in types.items():
         flag = "--" + name.replace("_", "-")
-        default = getattr(defaults, name)
+        default = defaults[name]
         if hasattr(default, "value"):                  # an enum member: its value
             default = default.value
         text = _plain(f"{docs.get(name, '')} (default: {default})").replace("%", "%%")

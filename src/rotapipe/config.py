@@ -8,30 +8,14 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _validate as check
+# The closed sets TrainConfig and the command line need, defined without torch so that
+# `rotapipe train --help` does not import it; they are this module's names.
+from ._enums import BackendKind, NonFinite, OptimizerMode, RecomputeGrain, ShardMode
 from .errors import ConfigError
 
 __all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "NonFinite",
            "OptimizerMode", "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig",
            "ShardMode"]
-
-
-class RecomputeGrain(str, enum.Enum):
-    """How a backward stage recomputes its forward from the host checkpoint."""
-
-    STAGE = "stage"
-    """Re-run the whole stage with autograd on, then run its backward (fastest)."""
-    LAYER = "layer"
-    """Re-run the stage without autograd keeping each layer's input, then recompute and
-    backpropagate one layer at a time (least device memory)."""
-
-
-class BackendKind(str, enum.Enum):
-    """Which device backend runs the workers."""
-
-    AUTO = "auto"
-    """All CUDA GPUs when present, else emulated CPU workers."""
-    CUDA = "cuda"
-    EMULATED = "emulated"
 
 
 class PartitionMode(str, enum.Enum):
@@ -49,36 +33,6 @@ class PartitionMode(str, enum.Enum):
     REFINE = "refine"
     """As ``auto``, then re-planned from measured per-stage times between the first
     training calls, until the timings are stable (then frozen)."""
-
-
-class OptimizerMode(str, enum.Enum):
-    """When :meth:`rotapipe.RoundPipe.train_step` runs the optimizer (docs/optimizer.md)."""
-
-    SYNC = "sync"
-    """After the call, over all gradients at once (exact)."""
-    OVERLAP = "overlap"
-    """During the call: each stage's parameters as soon as their gradients are in host
-    memory, while shallower stages run backward; the next call starts while this one
-    drains, each stage waiting for its own layers' update (exact)."""
-    STALE = "stale"
-    """Once the call is complete, while the next calls run on weights one step old
-    (the RoundPipe paper's asynchronous step; not exact)."""
-
-
-class NonFinite(str, enum.Enum):
-    """What a training call does when its loss or a gradient is not finite (NaN or
-    infinite; a gradient whose L2 norm overflows fp32 counts, as in
-    ``clip_grad_norm_(error_if_nonfinite=True)``). Under dynamic loss scaling a
-    non-finite gradient is an fp16 overflow: the step is skipped and the scale lowered,
-    whatever this says."""
-
-    RAISE = "raise"
-    """The call fails with :class:`rotapipe.errors.NonFiniteError` and changes nothing
-    (the API's default)."""
-    SKIP = "skip"
-    """The optimizer step is skipped (its gradients dropped) and counted
-    (:attr:`rotapipe.RoundPipe.nonfinite_skips`); training goes on (``rotapipe train``'s
-    default, which stops after ``max_nonfinite_skips`` skips in a row)."""
 
 
 class PinMode(str, enum.Enum):
@@ -146,22 +100,6 @@ class PrecisionConfig:
         check.number("init_scale", self.init_scale, low=0, low_open=True)
         check.integer("growth_interval", self.growth_interval,
                       allowed="a positive int (steps)")
-
-
-class ShardMode(str, enum.Enum):
-    """What data-parallel ranks split between them (docs/distributed.md, "Sharding")."""
-
-    NONE = "none"
-    """Every rank holds the full fp32 masters, optimizer state and gradients; gradients
-    are all-reduced after every call."""
-    OPTIMIZER = "optimizer"
-    """Each rank keeps the fp32 masters and optimizer state of 1/W of every parameter
-    (ZeRO stage 1): the gradients accumulated over a step are reduce-scattered to their
-    owners once per step, each rank steps its shard, and the updated compute-dtype
-    weights are all-gathered. A full local fp32 gradient is kept between calls."""
-    GRADIENTS = "gradients"
-    """As ``optimizer``, and the gradients are reduce-scattered after every call, so
-    the gradients accumulated between steps are sharded too (ZeRO stage 2)."""
 
 
 @dataclass(frozen=True)

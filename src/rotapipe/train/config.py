@@ -21,8 +21,12 @@ import pathlib
 import typing
 from dataclasses import dataclass, fields
 
-from ..config import (BackendKind, DataParallelConfig, NonFinite, OptimizerMode,
-                      PipeConfig, PrecisionConfig, RecomputeGrain, ShardMode, resolve_dtype)
+# No torch at import (`rotapipe train --help`): the pipeline's config classes are
+# imported where a TrainConfig is built.
+from .._enums import BackendKind, NonFinite, OptimizerMode, RecomputeGrain, ShardMode
+
+if typing.TYPE_CHECKING:
+    from ..config import PipeConfig
 from .. import _validate as check
 from ..errors import ConfigError
 
@@ -94,13 +98,21 @@ class TrainConfig:
     # -- data ------------------------------------------------------------------------
     data: str = "stdlib"
     """Comma-separated data files (.jsonl, .json, .parquet, or text: .txt .md .py .rst),
-    directories of them, saved Hugging Face dataset directories, or hub dataset ids
-    (org/name, or org/name:split; default split train) resolved through the Hugging
-    Face cache; stdlib: the Python standard library's .py files."""
+    directories of them, saved Hugging Face dataset directories, or Hugging Face
+    datasets by name (org/name, or org/name:split), loaded with datasets.load_dataset
+    from the Hugging Face cache (offline with HF_HUB_OFFLINE) or the hub; stdlib: the
+    Python standard library's .py files."""
     eval_data: str | None = None
-    """Evaluation files (same forms as data), every record of them held out (each
-    evaluation runs on up to eval_sequences sequences); None: the held-out split of
-    data (see holdout)."""
+    """Evaluation files (same forms as data; a dataset name's default split is test),
+    every record of them held out (each evaluation runs on up to eval_sequences
+    sequences); None: the held-out split of data (see holdout)."""
+    data_config: str | None = None
+    """The builder config (subset) of the datasets named in data and eval_data, as
+    load_dataset(name, data_config) takes it (TRL's dataset_config); None: the
+    dataset's only or default one."""
+    data_split: str | None = None
+    """The split of the datasets named in data (org/name:split names one per dataset);
+    any split load_dataset takes, e.g. train[:1000]; None: train."""
     messages_field: str = "messages"
     """The field holding a chat: a list of {"role", "content"} rendered with the
     tokenizer's chat template, the loss on assistant turns only."""
@@ -253,7 +265,8 @@ class TrainConfig:
         check.integer("warmup", self.warmup, minimum=0, optional=True)
         check.text("model", self.model, optional=True,
                    allowed="a Hugging Face model directory or hub id")
-        for n in ("resume_from_adapter", "eval_data", "sample_file"):
+        for n in ("resume_from_adapter", "eval_data", "sample_file", "data_config",
+                  "data_split"):
             check.text(n, getattr(self, n), optional=True)
         for n in ("data", "lora_targets", "text_field", "prompt_field", "response_field",
                   "messages_field", "out_dir"):
@@ -329,6 +342,7 @@ class TrainConfig:
                               "the bf16 contributions in fp32): add --shard optimizer (or "
                               "gradients), or drop --grad-dtype")
         object.__setattr__(self, "grad_dtype", grad)
+        from ..config import resolve_dtype
         try:
             resolve_dtype(self.dtype)
         except ConfigError:
@@ -379,6 +393,7 @@ class TrainConfig:
     # -- each component's part ---------------------------------------------------------
     def pipe_config(self) -> PipeConfig:
         """The pipeline's part: workers, microbatches, recompute grain, precision."""
+        from ..config import DataParallelConfig, PipeConfig, PrecisionConfig
         return PipeConfig(workers=self.workers, microbatches=self.microbatches,
                           grain=self.grain, backend=self.backend, seed=self.seed,
                           precision=PrecisionConfig(compute_dtype=self.dtype),

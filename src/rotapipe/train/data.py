@@ -28,8 +28,8 @@ import torch
 
 from ..errors import ConfigError
 from .records import (CHUNK_CHARS, COMPLETION, IGNORE, RECORD_SUFFIXES,  # noqa: F401
-                      TEXT_SUFFIXES, RendersDifferently, TextFields, Tokens,
-                      chat_documents, chat_segments, check_text, hub_dataset_files,
+                      TEXT_SUFFIXES, HubSplit, RendersDifferently, TextFields, Tokens,
+                      chat_documents, chat_segments, check_text, hub_dataset,
                       is_dataset_dir, iter_records, record_parts, record_text,
                       source_files, stdlib_files)
 

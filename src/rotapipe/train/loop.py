@@ -32,7 +32,8 @@ from .checkpoint import (check_compatible, check_out_dir, is_sharded, latest_che
                          load_shards, resume_from, save_checkpoint, save_sharded_checkpoint)
 from .config import TrainConfig
 from .data import Batch, TrainBatches, count_split, eval_set
-from .records import IGNORE, TextFields, iter_records, record_parts, source_files
+from .records import (IGNORE, TextFields, check_chats, iter_records, record_parts,
+                      source_files)
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
 from .model import (adapter_dir, build_model, build_tokenizer, check_sequence_length,
@@ -44,9 +45,9 @@ log = logging.getLogger("rotapipe.train")
 
 RESUME_FIXED = ("model", "layers", "dim", "heads", "kv_heads", "ffn", "vocab",
                 "tokenizer_bytes", "lora", "qlora", "lora_rank", "lora_alpha", "lora_targets",
-                "resume_from_adapter", "data", "text_field", "prompt_field",
-                "response_field", "messages_field", "seq", "packing", "holdout", "batch",
-                "seed", "optimizer")
+                "resume_from_adapter", "data", "data_config", "data_split", "text_field",
+                "prompt_field", "response_field", "messages_field", "seq", "packing",
+                "holdout", "batch", "seed", "optimizer")
 """Fields a resumed run must share with its checkpoint (the rest may change, e.g. steps)."""
 
 
@@ -140,9 +141,10 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     check_sinks(cfg.report_to)
     if not (cfg.progress and sys.stderr.isatty()):
         _quiet_third_party()              # no weight-loading bars in a log file either
-    files = source_files(cfg.data)
+    files = source_files(cfg.data, cfg.data_config, cfg.data_split)
     check_data(files, fields)
-    eval_files = source_files(cfg.eval_data) if cfg.eval_data else None
+    eval_files = source_files(cfg.eval_data, cfg.data_config, "test", "eval_data") \
+        if cfg.eval_data else None
     if eval_files:
         check_data(eval_files, fields)
     check_sequence_length(cfg)
@@ -161,6 +163,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     # -- model, tokenizer, pipeline, optimizer ------------------------------------------
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(cfg, files, resume / "tokenizer" if resume else None)
+    # Every chat record renders with the template now, not at the step that reads it.
+    check_chats(files + (eval_files or []), tokenizer, fields)
     if cfg.steps is None:                      # the schedule length from epochs
         cfg = cfg.with_steps(_epoch_steps(cfg, files, tokenizer, fields))
     model = build_model(cfg, tokenizer)
@@ -226,6 +230,12 @@ def _quiet_third_party() -> None:
         huggingface_hub.utils.disable_progress_bars()
     except ImportError:
         pass
+    # datasets (hub datasets by name) reads this when it is imported; not imported here,
+    # which costs most of a second.
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def _epoch_steps(cfg: TrainConfig, files, tokenizer, fields) -> int:

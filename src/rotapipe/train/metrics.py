@@ -20,6 +20,8 @@ from ..errors import ConfigError
 
 __all__ = ["MetricSinks", "check_sinks", "plot_loss", "read_metrics"]
 
+WANDB_RUN_ID = "wandb-run-id"
+"""The file in out_dir holding the id of the run's W&B run (``report_to="wandb"``)."""
 _PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
 
@@ -54,8 +56,15 @@ class MetricSinks:
             self.tb_dir = out / "tensorboard"
         if "wandb" in sinks:
             import wandb
+            # A resumed run continues the W&B run of the run it resumes: its id is kept
+            # in out_dir (without it, resume="allow" would start a new W&B run).
+            saved = out / WANDB_RUN_ID
+            run_id = None
+            if start_step and saved.is_file():
+                run_id = saved.read_text().strip() or None
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "rotapipe"),
-                                  dir=str(out), config=config, resume="allow")
+                                  dir=str(out), config=config, id=run_id, resume="allow")
+            saved.write_text(self.run.id + "\n")
 
     def log(self, record: dict) -> None:
         step = record["step"]

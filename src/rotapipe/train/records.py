@@ -1,8 +1,9 @@
 """Records: data files read one record at a time, what a record holds (plain text, a
 prompt/response pair or a chat) and its tokens.
 
-A *record* is one JSONL line, one object of a JSON list, one row of a Parquet file or
-of a saved Hugging Face dataset, or a chunk of about 32 KiB of lines of a text file.
+A *record* is one JSONL line, one object of a JSON list, one row of a Parquet file, of
+a saved Hugging Face dataset or of a hub dataset loaded by name (:func:`hub_dataset`),
+or a chunk of about 32 KiB of lines of a text file.
 :class:`Tokens` makes a record into one or more documents of token ids and labels
 (``-100`` where a token does not count): the beginning-of-text token as the tokenizer
 adds it, the end-of-text token after text and responses, and a chat rendered with the
@@ -14,16 +15,16 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 import sysconfig
 from collections.abc import Iterator
 
 from ..errors import ConfigError, InputError
+from .hub import HubSplit, hub_dataset
 
 __all__ = ["IGNORE", "TEXT_SUFFIXES", "RECORD_SUFFIXES", "CHUNK_CHARS", "COMPLETION",
-           "TextFields", "Tokens", "RendersDifferently", "chat_documents", "chat_segments",
-           "check_text", "hub_dataset_files", "is_dataset_dir", "iter_records",
-           "record_parts", "record_text", "source_files", "stdlib_files"]
+           "HubSplit", "TextFields", "Tokens", "RendersDifferently", "chat_documents",
+           "chat_segments", "check_chats", "check_text", "hub_dataset", "is_dataset_dir",
+           "iter_records", "record_parts", "record_text", "source_files", "stdlib_files"]
 
 IGNORE = -100
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -51,8 +52,10 @@ def stdlib_files() -> list[pathlib.Path]:
                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
 
 
-def source_files(spec: str) -> list[pathlib.Path]:
-    """Resolve ``data``: comma-separated files and directories, or ``stdlib``."""
+def source_files(spec: str, config: str | None = None, split: str | None = None,
+                 what: str = "data") -> list[pathlib.Path]:
+    """Resolve ``data``: comma-separated files, directories and hub dataset names
+    (:func:`hub_dataset`, with ``config`` and the default ``split``), or ``stdlib``."""
     if spec == "stdlib":
         files = stdlib_files()
         if not files:
@@ -74,7 +77,7 @@ def source_files(spec: str) -> list[pathlib.Path]:
         elif p.is_file():
             files.append(p)
         elif _hub_dataset_spec(part):
-            files += hub_dataset_files(part)
+            files.append(hub_dataset(part, config, split, what))
         else:
             raise ConfigError(f"data file {part!r} does not exist: check the path "
                               "(data is a comma-separated list of files or directories)")
@@ -145,33 +148,6 @@ def _hub_dataset_spec(part: str) -> bool:
         is_hub_id(name)
 
 
-def hub_dataset_files(spec: str) -> list[pathlib.Path]:
-    """``org/name[:split]``: the record files of that split (default ``train``) of a
-    dataset repository in the Hugging Face cache (downloaded into it when not cached
-    and not offline). A file belongs to a split when the split's name is a part of its
-    path (``data/train-00000.parquet``, ``train/x.jsonl``, ``train.jsonl``); a
-    repository without split names in its paths is one split."""
-    from .hub import snapshot
-
-    repo, _, split = spec.partition(":")
-    root = snapshot(repo, "data", repo_type="dataset",
-                    patterns=[f"*{x}" for x in RECORD_SUFFIXES] + ["*.md"])
-    found = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in RECORD_SUFFIXES)
-    words = lambda f: set(re.split(r"[-_./]", f.relative_to(root).as_posix().lower()))
-    named = [f for f in found if words(f) & _SPLITS]
-    chosen = [f for f in named if (split or "train") in words(f)] if named else \
-        (found if not split else [])
-    if not chosen:
-        raise ConfigError(f"dataset {repo!r} in the Hugging Face cache has no "
-                          f"{split or 'train'!r} split among its .jsonl/.json/.parquet files "
-                          f"({', '.join(str(f.relative_to(root)) for f in found[:5]) or 'none'})"
-                          ": name another split (org/name:test)")
-    return chosen
-
-
-_SPLITS = {"train", "test", "validation", "valid", "dev", "eval"}
-
-
 def is_dataset_dir(path: pathlib.Path) -> bool:
     """A folder ``datasets.Dataset.save_to_disk`` wrote (``state.json`` + ``.arrow``)."""
     return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
@@ -210,6 +186,9 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
                     yield i + j, row
             i += len(rows)
         return
+    if isinstance(path, HubSplit):
+        yield from _rows(path.data, start)
+        return
     if path.is_dir():
         ds = _optional("datasets", "a saved Hugging Face dataset", "datasets")
         data = ds.load_from_disk(str(path))
@@ -218,8 +197,7 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
                 raise InputError(f"dataset {path} has splits {sorted(data)} and no 'train': "
                                  "pass the folder of one split")
             data = data["train"]
-        for i in range(start, len(data)):
-            yield i, data[i]
+        yield from _rows(data, start)
         return
     with open(path, encoding="utf-8", errors="replace") as f:
         i, chunk, size = 0, [], 0
@@ -232,6 +210,16 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
                 i, chunk, size = i + 1, [], 0
         if chunk and i >= start:
             yield i, "".join(chunk)
+
+
+def _rows(data, start: int, batch: int = 1024) -> Iterator[tuple[int, dict]]:
+    """``(index, row)`` of a ``datasets.Dataset`` from row ``start`` on, read in slices
+    of ``batch`` rows (one Arrow read per slice, not per row)."""
+    for i in range(start, len(data), batch):
+        columns = data[i:i + batch]                      # {column: [values]}
+        names = list(columns)
+        for j, values in enumerate(zip(*columns.values())):
+            yield i + j, dict(zip(names, values))
 
 
 def record_parts(record, fields: TextFields, where: str) -> tuple[str, object]:
@@ -344,6 +332,25 @@ def chat_documents(tokenizer, messages: list[dict], where: str
                              "add_generation_prompt output starts the assistant turn")
         docs.append([(t, c) for t, c in ((head, False), (upto[len(head):], True)) if t])
     return docs
+
+
+def check_chats(files, tokenizer, fields: TextFields) -> int:
+    """Render every chat record of ``files`` with the tokenizer's chat template (as
+    :func:`chat_documents` does, without tokenizing), so that a template failing on any
+    record (a role it refuses, its own ``raise_exception``) fails before training,
+    naming ``file:line``, rather than at the step that first reads the record. Returns
+    the number of chats rendered."""
+    chats = 0
+    for path in files:
+        if path.is_file() and path.suffix not in RECORD_SUFFIXES:
+            continue                                  # a text file holds no chats
+        for i, rec in iter_records(path):
+            where = f"{path}:{i + 1}"
+            kind, value = record_parts(rec, fields, where)
+            if kind == "chat":
+                chat_documents(tokenizer, value, where)
+                chats += 1
+    return chats
 
 
 class Tokens:
