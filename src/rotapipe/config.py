@@ -12,7 +12,7 @@ from .errors import ConfigError
 
 __all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "NonFinite",
            "OptimizerMode", "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig",
-           "ShardMode"]
+           "ShardMode", "StateDtype"]
 
 
 class RecomputeGrain(str, enum.Enum):
@@ -63,6 +63,23 @@ class OptimizerMode(str, enum.Enum):
     STALE = "stale"
     """Once the call is complete, while the next calls run on weights one step old
     (the RoundPipe paper's asynchronous step; not exact)."""
+
+
+class StateDtype(str, enum.Enum):
+    """How the optimizer's per-parameter state (Adam's two moments, SGD's momentum) is
+    kept in host memory between steps (docs/optimizer.md, "Optimizer-state precision").
+    The fp32 masters and the update itself are fp32 in every case."""
+
+    FP32 = "fp32"
+    """As the optimizer keeps it (fp32 for fp32 masters): exact."""
+    BF16 = "bf16"
+    """bfloat16 between steps (half the bytes), widened to fp32 around each step of
+    ``torch.optim`` Adam, AdamW or SGD, and rounded back to nearest after it: an
+    approximation (the moments lose 16 mantissa bits at every step)."""
+    INT8 = "int8"
+    """8-bit blockwise state, for a bitsandbytes 8-bit optimizer
+    (``bitsandbytes.optim.AdamW8bit``, which keeps it so itself; about a quarter of the
+    bytes): an approximation."""
 
 
 class NonFinite(str, enum.Enum):
@@ -281,6 +298,10 @@ class PipeConfig:
     a checkpoint is loaded into a new pipeline. Clipping under ``overlap`` still redoes
     the step exactly: it needs no copy of the weights then (the step waits for the
     global norm)."""
+    optimizer_state_dtype: StateDtype | str = StateDtype.FP32
+    """How the optimizer state is kept between steps: ``"fp32"`` (exact), ``"bf16"``
+    (half the bytes; torch.optim Adam/AdamW/SGD) or ``"int8"`` (a bitsandbytes 8-bit
+    optimizer): :class:`StateDtype`, docs/optimizer.md. Approximations except fp32."""
     timeout_s: float = 600.0
     """A call whose workers make no progress for this long fails instead of hanging;
     a worker still stuck in an action this long after a failure retires the pipeline
@@ -311,7 +332,8 @@ class PipeConfig:
 
     def __post_init__(self):
         enums = {"grain": RecomputeGrain, "backend": BackendKind, "optimizer_mode": OptimizerMode,
-                 "partition": PartitionMode, "nonfinite": NonFinite}
+                 "partition": PartitionMode, "nonfinite": NonFinite,
+                 "optimizer_state_dtype": StateDtype}
         for name, kind in enums.items():
             object.__setattr__(self, name, check.choice(kind, name, getattr(self, name)))
         if self.pin is not None:
@@ -363,3 +385,10 @@ class PipeConfig:
                 raise ConfigError(f"data_parallel={dp!r}: use a DataParallelConfig, "
                                   "True, False or None (auto)")
             object.__setattr__(self, "data_parallel", DataParallelConfig(enabled=dp))
+        if self.optimizer_state_dtype is not StateDtype.FP32 \
+                and self.data_parallel.shard is not ShardMode.NONE:
+            raise ConfigError(
+                f"optimizer_state_dtype={self.optimizer_state_dtype.value!r} with "
+                f"data_parallel.shard={self.data_parallel.shard.value!r}: the sharded "
+                "optimizer keeps its shards' state in fp32 (sharding already divides it "
+                "by the ranks); use optimizer_state_dtype='fp32' or shard='none'")

@@ -28,6 +28,7 @@ from ..config import NonFinite, OptimizerMode
 from ..errors import CheckpointError, NonFiniteError
 from ..schedule import ActionKind as K, Schedule
 from .host import CallGrads, HostState, LossScaler
+from .optstate import StatePrecision
 
 Cost = Callable[[list[int]], None] | None
 
@@ -47,8 +48,10 @@ class HostOptimizer:
 
     def __init__(self, host: HostState, scaler: LossScaler, mode: OptimizerMode,
                  max_norm: float | None, nonfinite: NonFinite = NonFinite.RAISE,
-                 undo: bool = True):
+                 undo: bool = True, states: StatePrecision | None = None):
         self.host, self.scaler, self.mode, self.max_norm = host, scaler, mode, max_norm
+        self.states = states or StatePrecision()
+        """``PipeConfig.optimizer_state_dtype``: every step goes through it."""
         self.nonfinite = nonfinite
         self.undo = undo
         """``PipeConfig.undo_steps``: snapshot what each speculative step changes."""
@@ -159,7 +162,7 @@ class HostOptimizer:
             {pid: params[pid].grad for pid in host.trainable if params[pid].grad is not None})
         if not overflow:
             self.last_norm = clip((params[pid] for pid in host.trainable), self.max_norm)
-            optimizer.step()
+            self.states.step(optimizer, [params[pid] for pid in host.trainable])
             host.write_back(view=view)
             if cost is not None:
                 cost(list(host.trainable))
@@ -266,7 +269,7 @@ def step_params(owner: HostOptimizer, optimizer: torch.optim.Optimizer, pids: li
         overflow = not owner.finite(grads)
         if not overflow:
             owner.last_norm = clip((params[pid] for pid in pids), owner.max_norm)
-            optimizer.step()
+            owner.states.step(optimizer, [params[pid] for pid in pids])
             if cost is not None:
                 cost(pids)
         owner.skipped(overflow)
@@ -419,7 +422,7 @@ class OverlapStep(CallHook):
         for pid, p in zip(stepped, params):
             p.grad = self.final[pid]
         try:
-            self.opt.step()
+            self.owner.states.step(self.opt, params)
         finally:
             for p in params:
                 p.grad = None
@@ -453,7 +456,7 @@ class OverlapStep(CallHook):
             for pid in pids:
                 self.params[pid].grad = self.final[pid]
             clip((self.params[pid] for pid in pids), self.max_norm)
-            self.opt.step()
+            self.owner.states.step(self.opt, [self.params[pid] for pid in pids])
             self.host.write_back(pids, view=self.view)
             if self.cost is not None:
                 self.cost(pids)
