@@ -343,7 +343,9 @@ class RoundPipe:
                 side_inputs=self.side_inputs is not None,
                 tail_barrier=self.tail_context is not None, prefetch=cfg.prefetch),
                 "roundpipe-stale")
-        grads = CallGrads(1.0 / self.scaler.scale)
+        # Without data parallelism (whose all-reduce works on fp32 staged gradients)
+        # a call's gradients wait for its commit in the compute dtype (docs/memory.md).
+        grads = CallGrads(1.0 / self.scaler.scale, keep_dtype=dp is None)
         ctx = self._calls.context(stream.next_number, True, [u / total for u in units],
                                   grads, M, self.scaler.scale)
         reduce = None
