@@ -1,7 +1,7 @@
 """Count the fp32 weight gradients alive on the host while a pipeline trains.
 
 Deterministic, not RSS: at each moment the gradients can peak (every optimizer step,
-the end of every ``O`` action, the merge of an accumulating call) it walks every live
+``overlap``'s per stage included, and the merge of an accumulating call) it walks every live
 tensor object (``gc.get_objects``) and counts the bytes of distinct storages that are
 fp32, shaped like a trainable parameter, and none of the pipeline's other state: not a
 master, a compute copy, optimizer state, an undo snapshot, nor alive before the run
@@ -19,7 +19,6 @@ import weakref
 import torch
 
 from rotapipe.runtime.host import HostState
-from rotapipe.runtime.kernels import ActionRunner
 from rotapipe.runtime.optimizer import Snapshot
 from rotapipe.runtime.optstate import StatePrecision
 
@@ -44,7 +43,7 @@ class GradCount:
 
     def _grad_like(self):
         for o in gc.get_objects():
-            if isinstance(o, torch.Tensor) and o.dtype == torch.float32 \
+            if issubclass(type(o), torch.Tensor) and o.dtype == torch.float32 \
                     and tuple(o.shape) in self.shapes and o.numel():
                 yield o
 
@@ -59,7 +58,7 @@ class GradCount:
                 known |= {v.untyped_storage().data_ptr() for v in st.values()
                           if isinstance(v, torch.Tensor) and v.numel()}
         for o in gc.get_objects():
-            if isinstance(o, Snapshot):
+            if type(o) is Snapshot:
                 for _, w, state in o.items:
                     known.add(w.untyped_storage().data_ptr())
                     for v in (state or {}).values():
@@ -103,7 +102,6 @@ class GradCount:
             self._undo.append((owner, name, orig))
 
         patch(StatePrecision, "step", True)        # the gradients a step reads
-        patch(ActionRunner, "_optimizer", False)   # after each hand-off
         patch(HostState, "commit", True)           # an accumulating call's merge
         return self
 
