@@ -264,3 +264,27 @@ def test_group_steps_keep_other_gradients():
     for p, q in zip(params, ref):
         assert torch.equal(p, q)
         assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_planner_counts_the_state_dtype(capsys):
+    from rotapipe.cli import main
+    from rotapipe.plan import hardware, model_costs
+    from rotapipe.plan.hostmem import host_memory
+    from rotapipe.planner.advise import _singles_plan
+    costs = model_costs("qwen3-1.7b", hardware("rtx4090x1"), seq=512)
+    plan = _singles_plan(len(costs.layers))
+    mems = {d: host_memory(costs, plan, 4, 1, state_dtype=d, layout="overlap")
+            for d in ("fp32", "bf16", "int8")}
+    n = mems["fp32"].masters // 4
+    assert mems["fp32"].optimizer == 8 * n and mems["bf16"].optimizer == 4 * n
+    assert mems["int8"].optimizer == int(2 * (1 + 4 / 256) * n)
+    # The undo snapshot copies the state as it is kept.
+    assert mems["bf16"].snapshots == 4 * n + 4 * n
+    assert "(bf16 state)" in mems["bf16"].describe() and "state)" not in \
+        mems["fp32"].describe()
+    with pytest.raises(rotapipe.ConfigError, match="state_dtype='fp16'"):
+        host_memory(costs, plan, 4, 1, state_dtype="fp16")
+    assert main(["plan", "qwen3-32b", "--hardware", "rtx4090x1", "--host-ram", "512",
+                 "--optimizer-state", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "optimizer 131.0 (bf16 state)" in text, text
