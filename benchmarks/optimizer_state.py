@@ -31,11 +31,13 @@ from rotapipe.runtime.optstate import StatePrecision, state_bytes  # noqa: E402
 
 
 def step_times(layers: int, hidden: int, repeat: int) -> list[tuple[str, int, float]]:
+    """State bytes and median step time per setting, the settings interleaved in each
+    round (a loaded machine slows them alike)."""
     import bitsandbytes as bnb
-    rows = []
     makers = {"fp32": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
               "bf16": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
               "int8": lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)}
+    runs = {}
     for name, make in makers.items():
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(hidden, hidden) * 0.02)
@@ -43,15 +45,16 @@ def step_times(layers: int, hidden: int, repeat: int) -> list[tuple[str, int, fl
         opt = make(params)
         states = StatePrecision(name)
         states.attach(opt)
-        times = []
-        for _ in range(repeat + 1):
+        runs[name] = (params, opt, states, [])
+    for _ in range(repeat + 1):       # the first round allocates the state: not timed
+        for params, opt, states, times in runs.values():
             for p in params:
                 p.grad = torch.randn_like(p) * 1e-3
             t0 = time.perf_counter()
             states.step(opt, params)
             times.append(time.perf_counter() - t0)
-        rows.append((name, state_bytes(opt), statistics.median(times[1:])))
-    return rows
+    return [(name, state_bytes(opt), statistics.median(times[1:]))
+            for name, (_, opt, _, times) in runs.items()]
 
 
 def grad_copies(calls: int) -> list[tuple[str, str, str, float]]:

@@ -11,9 +11,10 @@ parameter. :class:`StatePrecision` keeps it smaller between steps:
   the result is rounded back to the nearest bf16. The fp32 copies exist only for the
   parameters being stepped: a whole step goes in groups of at most
   :data:`GROUP_ELEMENTS` elements (stepping a subset of the parameters is exact for
-  per-parameter optimizers: docs/optimizer.md), so the extra memory is one group's
-  fp32 state, not the model's. An approximation: the moments lose their low 16
-  mantissa bits after every step.
+  per-parameter optimizers: docs/optimizer.md), widened into fp32 room kept between
+  steps (fresh allocations every step cost more than the copies), so the extra memory
+  is one group's fp32 state, not the model's. An approximation: the moments lose
+  their low 16 mantissa bits after every step.
 - ``int8``: the optimizer itself keeps 8-bit blockwise state (a bitsandbytes 8-bit
   optimizer, e.g. ``bitsandbytes.optim.AdamW8bit``, whose CPU kernel runs here);
   this class only checks that it is one.
@@ -59,6 +60,11 @@ class StatePrecision:
 
     def __init__(self, dtype: StateDtype | str = StateDtype.FP32):
         self.dtype = StateDtype(dtype)
+        self._scratch = torch.empty(0)
+        """fp32 room the state of one group is widened into, kept between steps (at
+        most twice :data:`GROUP_ELEMENTS` elements): fresh allocations each step would
+        cost more than the copies (page faults)."""
+        self._kept: list[tuple[dict, str, torch.Tensor]] = []
 
     def check(self, optimizer) -> None:
         """Raise :class:`ConfigError` when the setting cannot apply to ``optimizer``."""
@@ -148,18 +154,37 @@ class StatePrecision:
                     and v.is_floating_point() and v.shape == p.shape]
 
     def _widen(self, optimizer, params) -> None:
+        todo = []
         for p in params:
             st, keys = self._moments(optimizer, p)
-            for k in keys:
-                if st[k].dtype == torch.bfloat16:
-                    st[k] = st[k].to(p.dtype)       # exact: bf16 -> fp32
+            todo += [(st, k) for k in keys if st[k].dtype == torch.bfloat16]
+        need = sum(st[k].numel() for st, k in todo)
+        room = need <= 2 * GROUP_ELEMENTS
+        if room and self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        off = 0
+        for st, k in todo:
+            narrow = st[k]
+            if room:          # exact: bf16 -> fp32, into the kept room
+                wide = self._scratch[off:off + narrow.numel()].view(narrow.shape)
+                wide.copy_(narrow)
+                off += narrow.numel()
+                self._kept.append((st, k, narrow))
+            else:
+                wide = narrow.to(torch.float32)
+            st[k] = wide
 
     def _narrow(self, optimizer, params) -> None:
-        for p in params:
+        # Back into the bf16 tensors the state had (round to nearest even, as .to()).
+        for st, k, narrow in self._kept:
+            narrow.copy_(st[k])
+            st[k] = narrow
+        self._kept.clear()
+        for p in params:      # new state (the first step) or state too large for room
             st, keys = self._moments(optimizer, p)
             for k in keys:
                 if st[k].dtype != torch.bfloat16:
-                    st[k] = st[k].to(torch.bfloat16)     # round to nearest even
+                    st[k] = st[k].to(torch.bfloat16)
 
 
 def _groups(params: list[nn.Parameter]) -> list[list[tuple[int, nn.Parameter]]]:
