@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["BackendKind", "NonFinite", "OptimizerMode", "RecomputeGrain", "ShardMode"]
+__all__ = ["BackendKind", "NonFinite", "OptimizerMode", "RecomputeGrain", "ShardMode",
+           "StateDtype"]
 
 
 class RecomputeGrain(str, enum.Enum):
@@ -72,3 +73,20 @@ class ShardMode(str, enum.Enum):
     GRADIENTS = "gradients"
     """As ``optimizer``, and the gradients are reduce-scattered after every call, so
     the gradients accumulated between steps are sharded too (ZeRO stage 2)."""
+
+
+class StateDtype(str, enum.Enum):
+    """How the optimizer's per-parameter state (Adam's two moments, SGD's momentum) is
+    kept in host memory between steps (docs/optimizer.md, "Optimizer-state precision").
+    The fp32 masters and the update itself are fp32 in every case."""
+
+    FP32 = "fp32"
+    """As the optimizer keeps it (fp32 for fp32 masters): exact."""
+    BF16 = "bf16"
+    """bfloat16 between steps (half the bytes), widened to fp32 around each step of
+    ``torch.optim`` Adam, AdamW or SGD, and rounded back to nearest after it: an
+    approximation (the moments lose 16 mantissa bits at every step)."""
+    INT8 = "int8"
+    """8-bit blockwise state, for a bitsandbytes 8-bit optimizer
+    (``bitsandbytes.optim.AdamW8bit``, which keeps it so itself; about a quarter of the
+    bytes): an approximation."""

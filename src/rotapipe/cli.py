@@ -322,6 +322,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
            "sync and lean that fits the host RAM)")
     a("--prefetch", type=_count(), default=1,
       help="PipeConfig.prefetch, for the lean layout's gradient count (default: 1)")
+    a("--optimizer-state", choices=("fp32", "bf16", "int8"), default="fp32",
+      help="how the optimizer state is kept (PipeConfig.optimizer_state_dtype, "
+           "docs/optimizer.md; default: fp32)")
     a("--host-ram", type=_real(), default=None,
       help="host RAM in GB (default: 64 GB per device, at least 128)")
     a("--stale", action="store_true",
@@ -370,6 +373,7 @@ def plan(args: argparse.Namespace) -> int:
     result = analyze(model, hw, seq=args.seq, global_batch=args.global_batch,
                      lora_rank=args.lora_rank if args.lora or args.qlora else None,
                      qlora=args.qlora, layout=args.layout, prefetch=args.prefetch,
+                     optimizer_state=args.optimizer_state,
                      host_ram=int(args.host_ram * GB) if args.host_ram is not None else None,
                      microbatches=args.microbatches, stale=args.stale,
                      memory_fraction=args.memory_fraction, pin=args.pin,

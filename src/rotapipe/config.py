@@ -10,12 +10,13 @@ import torch
 from . import _validate as check
 # The closed sets TrainConfig and the command line need, defined without torch so that
 # `rotapipe train --help` does not import it; they are this module's names.
-from ._enums import BackendKind, NonFinite, OptimizerMode, RecomputeGrain, ShardMode
+from ._enums import (BackendKind, NonFinite, OptimizerMode, RecomputeGrain, ShardMode,
+                     StateDtype)
 from .errors import ConfigError
 
 __all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "NonFinite",
            "OptimizerMode", "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig",
-           "ShardMode"]
+           "ShardMode", "StateDtype"]
 
 
 class PartitionMode(str, enum.Enum):
@@ -236,6 +237,10 @@ class PipeConfig:
     a checkpoint is loaded into a new pipeline. Clipping under ``overlap`` still redoes
     the step exactly: it needs no copy of the weights then (the step waits for the
     global norm)."""
+    optimizer_state_dtype: StateDtype | str = StateDtype.FP32
+    """How the optimizer state is kept between steps: ``"fp32"`` (exact), ``"bf16"``
+    (half the bytes; torch.optim Adam/AdamW/SGD) or ``"int8"`` (a bitsandbytes 8-bit
+    optimizer): :class:`StateDtype`, docs/optimizer.md. Approximations except fp32."""
     timeout_s: float = 600.0
     """A call whose workers make no progress for this long fails instead of hanging;
     a worker still stuck in an action this long after a failure retires the pipeline
@@ -266,7 +271,8 @@ class PipeConfig:
 
     def __post_init__(self):
         enums = {"grain": RecomputeGrain, "backend": BackendKind, "optimizer_mode": OptimizerMode,
-                 "partition": PartitionMode, "nonfinite": NonFinite}
+                 "partition": PartitionMode, "nonfinite": NonFinite,
+                 "optimizer_state_dtype": StateDtype}
         for name, kind in enums.items():
             object.__setattr__(self, name, check.choice(kind, name, getattr(self, name)))
         if self.pin is not None:
@@ -318,3 +324,10 @@ class PipeConfig:
                 raise ConfigError(f"data_parallel={dp!r}: use a DataParallelConfig, "
                                   "True, False or None (auto)")
             object.__setattr__(self, "data_parallel", DataParallelConfig(enabled=dp))
+        if self.optimizer_state_dtype is not StateDtype.FP32 \
+                and self.data_parallel.shard is not ShardMode.NONE:
+            raise ConfigError(
+                f"optimizer_state_dtype={self.optimizer_state_dtype.value!r} with "
+                f"data_parallel.shard={self.data_parallel.shard.value!r}: the sharded "
+                "optimizer keeps its shards' state in fp32 (sharding already divides it "
+                "by the ranks); use optimizer_state_dtype='fp32' or shard='none'")

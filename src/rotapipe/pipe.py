@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .config import NonFinite, OptimizerMode, PinMode, PipeConfig, ShardMode
-from .errors import (ConfigError, DistributedError, InputError, NonFiniteError,
-                     PipelineClosedError, ScheduleError, WorkerError)
+from .errors import (CheckpointError, ConfigError, DistributedError, InputError,
+                     NonFiniteError, PipelineClosedError, ScheduleError, WorkerError)
 from .model import LayerSet
 from .planner.pipeline import PipePlanner
 from .plan import Plan
@@ -39,6 +39,7 @@ from .runtime.executor import ABANDON_S, abandon
 from .runtime.host import CallGrads, HostState, LossScaler
 from .runtime.pinning import HostPinning, resolve_pin
 from .runtime.optimizer import HostOptimizer
+from .runtime.optstate import StatePrecision
 from .runtime.shard import ShardedOptimizer
 from .runtime import trees
 
@@ -136,7 +137,8 @@ class RoundPipe:
         self.scaler = LossScaler(config.precision)
         self._host_opt = HostOptimizer(self.host, self.scaler, config.optimizer_mode,
                                        config.clip_grad_norm, config.nonfinite,
-                                       undo=config.undo_steps)
+                                       undo=config.undo_steps,
+                                       states=StatePrecision(config.optimizer_state_dtype))
         self._calls = CallRunner(self.layerset, self.host, loss_fn, self.devices, config,
                                  plan, side_inputs=side_inputs,
                                  tail_context=self.tail_context, pinning=self.pinning)
@@ -236,6 +238,10 @@ class RoundPipe:
                                       "over pipe.parameters()")
         with self._lock:
             self._flush()
+            # PipeConfig.optimizer_state_dtype: checked here, state narrowed (now and
+            # after every load_state_dict of the optimizer).
+            if self._shard is None:
+                self._host_opt.states.attach(optimizer)
             self.optimizer, self.scheduler = optimizer, scheduler
 
     # -- training ----------------------------------------------------------------------
@@ -346,7 +352,9 @@ class RoundPipe:
                 tail_barrier=self.tail_context is not None, prefetch=cfg.prefetch,
                 grad_window=grad_window(cfg.prefetch)),
                 "roundpipe-stale")
-        grads = CallGrads(1.0 / self.scaler.scale)
+        # Without data parallelism (whose all-reduce works on fp32 staged gradients)
+        # a call's gradients wait for its commit in the compute dtype (docs/memory.md).
+        grads = CallGrads(1.0 / self.scaler.scale, keep_dtype=dp is None)
         ctx = self._calls.context(stream.next_number, True, [u / total for u in units],
                                   grads, M, self.scaler.scale)
         reduce = None
@@ -578,11 +586,20 @@ class RoundPipe:
         :meth:`state_dict`, optimizer state in the optimizer's (stale: flushes first)."""
         self._check_open()
         self.flush()
-        return {"calls": self.calls, "evals": self._evals, "scaler": self.scaler.state_dict()}
+        return {"calls": self.calls, "evals": self._evals, "scaler": self.scaler.state_dict(),
+                "optimizer_state_dtype": self.config.optimizer_state_dtype.value}
 
     def load_pipeline_state(self, state: dict) -> None:
         """Restore what :meth:`pipeline_state` returned."""
         self._check_open()
+        saved = state.get("optimizer_state_dtype", "fp32")
+        ours = self.config.optimizer_state_dtype.value
+        if saved != ours:
+            raise CheckpointError(
+                f"the checkpoint's optimizer state was kept as {saved!r}, this pipeline "
+                f"keeps it as {ours!r}: build the pipeline with PipeConfig("
+                f"optimizer_state_dtype={saved!r}) (rotapipe train: --optimizer-state "
+                f"{saved}) to resume it")
         with self._lock:
             self._flush()
             self.calls, self._evals = int(state["calls"]), int(state["evals"])

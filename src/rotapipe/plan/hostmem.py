@@ -7,8 +7,9 @@ What lives in host memory (see :mod:`rotapipe.runtime.host`):
 - **weights**: a compute-dtype copy of every parameter (what workers upload);
   page-locked or not by the pin mode (below);
 - **masters**: an fp32 copy of every *trainable* parameter (the optimizer steps it);
-- **optimizer**: the optimizer's state per trainable parameter (Adam/AdamW: two fp32
-  moments);
+- **optimizer**: the optimizer's state per trainable parameter (Adam/AdamW: two
+  moments, each 4 bytes in fp32, 2 in bf16, about 1 as bitsandbytes' 8-bit blockwise
+  state: :data:`STATE_BYTES`, ``PipeConfig.optimizer_state_dtype``);
 - **gradients**: an fp32 gradient per trainable parameter (accumulated over calls),
   and a second one for the call in flight: the runtime stages a call's gradients and
   merges them only when the whole call succeeded (``runtime.host.CallGrads``), so a
@@ -67,7 +68,12 @@ from ..errors import ConfigError
 from .costs import ModelCosts, _get, load_config, nf4_bytes
 from .partition import Plan
 
-__all__ = ["HostMemory", "host_memory", "lora_params", "GB", "LAYOUTS"]
+__all__ = ["HostMemory", "host_memory", "lora_params", "GB", "LAYOUTS", "STATE_BYTES"]
+
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
+"""Bytes per element of one optimizer-state tensor by ``PipeConfig.optimizer_state_dtype``
+(int8: bitsandbytes' blockwise state, one byte per element plus an fp32 scale per block
+of 256)."""
 
 LAYOUTS = ("sync", "overlap", "lean")
 """Host layouts of the optimizer side (module docstring)."""
@@ -96,6 +102,8 @@ class HostMemory:
     """``overlap``'s undo copies of stepped weights and optimizer state."""
     layout: str = "sync"
     """The optimizer host layout the bytes assume (:data:`LAYOUTS`)."""
+    state_dtype: str = "fp32"
+    """How the optimizer state is kept (:data:`STATE_BYTES`)."""
 
     @property
     def total(self) -> int:
@@ -127,7 +135,9 @@ class HostMemory:
         """``612.3 GB = weights 65.5 + masters 131.0 + ...`` in decimal GB (the bounce
         buffers and transient only where the pin mode has them)."""
         optional = ("bounce_buffers", "transient", "snapshots")
+        state = "" if self.state_dtype == "fp32" else f" ({self.state_dtype} state)"
         parts = " + ".join(f"{k.replace('_', ' ')} {v / GB:.1f}"
+                           + (state if k == "optimizer" else "")
                            for k, v in self.as_dict().items()
                            if k != "total" and (v or k not in optional))
         return f"{self.total / GB:.1f} GB = {parts}"
@@ -173,7 +183,7 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
                 staged_grads: bool = True, pin: PinMode | str = PinMode.REGISTER,
                 chunk_mb: float = 32.0, largest_tensor: int | None = None,
                 quantized: bool = False, layout: str = "sync",
-                prefetch: int = 1) -> HostMemory:
+                prefetch: int = 1, state_dtype: str = "fp32") -> HostMemory:
     """Host bytes of a run of ``plan`` over ``costs`` with ``microbatches`` microbatches.
 
     ``trainable_params`` per layer (default: every parameter, full fine-tuning; LoRA:
@@ -189,7 +199,12 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
 
     ``quantized``: QLoRA, the decoder blocks' frozen weights held as NF4 (needs
     ``trainable_params``). ``layout``: the optimizer's host layout (:data:`LAYOUTS`);
-    ``prefetch``: ``PipeConfig.prefetch``, for ``"lean"``."""
+    ``prefetch``: ``PipeConfig.prefetch``, for ``"lean"``. ``state_dtype``: how the
+    optimizer state is kept (:data:`STATE_BYTES`; the undo snapshot copies it as kept)."""
+    if state_dtype not in STATE_BYTES:
+        raise ConfigError(f"state_dtype={state_dtype!r}: use one of "
+                          f"{', '.join(map(repr, STATE_BYTES))}")
+    state_bytes = STATE_BYTES[state_dtype]
     if layout not in LAYOUTS:
         raise ConfigError(f"layout={layout!r}: use one of {', '.join(map(repr, LAYOUTS))}")
     if quantized and trainable_params is None:
@@ -227,12 +242,12 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
         # window (a download waits for the hand-off prefetch + 2 jobs back).
         per_stage = [sum(trainable[s.start:s.stop]) for s in grad_stages]
         gradients = grad_bytes * min(n_train, (prefetch + 2) * max(per_stage))
+    optimizer = int(state_bytes * optimizer_states * n_train)
     return HostMemory(weights=weights, masters=4 * n_train,
-                      optimizer=4 * optimizer_states * n_train,
+                      optimizer=optimizer,
                       gradients=gradients,
-                      snapshots=(4 * (1 + optimizer_states) * n_train
-                                 if layout == "overlap" else 0),
-                      layout=layout,
+                      snapshots=4 * n_train + optimizer if layout == "overlap" else 0,
+                      layout=layout, state_dtype=state_dtype,
                       pinned_buffers=2 * workers * stage_bytes,
                       checkpoints=microbatches * per_mb,
                       bounce_buffers=(2 * workers * int(chunk_mb * 2**20)

@@ -294,7 +294,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
             memory_fraction: float = 0.9, pin: str = "register",
             chunk_mb: float = 32.0, nodes: int = 1, network_gbps: float = 25.0,
             qlora: bool = False, layout: str | None = None,
-            prefetch: int = 1, inflight_mb: float = 100.0) -> PlanAnalysis:
+            prefetch: int = 1, inflight_mb: float = 100.0,
+            optimizer_state: str = "fp32") -> PlanAnalysis:
     """Plan ``model`` on ``hw`` for steps of ``global_batch`` sequences of ``seq``
     tokens (LoRA of ``lora_rank`` if given) and judge the fit; see :class:`PlanAnalysis`.
     Host memory assumes the weights' pin mode ``pin`` (:class:`rotapipe.PinMode`) and
@@ -308,7 +309,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
 
     ``qlora``: the LoRA base is NF4 (needs ``lora_rank``). ``layout``: the optimizer's
     host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`); ``None``: the first of
-    ``"sync"`` and ``"lean"`` whose host memory fits (the cheapest exact layout)."""
+    ``"sync"`` and ``"lean"`` whose host memory fits (the cheapest exact layout).
+    ``optimizer_state``: ``PipeConfig.optimizer_state_dtype`` (fp32, bf16 or int8)."""
     if qlora and lora_rank is None:
         raise ConfigError("qlora needs a LoRA rank: QLoRA trains LoRA adapters on the "
                           "quantized base")
@@ -358,7 +360,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     def host_for(costs, plan, M) -> HostMemory:
         hosts = [host_memory(costs, plan, M, hw.count, trainable_params=trainable, pin=pin,
                              chunk_mb=chunk_mb, quantized=qlora, layout=name,
-                             prefetch=prefetch)
+                             prefetch=prefetch, state_dtype=optimizer_state)
                  for name in ((layout,) if layout else ("sync", "lean"))]
         return next((h for h in hosts if h.total <= host_limit), hosts[-1])
 

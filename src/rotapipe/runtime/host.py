@@ -7,12 +7,16 @@ they are kept in the compute dtype only. The compute-dtype copies the workers up
 alias the masters in fp32 and are refreshed after each step otherwise.
 
 Gradients of one call are staged (:class:`CallGrads`) and merged into ``param.grad``
-only when the whole call succeeded, so a failed call changes nothing.
+only when the whole call succeeded, so a failed call changes nothing. Staged in the
+compute dtype (bf16: 2 bytes per parameter) and widened to fp32 one parameter at a
+time where they are merged or stepped, the host holds one fp32 gradient per parameter
+(docs/memory.md).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -121,7 +125,7 @@ class HostState:
         with torch.no_grad():
             for pid in self.trainable:
                 p = self.layerset.params[pid]
-                g = grads.staged.get(pid)
+                g = grads.pop(pid)       # fp32; a staged bf16 one is widened here
                 if p.grad is None:
                     if g is not None:
                         p.grad = g.mul_(new) if new != 1.0 else g
@@ -129,7 +133,7 @@ class HostState:
                     p.grad.mul_(keep)
                 else:
                     p.grad.mul_(keep).add_(g, alpha=new)
-        grads.staged.clear()      # merged: one fp32 gradient per parameter remains
+        grads.clear()      # merged: one fp32 gradient per parameter remains
         self.samples = total
 
     def zero_grad(self) -> None:
@@ -139,14 +143,78 @@ class HostState:
 
 
 class CallGrads:
-    """Gradients of one call, summed over stages (tied weights) and unscaled."""
+    """Gradients of one call, summed over stages (tied weights) and unscaled.
 
-    def __init__(self, inv_scale: float):
+    ``staged`` holds fp32 gradients. With ``keep_dtype`` (no data parallelism: the
+    all-reduce works on ``staged``), a gradient that arrives in a narrower compute
+    dtype is kept as it came (a pageable copy of each contribution) and widened to fp32
+    only when :meth:`get` / :meth:`pop` ask for it, with the same operations (so the
+    same bits) as if it had been widened on arrival: the call's gradients then cost 2
+    bytes per parameter (bf16) instead of 4 until the call commits."""
+
+    def __init__(self, inv_scale: float, keep_dtype: bool = False):
         self.inv_scale = inv_scale
         self.staged: dict[int, torch.Tensor] = {}
+        self.keep_dtype = keep_dtype
+        self.parts: dict[int, list[torch.Tensor]] = {}
+        """Compute-dtype contributions per parameter (``keep_dtype``), summed in fp32
+        when read."""
         self._lock = threading.Lock()
 
+    # -- reading (fp32) --------------------------------------------------------------
+    def pids(self) -> list[int]:
+        with self._lock:
+            return list(self.staged) + list(self.parts)
+
+    def narrow(self, pid: int) -> bool:
+        """Whether ``pid``'s gradient is kept in the compute dtype (each :meth:`get`
+        widens it into a new tensor; ``staged`` ones are returned themselves)."""
+        return pid in self.parts
+
+    def get(self, pid: int) -> torch.Tensor | None:
+        """The fp32 gradient of ``pid`` (``None``: none arrived)."""
+        with self._lock:
+            g, parts = self.staged.get(pid), self.parts.get(pid)
+        if parts is None:
+            return g
+        with torch.no_grad():
+            # The operations CallGrads.add's fp32 path runs on arrival, in its order.
+            g32 = torch.empty(parts[0].shape, dtype=torch.float32).copy_(parts[0])
+            if self.inv_scale != 1.0:
+                g32.mul_(self.inv_scale)
+            for more in parts[1:]:
+                g32.add_(more, alpha=self.inv_scale)
+        return g32
+
+    def pop(self, pid: int) -> torch.Tensor | None:
+        """:meth:`get`, then forget ``pid``."""
+        g = self.get(pid)
+        self.discard(pid)
+        return g
+
+    def discard(self, pid: int) -> None:
+        with self._lock:
+            self.staged.pop(pid, None)
+            self.parts.pop(pid, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.staged.clear()
+            self.parts.clear()
+
+    def fp32(self) -> Mapping[int, torch.Tensor]:
+        """A read-only mapping pid -> fp32 gradient that widens each one when read (a
+        pass over it holds one widened gradient at a time)."""
+        return _Widened(self)
+
+    # -- arrival (host lane) ---------------------------------------------------------
     def add(self, pid: int, grad: torch.Tensor) -> None:
+        if self.keep_dtype and grad.dtype != torch.float32:
+            # A pageable copy: the download buffer is page-locked and reused.
+            copy = torch.empty(grad.shape, dtype=grad.dtype).copy_(grad)
+            with self._lock:
+                self.parts.setdefault(pid, []).append(copy)
+            return
         with self._lock, torch.no_grad():
             cur = self.staged.get(pid)
             if cur is None:
@@ -158,6 +226,23 @@ class CallGrads:
                         else g32
             else:
                 cur.add_(grad, alpha=self.inv_scale)
+
+
+class _Widened(Mapping):
+    def __init__(self, grads: CallGrads):
+        self.grads = grads
+
+    def __getitem__(self, pid: int) -> torch.Tensor:
+        g = self.grads.get(pid)
+        if g is None:
+            raise KeyError(pid)
+        return g
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.grads.pids())
+
+    def __len__(self) -> int:
+        return len(self.grads.pids())
 
 
 class LossScaler:

@@ -28,6 +28,7 @@ from ..config import NonFinite, OptimizerMode
 from ..errors import CheckpointError, NonFiniteError
 from ..schedule import ActionKind as K, Schedule
 from .host import CallGrads, HostState, LossScaler
+from .optstate import StatePrecision
 
 Cost = Callable[[list[int]], None] | None
 
@@ -47,8 +48,10 @@ class HostOptimizer:
 
     def __init__(self, host: HostState, scaler: LossScaler, mode: OptimizerMode,
                  max_norm: float | None, nonfinite: NonFinite = NonFinite.RAISE,
-                 undo: bool = True):
+                 undo: bool = True, states: StatePrecision | None = None):
         self.host, self.scaler, self.mode, self.max_norm = host, scaler, mode, max_norm
+        self.states = states or StatePrecision()
+        """``PipeConfig.optimizer_state_dtype``: every step goes through it."""
         self.nonfinite = nonfinite
         self.undo = undo
         """``PipeConfig.undo_steps``: snapshot what each speculative step changes."""
@@ -159,7 +162,7 @@ class HostOptimizer:
             {pid: params[pid].grad for pid in host.trainable if params[pid].grad is not None})
         if not overflow:
             self.last_norm = clip((params[pid] for pid in host.trainable), self.max_norm)
-            optimizer.step()
+            self.states.step(optimizer, [params[pid] for pid in host.trainable])
             host.write_back(view=view)
             if cost is not None:
                 cost(list(host.trainable))
@@ -194,7 +197,7 @@ class CallHook:
         owner = self.owner
         if owner is not None and owner.nonfinite is NonFinite.RAISE \
                 and not owner.scaler.dynamic:
-            owner.finite(self.grads.staged)    # raises before anything is merged
+            owner.finite(self.grads.fp32())    # raises before anything is merged
         self.host.commit(self.grads, self.units)
 
     def abort(self) -> None:
@@ -214,19 +217,22 @@ class WholeStep(CallHook):
         self.opt, self.cost, self.view = optimizer, cost, view
 
     def commit(self) -> None:
-        host, params = self.host, self.host.layerset.params
-        total = host.samples + self.units
-        keep, new = host.samples / total, self.units / total
-        merged = {}
-        for pid in host.trainable:
-            g = _merged(params[pid].grad, self.grads.staged.get(pid), keep, new)
-            if g is not None:
-                merged[pid] = g
-        step_params(self.owner, self.opt, list(host.trainable), merged, self.cost)
+        host, params, owner = self.host, self.host.layerset.params, self.owner
+        # The call's gradients are merged into param.grad in place (one fp32 gradient
+        # per parameter, never a merged copy beside it). Under nonfinite="raise" they
+        # are checked first, so a NonFiniteError leaves param.grad as it was; otherwise
+        # a non-finite step is skipped and its gradients dropped anyway.
+        checked = owner.nonfinite is NonFinite.RAISE and not owner.scaler.dynamic
+        if checked:
+            owner.finite(self.grads.fp32())
+        host.commit(self.grads, self.units)
+        pids = list(host.trainable)
+        step_params(owner, self.opt, pids, {pid: params[pid].grad for pid in pids
+                                            if params[pid].grad is not None}, self.cost,
+                    checked=checked)
         host.write_back(view=self.view)
         host.zero_grad()
-        merged.clear()
-        self.grads.staged.clear()     # the call object outlives its step: drop them now
+        self.grads.clear()     # the call object outlives its step: drop them now
 
 
 def _merged(prev: torch.Tensor | None, g: torch.Tensor | None, keep: float,
@@ -252,21 +258,22 @@ def clip(params: Iterable[nn.Parameter], max_norm: float | None) -> float | None
 
 
 def step_params(owner: HostOptimizer, optimizer: torch.optim.Optimizer, pids: list[int],
-                grads: dict[int, torch.Tensor], cost: Cost) -> bool:
+                grads: dict[int, torch.Tensor], cost: Cost, checked: bool = False) -> bool:
     """One whole step of the parameters ``pids`` on ``grads`` (the stale step): clip,
     skip on overflow under dynamic loss scaling or a non-finite gradient
     (:meth:`HostOptimizer.finite`), step, report the cost. The compute copies are left
     alone (workers may be reading them): the caller writes back. The parameters' own
-    ``.grad`` is set aside and put back meanwhile."""
+    ``.grad`` is set aside and put back meanwhile. ``checked``: the caller already
+    checked that ``grads`` are finite (nonfinite="raise"): no second pass over them."""
     params = owner.host.layerset.params
     saved = {pid: params[pid].grad for pid in pids}
     try:
         for pid in pids:
             params[pid].grad = grads.get(pid)
-        overflow = not owner.finite(grads)
+        overflow = not checked and not owner.finite(grads)
         if not overflow:
             owner.last_norm = clip((params[pid] for pid in pids), owner.max_norm)
-            optimizer.step()
+            owner.states.step(optimizer, [params[pid] for pid in pids])
             if cost is not None:
                 cost(pids)
         owner.skipped(overflow)
@@ -386,7 +393,7 @@ class OverlapStep(CallHook):
             self.reduce.apply(buckets)      # the reduced gradients replace the staged
         stepped = []
         for pid in pids:
-            g = _merged(self.prev.get(pid), self.grads.staged.get(pid), self.keep, self.new)
+            g = _merged(self.prev.get(pid), self.grads.get(pid), self.keep, self.new)
             if g is None:
                 continue        # no loss depends on it: torch would skip it too
             self.final[pid] = g
@@ -419,17 +426,21 @@ class OverlapStep(CallHook):
         for pid, p in zip(stepped, params):
             p.grad = self.final[pid]
         try:
-            self.opt.step()
+            self.owner.states.step(self.opt, params)
         finally:
             for p in params:
                 p.grad = None
         self.host.write_back(stepped, view=self.view)
-        if self.max_norm is None:
-            # No redo can need them: the gradients die here, as each stage lands, so
-            # the host never holds the whole model's (docs/memory.md).
-            for pid in stepped:
+        for pid in stepped:
+            if self.max_norm is None:
+                # No redo can need them: the gradients die here, as each stage lands,
+                # so the host never holds the whole model's (docs/memory.md).
                 del self.final[pid]
-                self.grads.staged.pop(pid, None)
+                self.grads.discard(pid)
+            elif self.grads.narrow(pid):
+                # A clip redo widens the staged compute-dtype gradient again (the same
+                # bits): no fp32 copy of it waits for the global norm.
+                del self.final[pid]
         if self.cost is not None:
             self.cost(stepped)
 
@@ -449,11 +460,16 @@ class OverlapStep(CallHook):
             # The total norm is known only now: undo the speculative steps and redo one
             # whole step on the clipped gradients (exact, not overlapped).
             self._undo(grads=False)
-            pids = [pid for pid in self.host.trainable if pid in self.final]
+            pids = [pid for pid in self.host.trainable if pid in self.norms]
             for pid in pids:
-                self.params[pid].grad = self.final[pid]
+                g = self.final.pop(pid, None)
+                if g is None:       # widened again from the compute-dtype one
+                    g = _merged(self.prev.get(pid), self.grads.pop(pid), self.keep,
+                                self.new)
+                self.prev[pid] = None       # the call commits: nothing to put back
+                self.params[pid].grad = g
             clip((self.params[pid] for pid in pids), self.max_norm)
-            self.opt.step()
+            self.owner.states.step(self.opt, [self.params[pid] for pid in pids])
             self.host.write_back(pids, view=self.view)
             if self.cost is not None:
                 self.cost(pids)
@@ -461,7 +477,16 @@ class OverlapStep(CallHook):
             self.params[pid].grad = None
         self.host.samples = 0.0
         self.owner.skipped(self.overflow)
+        self._drop()
+
+    def _drop(self) -> None:
+        """The call is over: let its gradients die (the call object outlives it)."""
         self.snapshots = []
+        self.final.clear()
+        self.norms.clear()
+        self.grads.clear()
+        if self.prev is not None:
+            self.prev.clear()
 
     def _needs_clipping(self) -> bool:
         # torch.nn.utils.clip_grad_norm_'s formula, on the per-parameter norms in
@@ -483,6 +508,7 @@ class OverlapStep(CallHook):
                 "undo_steps=True, which costs a copy of each stage's weights and "
                 "optimizer state while a call runs)")
         self._undo()
+        self._drop()
 
     def _undo(self, grads: bool = True) -> None:
         for snap in reversed(self.snapshots):

@@ -45,6 +45,7 @@ is counted from the data), no sample unless ``sample_prompt`` is given."""
 REPORT_TO = ("none", "tensorboard", "wandb")
 """Metric sinks besides ``metrics.jsonl``."""
 CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "optimizer": ("adamw", "sgd"),
+           "optimizer_state": ("fp32", "bf16", "int8"),
            "optimizer_mode": ("sync", "overlap", "stale"), "backend": ("auto", "cuda",
                                                                        "emulated"),
            "grain": ("stage", "layer"), "packing": ("documents", "concat", "pad"),
@@ -146,6 +147,10 @@ class TrainConfig:
     optimizer: str = "adamw"
     """The optimizer algorithm: ``adamw`` (torch fused AdamW on the CPU masters) or
     ``sgd``."""
+    optimizer_state: str = "fp32"
+    """How the optimizer state is kept between steps (``PipeConfig.optimizer_state_dtype``,
+    docs/optimizer.md): ``fp32`` (exact), ``bf16`` (half the bytes, an approximation) or
+    ``int8`` (bitsandbytes' 8-bit AdamW / SGD, about a quarter; an approximation)."""
     optimizer_mode: OptimizerMode | str = OptimizerMode.SYNC
     """When it steps (:class:`rotapipe.OptimizerMode`, the pipeline's
     ``PipeConfig.optimizer_mode``): ``sync`` (after the call), ``overlap`` (exact; each
@@ -319,6 +324,7 @@ class TrainConfig:
                               f"{self.microbatches}: every microbatch gets the same "
                               "number of sequences")
         for n, allowed in (("optimizer", CHOICES["optimizer"]),
+                           ("optimizer_state", CHOICES["optimizer_state"]),
                            ("packing", CHOICES["packing"])):
             value = getattr(self, n)
             key = value.strip().lower() if isinstance(value, str) else value
@@ -398,6 +404,7 @@ class TrainConfig:
                           grain=self.grain, backend=self.backend, seed=self.seed,
                           precision=PrecisionConfig(compute_dtype=self.dtype),
                           optimizer_mode=self.optimizer_mode,
+                          optimizer_state_dtype=self.optimizer_state,
                           clip_grad_norm=self.grad_clip or None,
                           nonfinite=self.nonfinite,
                           data_parallel=DataParallelConfig(timeout_s=self.dist_timeout,

@@ -47,8 +47,11 @@ RESUME_FIXED = ("model", "layers", "dim", "heads", "kv_heads", "ffn", "vocab",
                 "tokenizer_bytes", "lora", "qlora", "lora_rank", "lora_alpha", "lora_targets",
                 "resume_from_adapter", "data", "data_config", "data_split", "text_field",
                 "prompt_field", "response_field", "messages_field", "seq", "packing",
-                "holdout", "batch", "seed", "optimizer")
+                "holdout", "batch", "seed", "optimizer", "optimizer_state")
 """Fields a resumed run must share with its checkpoint (the rest may change, e.g. steps)."""
+
+_SAVED_DEFAULTS = {"optimizer_state": "fp32"}
+"""What a checkpoint written before a ``RESUME_FIXED`` field existed had."""
 
 
 @dataclasses.dataclass
@@ -296,6 +299,10 @@ def _check_same_resume(dinfo, resume) -> None:
 
 def _optimizer(cfg: TrainConfig, pipe) -> torch.optim.Optimizer:
     params = list(pipe.parameters())
+    if cfg.optimizer_state == "int8":          # bitsandbytes keeps 8-bit state itself
+        from ..runtime.optstate import bnb_optimizer
+        return bnb_optimizer(cfg.optimizer, params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             weight_decay=cfg.weight_decay)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.beta1,
                                weight_decay=cfg.weight_decay)
@@ -305,7 +312,7 @@ def _optimizer(cfg: TrainConfig, pipe) -> torch.optim.Optimizer:
 
 def _check_resume_config(path, saved: dict, cfg: TrainConfig) -> None:
     for name in RESUME_FIXED:
-        if saved.get(name) != getattr(cfg, name):
+        if saved.get(name, _SAVED_DEFAULTS.get(name)) != getattr(cfg, name):
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"checkpoint {path} was written with {name}={saved.get(name)!r}"
                               f", this run has {getattr(cfg, name)!r}: pass {flag} "

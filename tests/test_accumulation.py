@@ -1,0 +1,160 @@
+"""Gradient accumulation over several calls keeps one fp32 gradient per parameter.
+
+- Exact: 2-4 calls per step in ``sync`` and ``overlap``, clipping off / hit, equal plain
+  PyTorch element by element (fp32); in bf16 compute, staging a call's gradients in the
+  compute dtype gives the same bits as widening them on arrival, in every mode.
+- Bytes: the fp32 gradients alive on the host (tests/gradcount.py, a deterministic
+  count) peak at one copy of the model's plus one stage's being merged, where staging
+  them in fp32 held two.
+- A call that fails in the middle of an accumulation changes nothing, and the step
+  then ends as an uninterrupted one does, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import rotapipe
+from gradcount import GradCount
+from models import emulated, lm_loss, tiny_transformer, token_batch
+from rotapipe.runtime.host import CallGrads
+from test_exactness import OPTIMIZERS, RTOL, ATOL, step_batches, train_reference
+from test_faults import Trigger, assert_same_state, faulty_model, snapshot
+from test_optimizer_modes import CLIP, train_fused
+
+
+@pytest.mark.parametrize("mode,sizes,clip", [("sync", (4, 6, 8), "off"),
+                                             ("sync", (4, 4, 6, 8), "hit"),
+                                             ("overlap", (4, 6), "hit"),
+                                             ("overlap", (4, 4, 6, 8), "miss"),
+                                             ("overlap", (6, 4, 8), "off")])
+def test_accumulation_matches_plain_pytorch(mode, sizes, clip):
+    data = step_batches(sizes, steps=2)
+    model = tiny_transformer(tied=True)
+    want = train_reference(copy.deepcopy(model), sizes, 2, "adamw", data=data,
+                           clip=CLIP[clip])
+    losses, _, state, _, _ = train_fused(model, data, emulated(
+        2, 2, optimizer_mode=mode, clip_grad_norm=CLIP[clip]), "adamw")
+    torch.testing.assert_close(losses, want.losses, rtol=RTOL, atol=ATOL)
+    for k in want.state:
+        torch.testing.assert_close(state[k], want.state[k], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _train_bf16(mode: str, clip, calls: int, monkeypatch=None, keep_dtype=True,
+                steps: int = 2, count: bool = False):
+    """bf16 compute, ``calls`` calls per step: (state_dict, GradCount or None)."""
+    if not keep_dtype:      # the former layout: every gradient widened on arrival
+        init = CallGrads.__init__
+        monkeypatch.setattr(CallGrads, "__init__",
+                            lambda self, s, keep_dtype=False: init(self, s, False))
+    torch.manual_seed(0)
+    dims = [(37, 41), (41, 43), (43, 47), (47, 53), (53, 59), (59, 61)]
+    layers = [torch.nn.Linear(a, b) for a, b in dims]
+    config = emulated(2, 2, optimizer_mode=mode, clip_grad_norm=clip, precision="bf16")
+    g = torch.Generator().manual_seed(1)
+    meter = None
+    with rotapipe.RoundPipe(layers, lambda y, t: ((y - t) ** 2).mean(), config=config,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        meter = GradCount(pipe) if count else None
+        if meter is not None:
+            meter.__enter__()
+        try:
+            for _ in range(steps):
+                for c in range(calls):
+                    x, y = torch.randn(8, 37, generator=g), torch.randn(8, 61, generator=g)
+                    if c < calls - 1:
+                        pipe.forward_backward(x, y)
+                    else:
+                        pipe.train_step(x, y)
+            pipe.flush()
+        finally:
+            if meter is not None:
+                meter.__exit__(None, None, None)
+        stages = (pipe.plan.tail,) + pipe.plan.backward
+        stage = max(4 * sum(p.numel() for l in layers[s.start:s.stop]
+                            for p in l.parameters()) for s in stages)
+        return {k: v.clone() for k, v in pipe.state_dict().items()}, meter, stage
+
+
+@pytest.mark.parametrize("mode,clip,calls", [("sync", 1e-3, 3), ("overlap", 1e-3, 2),
+                                             ("overlap", None, 4), ("stale", 1e3, 3)])
+def test_bf16_staging_gives_the_same_bits(monkeypatch, mode, clip, calls):
+    got, _, _ = _train_bf16(mode, clip, calls)
+    want, _, _ = _train_bf16(mode, clip, calls, monkeypatch, keep_dtype=False)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("mode,clip", [("sync", None), ("overlap", None),
+                                       ("overlap", 1e-3), ("stale", 1e-3)])
+def test_accumulation_holds_one_fp32_gradient_per_parameter(monkeypatch, mode, clip):
+    _, meter, stage = _train_bf16(mode, clip, 3, steps=1, count=True)
+    # One fp32 gradient per parameter, plus the one stage being merged or stepped.
+    assert meter.samples > 0 and 0 < meter.peak <= meter.model_bytes + stage, \
+        (meter.peak, meter.model_bytes, stage)
+    # Widened on arrival (the former layout), the call in flight is a second copy:
+    # the count sees it.
+    _, before, _ = _train_bf16(mode, clip, 3, monkeypatch, keep_dtype=False, steps=1,
+                               count=True)
+    assert before.peak >= 2 * before.model_bytes, (before.peak, before.model_bytes)
+
+
+@pytest.mark.parametrize("mode,clip,last", [("sync", "off", False), ("overlap", "off", True),
+                                            ("overlap", "miss", True), ("stale", "off", False),
+                                            ("sync", "hit", True)])
+def test_failed_call_in_the_middle_of_accumulation_changes_nothing(mode, clip, last):
+    """Step 0 runs; step 1 is three calls, one of which fails (the second, or the last:
+    ``train_step``); retried, the step ends as an uninterrupted run does."""
+    M = 2
+    trigger = Trigger()
+    model = faulty_model(trigger, tied=True)
+    clean = copy.deepcopy(model)
+    batches = [token_batch(6, 5, seed=s) for s in range(4)]
+    config = emulated(2, M, optimizer_mode=mode, clip_grad_norm=CLIP[clip],
+                      precision="bf16")
+
+    def run(pipe, fail: bool):
+        opt = OPTIMIZERS["adamw"](pipe.parameters())
+        pipe.attach_optimizer(opt)
+        pipe.train_step(*batches[0])
+        pipe.forward_backward(*batches[1])
+        failing = 3 if last else 2
+        # The failed run flushes there (stale: the next call then runs on the current
+        # weights, docs/optimizer.md); so does the clean one.
+        if not last:
+            if fail:
+                before = snapshot(pipe, opt)
+                trigger.arm(1, M - 1, pipe.calls, "backward")
+                with pytest.raises(rotapipe.WorkerError):
+                    pipe.forward_backward(*batches[2])
+                    pipe.flush()
+                trigger.disarm()
+                assert_same_state(before, snapshot(pipe, opt))
+            pipe.flush()
+            pipe.forward_backward(*batches[2])
+        else:
+            pipe.forward_backward(*batches[2])
+            if fail:
+                pipe.flush()
+                before = snapshot(pipe, opt)
+                trigger.arm(1, M - 1, pipe.calls, "backward")
+                with pytest.raises(rotapipe.WorkerError):
+                    pipe.train_step(*batches[failing])
+                    pipe.flush()
+                trigger.disarm()
+                assert_same_state(before, snapshot(pipe, opt))
+        pipe.train_step(*batches[3])
+        pipe.train_step(*batches[0])
+        pipe.flush()
+        return {k: v.clone() for k, v in pipe.state_dict().items()}
+
+    with rotapipe.RoundPipe(model, lm_loss, config=config) as pipe:
+        got = run(pipe, True)
+    with rotapipe.RoundPipe(clean, lm_loss, config=config) as pipe:
+        want = run(pipe, False)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
