@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _FROM = {
     ".config": ("BackendKind", "DataParallelConfig", "NonFinite", "OptimizerMode",
                 "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig", "RecomputeGrain",
-                "ShardMode"),
+                "ShardMode", "StateDtype"),
     ".errors": ("ConfigError", "DeviceOutOfMemoryError", "DistributedError", "InputError",
                 "NonFiniteError", "PipelineClosedError", "PlanError", "RaceError",
                 "RotapipeError", "ScheduleError", "WorkerError"),
@@ -33,7 +33,7 @@ __all__ = sorted(_WHERE, key=str.lower)
 if typing.TYPE_CHECKING:      # what the lazy names are, for type checkers and IDEs
     from .config import (BackendKind, DataParallelConfig, NonFinite, OptimizerMode,
                          PartitionMode, PinMode, PipeConfig, PrecisionConfig,
-                         RecomputeGrain, ShardMode)
+                         RecomputeGrain, ShardMode, StateDtype)
     from .errors import (ConfigError, DeviceOutOfMemoryError, DistributedError,
                          InputError, NonFiniteError, PipelineClosedError, PlanError,
                          RaceError, RotapipeError, ScheduleError, WorkerError)
