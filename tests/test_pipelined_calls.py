@@ -144,9 +144,11 @@ class Holding(nn.Module):
 
 @pytest.mark.parametrize("mode", ["stale", "overlap"])
 def test_a_call_returns_while_its_backward_is_held(mode):
-    """The held backward (layer 1, call 1) blocks the call's completion, not its loss;
-    with ``stale`` the next call runs whole on the weights of call 0's step and returns
-    its loss too, while call 1 is still held (its update is not read until call 3)."""
+    """The held backward (layer 1, call 1) blocks the call's completion, not its loss:
+    ``train_step`` returns while the backward is still held. (The next call cannot run
+    whole past it, even in ``stale`` where it does not read call 1's update: its stages
+    are dealt to every worker, and the held worker runs its actions in order, as a GPU's
+    stream would.)"""
     gate = threading.Event()
     seeds: set = set()
     layers = [Holding(l, i, gate, seeds) if i == 1 else l
@@ -162,18 +164,14 @@ def test_a_call_returns_while_its_backward_is_held(mode):
 
         def steps():
             done[1] = pipe.train_step(*data[1])
-            if mode == "stale":
-                done[2] = pipe.train_step(*data[2])
 
         t = threading.Thread(target=steps)
         t.start()
         t.join(20.0)
-        held = not gate.is_set()
+        returned = not t.is_alive() and sorted(done) == [1]   # the gate is still shut
         gate.set()
-        t.join(20.0)
-        assert held and not t.is_alive()
-        assert sorted(done) == ([1, 2] if mode == "stale" else [1])
-        pipe.flush()
+        assert returned
+        pipe.flush()          # the held backward completes once released
 
 
 def fault_point(i: int) -> dict:
