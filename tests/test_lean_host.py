@@ -109,23 +109,26 @@ class GradMeter:
         self.live -= n
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_overlap_frees_each_stages_gradients_at_its_step(monkeypatch, prefetch):
-    """Every O action leaves no gradient of its stage alive. How many stages' gradients
-    wait for the host lane at once depends on how fast it steps: under one intra-op
-    thread here it lags the workers, and the peak is most of the model's (measured in
-    benchmarks/host_memory_diet.py, which also shows the bound when it keeps up)."""
+def _three_lean_steps(workers: int, prefetch: int) -> int:
+    """Three ``overlap`` steps without undo of a 12-backward-stage model; its stages."""
     model = tiny_transformer(dim=16, widths=(64,) * 10)
-    config = emulated(2, 2, optimizer_mode="overlap", undo_steps=False, prefetch=prefetch,
-                      backward_stages=12, forward_stages=4)
-    meter = GradMeter(monkeypatch)
+    config = emulated(workers, 2, optimizer_mode="overlap", undo_steps=False,
+                      prefetch=prefetch, backward_stages=12, forward_stages=4)
     with rotapipe.RoundPipe(model, lambda y, t: torch.nn.functional.cross_entropy(
             y.flatten(0, 1), t.flatten()), config=config,
             optimizer=OPTIMIZERS["adamw"]) as pipe:
-        stages = 1 + len(pipe.plan.backward)
         for s in range(3):
             pipe.train_step(*token_batch(4, 6, seed=s))
         pipe.flush()
+        return 1 + len(pipe.plan.backward)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_overlap_frees_each_stages_gradients_at_its_step(monkeypatch, prefetch):
+    """Every O action leaves no gradient of its stage alive (how many stages' gradients
+    wait for the host lane at once is bounded by the gradient window: the next test)."""
+    meter = GradMeter(monkeypatch)
+    stages = _three_lean_steps(2, prefetch)
     assert meter.handoffs == 3 * stages and meter.peak > 0
     assert meter.live == 0
 
@@ -161,9 +164,6 @@ def test_a_slow_host_lane_holds_back_gradient_downloads(monkeypatch, prefetch, w
     stages (the planner's count, the schedule's gradient window) whatever
     the timing: here every hand-off sleeps, so the host lane lags far behind the
     workers, and the gradient downloads wait for it (roundpipe.grad_window)."""
-    model = tiny_transformer(dim=16, widths=(64,) * 10)
-    config = emulated(workers, 2, optimizer_mode="overlap", undo_steps=False,
-                      prefetch=prefetch, backward_stages=12, forward_stages=4)
     meter = StageMeter(monkeypatch)
     handoff = ActionRunner._optimizer
 
@@ -171,13 +171,7 @@ def test_a_slow_host_lane_holds_back_gradient_downloads(monkeypatch, prefetch, w
         time.sleep(0.03)      # a host optimizer slower than the workers
         handoff(runner, a)
     monkeypatch.setattr(ActionRunner, "_optimizer", slow)
-    with rotapipe.RoundPipe(model, lambda y, t: torch.nn.functional.cross_entropy(
-            y.flatten(0, 1), t.flatten()), config=config,
-            optimizer=OPTIMIZERS["adamw"]) as pipe:
-        stages = 1 + len(pipe.plan.backward)
-        for s in range(3):
-            pipe.train_step(*token_batch(4, 6, seed=s))
-        pipe.flush()
+    stages = _three_lean_steps(workers, prefetch)
     assert meter.handoffs == 3 * stages and meter.live == 0
     assert grad_window(prefetch) == prefetch + 2
     assert 2 <= meter.peak_stages <= prefetch + 2, meter.peak_stages

@@ -214,26 +214,10 @@ def consolidate(shards: list[dict]) -> dict:
     "groups": [...], "group_of": {name: index}}``. Elementwise state (a tensor the size
     of its piece) is concatenated in range order; the rest (AdamW's ``step``) is the
     same on every rank and taken once."""
-    if not shards:
-        raise InputError("consolidate() got no shards: pass every rank's shard_state_dict")
-    worlds = {s["world"] for s in shards}
-    ranks = sorted(s["rank"] for s in shards)
-    if len(worlds) != 1 or ranks != list(range(shards[0]["world"])):
-        raise InputError(f"the shards are ranks {ranks} of world sizes {sorted(worlds)}: "
-                         "pass the shard of every rank of one checkpoint")
-    parts: dict[str, list] = {}
-    for s in sorted(shards, key=lambda s: s["rank"]):
-        for name, piece in s["pieces"].items():
-            parts.setdefault(name, []).append(piece)
+    parts = _pieces(shards)
     out = {"masters": {}, "state": {}, "groups": shards[0]["groups"], "group_of": {}}
     for name, ps in parts.items():
-        ps.sort(key=lambda p: p["range"][0])
         shape = ps[0]["shape"]
-        n = int(torch.Size(shape).numel())
-        got = [p["range"] for p in ps]
-        if got[0][0] != 0 or got[-1][1] != n or any(x[1] != y[0] for x, y in zip(got, got[1:])):
-            raise InputError(f"the shards hold {got} of {name!r} ({n} elements): a rank's "
-                             "shard is missing or from another checkpoint")
         out["masters"][name] = torch.cat([p["master"] for p in ps]).view(shape)
         out["group_of"][name] = ps[0]["group"]
         state = {}

@@ -98,6 +98,15 @@ def save_checkpoint(ckpt_dir: pathlib.Path, step: int, *, masters: dict[str, tor
     # one parameter, so they appear once).
     save_file({k: v.detach().contiguous() for k, v in masters.items()},
               str(tmp / "masters.safetensors"))
+    _publish(tmp, final, state, meta, tokenizer, keep)
+    return final
+
+
+def _publish(tmp: pathlib.Path, final: pathlib.Path, state: dict, meta: dict, tokenizer,
+             keep: int) -> None:
+    """Write the rest of a checkpoint into ``tmp`` (state, meta, tokenizer, manifest),
+    fsync it, move it to ``final`` in one rename and prune to the newest ``keep``."""
+    ckpt_dir = final.parent
     torch.save(state, tmp / "state.pt")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     if tokenizer is not None:
@@ -114,7 +123,6 @@ def save_checkpoint(ckpt_dir: pathlib.Path, step: int, *, masters: dict[str, tor
     _fsync_dir(ckpt_dir)
     for old in list_checkpoints(ckpt_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def _sizes(path: pathlib.Path) -> dict[str, int]:
@@ -395,21 +403,6 @@ def save_sharded_checkpoint(ckpt_dir: pathlib.Path, step: int, *, shard: dict,
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (every rank writes its shard into out_dir: put it "
                                   "on storage every server sees)") from None
-        torch.save(state, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        (tmp / MANIFEST).write_text(json.dumps(_sizes(tmp), indent=1))
-        _fsync_tree(tmp)
-        if final.exists():
-            old = ckpt_dir / f".tmp-old-{final.name}-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(ckpt_dir)
-        for old in list_checkpoints(ckpt_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        _publish(tmp, final, state, meta, tokenizer, keep)
     barrier()
     return final
