@@ -274,9 +274,14 @@ class ActionRunner:
             if a.mb == self.ctx.microbatches - 1:
                 self._keep_buffers(a, s)
 
-    def _fused(self, a: Action) -> None:
+    def _backpressure(self, a: Action) -> None:
+        """Data parallel: before computing a stage's gradients, wait while too many
+        stages' hand-offs queue behind the host lane (``ctx.grad_gate``)."""
         if self.ctx.grad_gate is not None:
             self.ctx.grad_gate(a.stage)
+
+    def _fused(self, a: Action) -> None:
+        self._backpressure(a)
         s, store = self.stages[a.stage], self.stores[a.worker]
         x = store.pop(("in", s.name, a.mb))
         labels = store.pop(("labels", a.mb))
@@ -319,8 +324,7 @@ class ActionRunner:
         return self.ctx.tail_value
 
     def _recompute(self, a: Action) -> None:
-        if self.ctx.grad_gate is not None:
-            self.ctx.grad_gate(a.stage)
+        self._backpressure(a)
         s, store = self.stages[a.stage], self.stores[a.worker]
         x = store.pop(("in", s.name, a.mb))
         with self._bound(a) as params:
@@ -340,8 +344,7 @@ class ActionRunner:
                   extra_bytes=saved)
 
     def _backward(self, a: Action) -> None:
-        if self.ctx.grad_gate is not None:
-            self.ctx.grad_gate(a.stage)
+        self._backpressure(a)
         s, store = self.stages[a.stage], self.stores[a.worker]
         graph = store.pop(("graph", s.name, a.mb))
         g = store.pop(("gout", s.name, a.mb))
@@ -391,8 +394,7 @@ class ActionRunner:
         """Backward through the graph the stage's ``FK`` kept (freeing it), from the
         output gradient (``UG`` or the deeper stage's ``BK`` on this device) or, on the
         tail, from the scaled loss."""
-        if self.ctx.grad_gate is not None:
-            self.ctx.grad_gate(a.stage)
+        self._backpressure(a)
         s, store = self.stages[a.stage], self.stores[a.worker]
         x, out = store.pop(("graph", s.name, a.mb))
         params, _ = store.get(("w", self.routes.weights_of.get(s.name, s.name)))
