@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     print(f"{'model':14s} {'call, no step':>13s} {'call + steps':>12s} {'overlap':>9s} "
           f"{'stale':>9s} {'overlap/stale':>13s} {'ceiling':>8s} {'free last step':>14s}")
     for model in args.models.split(","):
-        em = TimedEmulation.of(model.strip(), "rtx4090x8", seq=2048,
+        em = TimedEmulation.of(model.strip(), "rtx4090x8", seq=2048, call_tokens=2048 * m,
                                optimizer_params_per_s=args.optimizer_rate)
         choice = choose_plan(lambda _: em.costs,
                              PlannerConfig(DEVICES, USABLE, microbatch_counts=(m,),

@@ -56,7 +56,7 @@ def main(argv=None) -> None:
         c = a.choice
         grads = tuple(2 * x for x in __import__("rotapipe.plan.hostmem", fromlist=["x"])
                       .lora_params(model, lora)) if lora else None
-        one = choose_plan(lambda m: _costs(model, hw, SEQ),
+        one = choose_plan(lambda m: _costs(model, hw, SEQ, global_batch=M),
                           PlannerConfig(8, a.device_limit, (M,), grad_bytes=grads))
         best = c.report
         met = "yes" if 100 * best.bubble.total <= goal else "no"

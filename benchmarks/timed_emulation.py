@@ -154,7 +154,10 @@ def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
                               backend="emulated", emulation=em, optimizer_mode=mode,
                               grain=grain, check_races=False, gate_copies=gate,
                               copy_chunk_mb=chunk_mb)
-    pipe = rotapipe.RoundPipe(model, lm_loss, config=cfg, plan=plan)
+    # The embedding moves by rows, as a wrapped Hugging Face model's does (the costs
+    # price it with call_tokens).
+    pipe = rotapipe.RoundPipe(model, lm_loss, config=cfg, plan=plan,
+                              lookups={model[0].tok: lambda ids: ids})
     pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-4))
     if schedule is not None:
         pipe.use_schedule(schedule)
@@ -193,7 +196,8 @@ def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
 
 def bench(model: str, args) -> list[dict]:
     em0 = TimedEmulation.of(model, "rtx4090x8", seq=args.seq,
-                            optimizer_params_per_s=args.optimizer_rate)
+                            optimizer_params_per_s=args.optimizer_rate,
+                            call_tokens=args.seq * args.microbatches)
     M = args.microbatches
     choice = choose_plan(lambda m: em0.costs,
                          PlannerConfig(DEVICES, USABLE, microbatch_counts=(M,),
@@ -251,7 +255,8 @@ def bench(model: str, args) -> list[dict]:
     return rows
 
 
-def lora_costs(model: str, seq: int, quantize: str | None, rank: int = 16):
+def lora_costs(model: str, seq: int, quantize: str | None, rank: int = 16,
+               call_tokens: int | None = None):
     """The planner's costs of LoRA of ``rank`` on a frozen base (NF4 with ``quantize``)
     on one RTX 4090, and the adapters' parameters per layer. A frozen weight gets no
     weight gradient: its share of the backward (the projections, ``5 forward - 2
@@ -260,7 +265,8 @@ def lora_costs(model: str, seq: int, quantize: str | None, rank: int = 16):
     adapters' bf16 gradients are downloaded (``grad_ms``). The adapters' own FLOPs are
     left out (rank 16: under 1% of a block's)."""
     hw = rotapipe.plan.hardware("rtx4090x8")
-    costs = rotapipe.plan.model_costs(model, hw, seq=seq, quantize=quantize)
+    costs = rotapipe.plan.model_costs(model, hw, seq=seq, quantize=quantize,
+                                      call_tokens=call_tokens)
     trainable = lora_params(model, rank)
     ms_per_byte = 1e3 / hw.link_bytes_per_s
     layers = tuple(replace(l, backward_ms=3 * l.backward_ms - 5 * l.forward_ms,
@@ -277,7 +283,8 @@ def lora_bench(model: str, args) -> list[dict]:
     fine-tuning)."""
     M, rows = args.microbatches, []
     for quantize in (None, "nf4"):
-        costs, trainable = lora_costs(model, args.seq, quantize)
+        costs, trainable = lora_costs(model, args.seq, quantize,
+                                      call_tokens=args.seq * M)
         choice = choose_plan(lambda m: costs, PlannerConfig(
             DEVICES, USABLE, microbatch_counts=(M,), tail_jobs=(1, 2, 3, 4),
             grad_bytes=tuple(2 * t for t in trainable)))

@@ -238,7 +238,8 @@ def simulate(args: argparse.Namespace) -> int:
         hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
                       **({"efficiency": args.efficiency} if args.efficiency is not None
                          else {}))
-        costs = model_costs(args.model, hw, seq=args.seq, microbatch_size=batch // M)
+        costs = model_costs(args.model, hw, seq=args.seq, microbatch_size=batch // M,
+                            call_tokens=batch * args.seq)
         devices = args.devices if args.devices is not None else hw.count
         limit = limit or hw.device.memory_bytes
         what = (f"{args.model} on {hw.name} ({hw.flops / 1e12:.0f} TFLOPS sustained, "

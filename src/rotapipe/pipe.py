@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch import nn
 from .config import NonFinite, OptimizerMode, PinMode, PipeConfig, ShardMode
 from .errors import (CheckpointError, ConfigError, DistributedError, InputError,
                      NonFiniteError, PipelineClosedError, ScheduleError, WorkerError)
-from .model import LayerSet
+from .model import LayerSet, Lookups
 from .planner.pipeline import PipePlanner
 from .plan import Plan
 from .schedule import Schedule, roundpipe_call, validate
@@ -75,6 +75,11 @@ class RoundPipe:
         plan: an explicit :class:`rotapipe.plan.Plan`, validated and kept. Default: the
             planner's (``config.partition``; the rule is in :mod:`rotapipe.planner.pipeline`).
         devices: explicit device objects (tests); default from ``config.backend``.
+        lookups: optional ``{embedding module: fn(microbatch_inputs) -> index tensor}``:
+            a stage that uses an ``nn.Embedding``'s table only through these lookups
+            uploads only the rows the call looks up and downloads only their gradients
+            (``docs/performance.md``, "Embedding tables by rows"). The wrapped Hugging
+            Face models pass their token embedding.
         process_group: the ``torch.distributed`` group to be data parallel over
             (default: the default group, when ``config.data_parallel`` turns it on).
             Each rank passes its own shard of the global batch
@@ -90,7 +95,8 @@ class RoundPipe:
                  loss_weight: Callable[[object], float] | None = None,
                  tail_context: Callable[[list, list], object] | None = None,
                  plan: Plan | None = None, devices: Sequence[Device] | None = None,
-                 process_group=None):
+                 process_group=None,
+                 lookups: Mapping[nn.Module, Callable[[object], torch.Tensor]] | None = None):
         self.config = config = config or PipeConfig()
         self._optimizer_cost: Callable[[list[int]], None] | None = None
         """Called after every optimizer step of a set of parameters (indices into
@@ -99,6 +105,7 @@ class RoundPipe:
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.layerset = LayerSet(layers)
+        self.lookups = Lookups(self.layerset, lookups)
         _claim(self)
         # state_dict keys follow the user's container (named nn.Sequential keeps names).
         self._container = layers if isinstance(layers, nn.Module) else \
@@ -141,7 +148,8 @@ class RoundPipe:
                                        states=StatePrecision(config.optimizer_state_dtype))
         self._calls = CallRunner(self.layerset, self.host, loss_fn, self.devices, config,
                                  plan, side_inputs=side_inputs,
-                                 tail_context=self.tail_context, pinning=self.pinning)
+                                 tail_context=self.tail_context, pinning=self.pinning,
+                                 lookups=self.lookups)
         self._stream = CallStream(self._calls)
         self._streams.append(self._stream)
         self._user_schedules: dict[bool, Schedule] = {}

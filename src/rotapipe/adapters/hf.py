@@ -41,7 +41,7 @@ from .layers import DecoderLayer, EmbedLayer, HeadLayer
 from .loss import TokenCount, lm_loss
 from .moe import (MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class,
                   warn_eager_experts)
-from .side import SideInputs
+from .side import SideInputs, token_ids
 
 __all__ = ["AdapterError", "HFModel", "CausalLMLoss", "wrap_hf", "hf_pipe", "load_hf",
            "PLANNER_SEQ"]
@@ -139,6 +139,11 @@ class HFModel:
         """Keyword arguments for :class:`rotapipe.RoundPipe` (add ``config=``)."""
         kwargs = dict(layers=self.layers, loss_fn=self.loss_fn,
                       side_inputs=self.side_inputs, loss_weight=self.loss_weight)
+        embed = self.layers[0].embed
+        if isinstance(embed, nn.Embedding) and embed.max_norm is None and not embed.sparse:
+            # The token embedding moves by the rows a call looks up (a PEFT-wrapped
+            # embedding is not an nn.Embedding and moves whole).
+            kwargs["lookups"] = {embed: token_ids}
         if self.loss_fn.moe is not None:
             kwargs["tail_context"] = self.loss_fn.batch_context
         return kwargs

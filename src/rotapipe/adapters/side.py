@@ -42,6 +42,11 @@ def shallow_clone(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module
     return clone
 
 
+def token_ids(inputs) -> torch.Tensor:
+    """The token ids of a microbatch's inputs (what the embedding looks up)."""
+    return unpack_inputs(inputs)[0]
+
+
 def unpack_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(input_ids, attention_mask, position_ids)`` from a tensor of ids or a dict."""
     if isinstance(inputs, torch.Tensor):

@@ -13,13 +13,13 @@ which the device tensors of the stage being run are bound.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 
 
 def call_layer(layer: nn.Module, x, side):
@@ -169,3 +169,101 @@ class Shell:
 
 def _join(layer: int, mod_name: str, name: str) -> str:
     return ".".join(x for x in (str(layer), mod_name, name) if x)
+
+
+class Lookups:
+    """Embedding tables whose weight a stage needs only at the rows a call looks up.
+
+    ``modules`` maps an ``nn.Embedding`` of the model to ``fn(microbatch_inputs) ->
+    integer tensor`` of the indices it will look up in that microbatch (for a language
+    model: the token ids). A stage whose layers use the table's weight only through
+    these modules uploads just the call's rows (the rest of its device copy is NaN, so
+    a lookup outside them cannot pass silently) and downloads just their gradients,
+    which are exactly the nonzero rows of the full gradient. A declared module looks up
+    in the first layer that holds it; a stage with another layer using the weight (a
+    tied LM head) moves it whole.
+    """
+
+    def __init__(self, layerset: LayerSet,
+                 modules: Mapping[nn.Module, Callable[[object], torch.Tensor]] | None):
+        self.ids: dict[int, Callable[[object], torch.Tensor]] = {}
+        """Parameter id -> the function giving the indices a microbatch looks up."""
+        self.rows: dict[int, int] = {}
+        """Parameter id -> rows of its table."""
+        self._layer_pids: list[frozenset[int]] = [frozenset()] * len(layerset)
+        self._uses: list[frozenset[int]] = [frozenset()] * len(layerset)
+        if not modules:
+            return
+        declared: set[int] = set()
+        for mod, fn in modules.items():
+            where = type(mod).__name__
+            if not isinstance(mod, nn.Embedding):
+                raise ConfigError(f"lookups: {where} is not an nn.Embedding: only an "
+                                  "embedding table's rows can be moved by index")
+            if not callable(fn):
+                raise ConfigError(f"lookups: the value for {where} must be fn(inputs) -> "
+                                  f"index tensor, got {type(fn).__name__}")
+            if mod.max_norm is not None or mod.sparse:
+                raise ConfigError(f"lookups: {where} has max_norm or sparse set (it "
+                                  "renormalises rows in place or returns sparse "
+                                  "gradients): drop it from lookups")
+            pid = layerset._pid_of.get(id(mod.weight))
+            if pid is None:
+                raise ConfigError(f"lookups: {where} is not a module of the pipeline's "
+                                  "layers: pass the model's own embedding module")
+            self.ids[pid] = fn
+            self.rows[pid] = mod.weight.shape[0]
+            declared.add(id(mod))
+        # Per layer: the tables it holds, and those it uses only through lookups. A
+        # declared module looks up in the first layer holding it; a later layer holding
+        # it (a head reading a tied embedding's weight) uses the whole table.
+        owner: dict[int, int] = {}
+        for l, layer in enumerate(layerset.layers):
+            for mod in layer.modules():
+                if id(mod) in declared:
+                    owner.setdefault(id(mod), l)
+        for l, layer in enumerate(layerset.layers):
+            ok, other = set(), set()
+            for mod in layer.modules():
+                for p in mod._parameters.values():
+                    pid = layerset._pid_of.get(id(p)) if p is not None else None
+                    if pid in self.ids:
+                        lookup = id(mod) in declared and owner[id(mod)] == l
+                        (ok if lookup else other).add(pid)
+            self._uses[l] = frozenset(ok | other)
+            self._layer_pids[l] = frozenset(ok - other)
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
+
+    def stage_pids(self, layers: range) -> frozenset[int]:
+        """Tables a stage over ``layers`` moves by rows: those every layer of it that
+        holds them uses only through lookups (a tied LM head in the same stage makes
+        the table move whole)."""
+        held = set().union(*(self._uses[l] for l in layers))
+        return frozenset(p for p in held if all(p in self._layer_pids[l] for l in layers
+                                                if p in self._uses[l]))
+
+    def call_rows(self, microbatches: Sequence) -> dict[int, torch.Tensor]:
+        """Table -> the sorted distinct rows the call's microbatches look up (int64, on
+        the CPU). Raises :class:`InputError` for indices outside a table."""
+        out = {}
+        for pid, fn in self.ids.items():
+            ids = [fn(x) for x in microbatches]
+            for t in ids:
+                if not isinstance(t, torch.Tensor) or t.is_floating_point() or \
+                        t.is_complex() or t.dtype == torch.bool:
+                    raise InputError(f"lookups gave {type(t).__name__}"
+                                     f"{'' if not isinstance(t, torch.Tensor) else ' of ' + str(t.dtype)}"
+                                     " for a microbatch: it must return the integer "
+                                     "indices the embedding looks up")
+            flat = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in ids])
+            rows = torch.unique(flat, sorted=True)
+            n = self.rows[pid]
+            if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= n):
+                bad = int(rows[0]) if int(rows[0]) < 0 else int(rows[-1])
+                raise InputError(f"index {bad} is outside the embedding table's {n} rows "
+                                 "(are the inputs token ids of this model's vocabulary? "
+                                 "check the tokenizer matches the model)")
+            out[pid] = rows
+        return out

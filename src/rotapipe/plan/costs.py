@@ -294,16 +294,24 @@ def nf4_bytes(numel: int) -> int:
 
 
 def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size: int = 1,
-                dtype_bytes: int = 2, quantize: str | None = None) -> ModelCosts:
+                dtype_bytes: int = 2, quantize: str | None = None,
+                call_tokens: int | None = None) -> ModelCosts:
     """:class:`ModelCosts` of a Hugging Face decoder on ``hardware``: times from FLOPs at
     ``hardware.flops``, transfers at the host link bandwidth, for microbatches of
     ``microbatch_size`` sequences of ``seq`` tokens. ``quantize="nf4"`` (QLoRA): the
     decoder blocks' weights upload as NF4 bytes (:func:`rotapipe.model.quant.nf4_bytes`)
-    and are dequantized on the device, where they take ``weight_bytes`` as before."""
+    and are dequantized on the device, where they take ``weight_bytes`` as before.
+    ``call_tokens``: the tokens of one call (global batch x sequence): the token
+    embedding then moves by rows (``RoundPipe(lookups=...)``, what wrapped Hugging Face
+    models do), at most ``min(vocab, call_tokens)`` of them each way, and keeps its
+    full ``weight_bytes`` on the device; ``None``: the whole table moves."""
     if quantize not in (None, "nf4"):
         raise ConfigError(f"quantize={quantize!r}: use 'nf4' or None")
     if seq < 1 or microbatch_size < 1:
         raise ConfigError(f"seq={seq} and microbatch_size={microbatch_size} must be >= 1")
+    if call_tokens is not None and call_tokens < 1:
+        raise ConfigError(f"call_tokens={call_tokens} must be >= 1 (or None: the whole "
+                          "embedding table moves)")
     tokens = seq * microbatch_size
     ms_per_flop = 1e3 / hardware.flops
     ms_per_byte = 1e3 / hardware.link_bytes_per_s
@@ -313,6 +321,10 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
         fwd = w.forward_flops * tokens * ms_per_flop
         weight_bytes = w.params * dtype_bytes
         moved = nf4_bytes(w.params) if quantize and 0 < i < len(works) - 1 else weight_bytes
+        if i == 0 and call_tokens is not None and w.output_bytes:
+            # Distinct rows a call can look up: at most one per token.
+            row = int(w.output_bytes)
+            moved = min(weight_bytes, row * int(call_tokens))
         out_bytes = int(w.output_bytes * tokens)
         layers.append(LayerCost(w.name, fwd, w.backward_flops * tokens * ms_per_flop, fwd,
                                 moved * ms_per_byte, out_bytes * ms_per_byte,

@@ -218,11 +218,14 @@ LAYOUT_TEXT = {
 
 
 def _costs(model, hw: Hardware, seq: int, microbatch_size: int = 1,
-           quantize: str | None = None) -> ModelCosts:
+           quantize: str | None = None, global_batch: int | None = None) -> ModelCosts:
     """:func:`model_costs` with the head's activations as the chunked loss keeps them:
-    its input and output gradient (two hidden states per token) plus one chunk."""
+    its input and output gradient (two hidden states per token) plus one chunk. With
+    ``global_batch`` the token embedding moves by the rows of a call's ``global_batch x
+    seq`` tokens (what wrapped Hugging Face models do)."""
     costs = model_costs(model, hw, seq=seq, microbatch_size=microbatch_size,
-                        quantize=quantize)
+                        quantize=quantize,
+                        call_tokens=None if global_batch is None else global_batch * seq)
     head = costs.layers[-1]
     hidden = 2 * costs.layers[-2].output_bytes
     saved = min(head.saved_bytes, hidden + LOSS_CHUNK_BYTES)
@@ -355,7 +358,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     quantize = "nf4" if qlora else None
 
     def costs_for(M: int) -> ModelCosts:
-        return _costs(model, hw, seq, global_batch // M, quantize)
+        return _costs(model, hw, seq, global_batch // M, quantize, global_batch)
 
     def host_for(costs, plan, M) -> HostMemory:
         hosts = [host_memory(costs, plan, M, hw.count, trainable_params=trainable, pin=pin,

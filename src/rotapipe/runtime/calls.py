@@ -21,7 +21,7 @@ import torch
 
 from ..config import PipeConfig
 from ..errors import ConfigError, InputError
-from ..model import LayerSet
+from ..model import LayerSet, Lookups
 from ..plan import Plan, StageKind
 from ..schedule import ActionKind as K, Schedule, roundpipe_schedule, validate
 from ..schedule.actions import stage_map
@@ -84,7 +84,7 @@ class CallRunner:
 
     def __init__(self, layerset: LayerSet, host: HostState, loss_fn, devices: list[Device],
                  config: PipeConfig, plan: Plan, *, side_inputs, tail_context,
-                 pinning: HostPinning | None = None):
+                 pinning: HostPinning | None = None, lookups: Lookups | None = None):
         self.ls, self.host, self.devices, self.config = layerset, host, devices, config
         # User inputs, labels and side inputs are staged into page-locked blocks, reused
         # across calls, so that no upload reads pageable memory (None: no staging).
@@ -100,6 +100,7 @@ class CallRunner:
             pinned=getattr(host, "is_pinned", lambda pid: True),
             pinned_empty=None if pinning is None else
             (lambda n: pinning.empty((n,), torch.uint8)))
+        self.lookups = self.runner.lookups = lookups
         if config.emulation is not None:
             self.runner.copies.layer_bytes = [l.weight_bytes
                                               for l in config.emulation.costs.layers]
@@ -150,6 +151,11 @@ class CallRunner:
         side inputs, staged in page-locked memory (side inputs are computed from the
         caller's inputs, before staging)."""
         store = Store("host memory", None, self.check)
+        if self.lookups:
+            # The rows each embedding table moves by (checked here, in the caller's
+            # thread: an index outside a table is the caller's error).
+            for pid, rows in self.lookups.call_rows(mbs).items():
+                store.put(("rows", pid), self._stage(rows))
         for m, x in enumerate(mbs):
             store.put(("act", 0, m), self._stage(x))
             if lbs is not None:

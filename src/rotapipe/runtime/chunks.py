@@ -12,6 +12,13 @@ Pageable weights (``PipeConfig(pin="off")``) go through a device's pinned bounce
 buffers: on the dispatcher thread a chunk's bytes are copied into a free buffer (one
 whose last copy's event completed), then the stream copies from it. A copy engine
 never reads pageable memory (on CUDA such a copy would be synchronous).
+
+An embedding table a stage uses only for lookups (:class:`rotapipe.model.Lookups`)
+moves by rows: the call's distinct looked-up rows are gathered on the dispatcher thread
+into the bounce buffers (a gather is never page-locked), uploaded into a compact device
+buffer and scattered into a table whose other rows are NaN; its gradient's download
+gathers the same rows on the device and hands the host a
+:class:`~rotapipe.runtime.host.RowGrad`.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from ..plan import StageKind
 from ..schedule import Action
 from .backend import Device
 from .executor import Chunk
+from .host import RowGrad
 from .transfer import layer_chunks, sleep_until, split_bytes
 
 __all__ = ["ChunkedCopies", "BouncePool"]
@@ -93,16 +101,36 @@ class ChunkedCopies:
         self.bounce = [BouncePool(pinned_empty) for _ in runner.devices]
 
     # -- planning -------------------------------------------------------------------
-    def _layers(self, a: Action, pick) -> list[tuple[int, list[int], list[int]]]:
+    def rows(self, a: Action) -> dict[int, torch.Tensor]:
+        """Tables ``a``'s stage moves by rows -> the call's rows (host, int64)."""
+        r = self.r
+        lookups = getattr(r, "lookups", None)
+        if not lookups:
+            return {}
+        s = r.stages[a.stage]
+        out = {}
+        for p in lookups.stage_pids(s.layers):
+            key = ("rows", p)
+            if p not in r.host.quantized and r.host_store.contains(key):
+                out[p] = r.host_store.get(key)
+        return out
+
+    def _layers(self, a: Action, pick, rows: dict | None = None
+                ) -> list[tuple[int, list[int], list[int]]]:
         """Per layer of ``a``'s stage: ``(layer, pids, byte sizes)`` of its tensors
-        (``pick(pid)`` filters; tied weights count once, with their first layer)."""
+        (``pick(pid)`` filters; tied weights count once, with their first layer; a
+        table in ``rows`` counts its rows)."""
         seen: set[int] = set()
         out = []
         for l in self.r.stages[a.stage].layers:
             pids = [p for p in self.r.ls.layer_params[l] if p not in seen and pick(p)]
             seen.update(pids)
-            sizes = [self.r.compute[p].numel() * self.r.compute[p].element_size()
-                     for p in pids]
+            sizes = []
+            for p in pids:
+                c = self.r.compute[p]
+                n = c.numel() if not rows or p not in rows else \
+                    rows[p].numel() * (c.numel() // max(1, c.shape[0]))
+                sizes.append(n * c.element_size())
             out.append((l, pids, sizes))
         return out
 
@@ -133,14 +161,18 @@ class ChunkedCopies:
         buffers: dict[int, torch.Tensor] = {}
         dst: dict[int, torch.Tensor] = {}
         chunks: list[Chunk] = []
-        layers = self._layers(a, lambda p: True)
+        rows = self.rows(a)
+        layers = self._layers(a, lambda p: True, rows)
         for l, pids, sizes in layers:
             for j, pieces in enumerate(self._parts(l, sizes)):
                 def body(l=l, pids=pids, pieces=pieces, first=j == 0, src=None):
                     if first:
                         for p in pids:
                             c = r.compute[p]
-                            dst[p] = dev.empty(c.shape, c.dtype)
+                            # A table moved by rows lands in a compact buffer first.
+                            shape = c.shape if p not in rows else \
+                                (rows[p].numel(),) + tuple(c.shape[1:])
+                            dst[p] = dev.empty(shape, c.dtype)
                         self._upload_buffers(dev, l, buffers)
                     for i, lo, hi in pieces:
                         target = _bytes(dst[pids[i]])[lo:hi]
@@ -149,9 +181,23 @@ class ChunkedCopies:
                         else:
                             host = r.compute[pids[i]].contiguous()
                             target.copy_(_bytes(host)[lo:hi], non_blocking=True)
-                chunks.append(self._upload_chunk(a, dev, pids, pieces, body, len(chunks)))
+                chunks.append(self._upload_chunk(a, dev, pids, pieces, body, len(chunks),
+                                                 rows))
 
         def finish():
+            kept = {}
+            for p, host_rows in rows.items():
+                # In the uploading stream: rows -> a full-size table, NaN elsewhere.
+                c, compact = r.compute[p], dst[p]
+                index = dev.upload(host_rows)
+                table = dev.empty(c.shape, c.dtype)
+                if table.is_floating_point():
+                    table.fill_(float("nan"))
+                dst[p] = table.index_copy_(0, index, compact)
+                kept[p] = index
+            if grad and any(r.ls.params[p].requires_grad for p in kept):
+                # The gradient's download gathers the same rows (same worker and job).
+                r.stores[a.worker].put(("rows", s.name), kept, f"row indices of {s}")
             for p, t in dst.items():
                 q = r.host.quantized.get(p)
                 if q is not None:
@@ -166,10 +212,12 @@ class ChunkedCopies:
         chunks[-1].copy = lambda: (last(), finish())
         return chunks
 
-    def _upload_chunk(self, a: Action, dev: Device, pids, pieces, body, index) -> Chunk:
-        """A chunk of pieces; through a bounce buffer when any piece is pageable."""
+    def _upload_chunk(self, a: Action, dev: Device, pids, pieces, body, index,
+                      rows: dict) -> Chunk:
+        """A chunk of pieces; through a bounce buffer when any piece is pageable (or
+        is gathered: a table moved by rows)."""
         r = self.r
-        if all(self.pinned(pids[i]) for i, _, _ in pieces):
+        if all(self.pinned(pids[i]) and pids[i] not in rows for i, _, _ in pieces):
             return Chunk(self._timed(a, index, body))
         pool = self.bounce[a.worker]
         staged: dict[int, torch.Tensor] = {}
@@ -185,7 +233,7 @@ class ChunkedCopies:
             off = 0
             for k, lo, hi in pieces:
                 n = hi - lo
-                buf[off:off + n].copy_(_bytes(r.compute[pids[k]].contiguous())[lo:hi])
+                buf[off:off + n].copy_(self._source(pids[k], lo, hi, rows))
                 staged[k] = buf[off:off + n]
                 off += n
             slot[:] = [i]
@@ -195,6 +243,18 @@ class ChunkedCopies:
 
         run = self._timed(a, index, lambda: body(src=staged))
         return Chunk(run, stage=stage, ready=ready, issued=issued)
+
+    def _source(self, p: int, lo: int, hi: int, rows: dict) -> torch.Tensor:
+        """Bytes ``[lo, hi)`` of what parameter ``p`` uploads: its compute copy, or the
+        concatenation of its looked-up rows (gathered here, only those the range
+        touches)."""
+        c = self.r.compute[p]
+        if p not in rows:
+            return _bytes(c.contiguous())[lo:hi]
+        row = (c.numel() // max(1, c.shape[0])) * c.element_size()
+        first, last = lo // row, -(-hi // row)
+        part = c.index_select(0, rows[p][first:last])
+        return _bytes(part)[lo - first * row:hi - first * row]
 
     def _upload_buffers(self, dev: Device, l: int, buffers: dict) -> None:
         r = self.r
@@ -217,12 +277,27 @@ class ChunkedCopies:
         got: dict = {}
         out: dict[int, torch.Tensor] = {}
         chunks: list[Chunk] = []
-        for l, pids, sizes in self._layers(a, lambda p: trainable[p].requires_grad):
+        rows = {p: t for p, t in self.rows(a).items() if trainable[p].requires_grad}
+        shapes: dict[int, torch.Size] = {}
+
+        def take():
+            # The stage's gradients, in stream order; a table moved by rows is gathered
+            # at its rows on the device (the rest of its gradient is zero).
+            if "grads" in got:
+                return got["grads"]
+            grads = got["grads"] = r.stores[a.worker].pop(("wgrad", a.stage))
+            if rows:
+                index = r.stores[a.worker].pop(("rows", a.stage))
+                for p in rows:
+                    if p in grads:
+                        shapes[p] = grads[p].shape
+                        grads[p] = grads[p].index_select(0, index[p])
+            return grads
+
+        for l, pids, sizes in self._layers(a, lambda p: trainable[p].requires_grad, rows):
             for j, pieces in enumerate(self._parts(l, sizes)):
                 def body(pids=pids, pieces=pieces, first=j == 0):
-                    if "grads" not in got:     # the stage's gradients, in stream order
-                        got["grads"] = r.stores[a.worker].pop(("wgrad", a.stage))
-                    grads = got["grads"]
+                    grads = take()
                     if first:
                         for p in pids:
                             if p in grads:
@@ -235,13 +310,15 @@ class ChunkedCopies:
                 chunks.append(Chunk(self._timed(a, len(chunks), body)))
 
         def finish():
-            if "grads" not in got:
-                got["grads"] = r.stores[a.worker].pop(("wgrad", a.stage))
+            take()
+            for p, shape in shapes.items():
+                out[p] = RowGrad(rows[p], out[p], shape)
             r.host_store.put(("wgrad", a.stage), dict(out))
             # The chunks' closures live as long as the call's action lists: let the
             # gradients die once the optimizer has stepped them (docs/memory.md).
             out.clear()
             got.clear()
+            shapes.clear()
         if not chunks:
             return [Chunk(finish)]
         last = chunks[-1].copy

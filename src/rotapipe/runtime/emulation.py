@@ -55,14 +55,16 @@ class TimedEmulation:
 
     @classmethod
     def of(cls, model, hardware, *, seq: int = 2048, microbatch_size: int = 1,
-           dilation: float = 1.0, **kw) -> TimedEmulation:
+           dilation: float = 1.0, call_tokens: int | None = None, **kw) -> TimedEmulation:
         """Timed emulation of a Hugging Face config (name from
         :data:`rotapipe.plan.KNOWN_MODELS`, path or dict) on a hardware profile (name
-        like ``"rtx4090x8"`` or :class:`~rotapipe.plan.Hardware`)."""
+        like ``"rtx4090x8"`` or :class:`~rotapipe.plan.Hardware`). ``call_tokens``: the
+        embedding moves by the rows of that many tokens per call (run the
+        :meth:`stand_in` with ``lookups=``; see :func:`rotapipe.plan.model_costs`)."""
         from ..plan import hardware as named, model_costs
         hw = named(hardware) if isinstance(hardware, str) else hardware
-        return cls(model_costs(model, hw, seq=seq, microbatch_size=microbatch_size),
-                   dilation, **kw)
+        return cls(model_costs(model, hw, seq=seq, microbatch_size=microbatch_size,
+                               call_tokens=call_tokens), dilation, **kw)
 
     def calibrated(self, plan: Plan, schedule, *, min_action_ms: float = MIN_ACTION_MS,
                    target_s: float = 0.0) -> TimedEmulation:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -142,6 +143,28 @@ class HostState:
         self.samples = 0.0
 
 
+@dataclass(frozen=True)
+class RowGrad:
+    """The gradient of an embedding table a stage moved by rows
+    (:class:`rotapipe.model.Lookups`): ``values[i]`` is row ``rows[i]`` of a gradient of
+    ``shape``; every other row is zero (no lookup reached it)."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    shape: torch.Size
+
+    def into(self, out: torch.Tensor, alpha: float = 1.0, first: bool = False) -> None:
+        """``out += alpha * self`` (``first``: ``out`` is zero and receives the rows as
+        a dense gradient would be copied in, then scaled)."""
+        values = self.values.to(out.dtype)
+        if first:
+            out.index_copy_(0, self.rows, values)
+            if alpha != 1.0:
+                out.mul_(alpha)
+        else:
+            out.index_add_(0, self.rows, values, alpha=alpha)
+
+
 class CallGrads:
     """Gradients of one call, summed over stages (tied weights) and unscaled.
 
@@ -179,11 +202,19 @@ class CallGrads:
             return g
         with torch.no_grad():
             # The operations CallGrads.add's fp32 path runs on arrival, in its order.
-            g32 = torch.empty(parts[0].shape, dtype=torch.float32).copy_(parts[0])
-            if self.inv_scale != 1.0:
-                g32.mul_(self.inv_scale)
+            first = parts[0]
+            if isinstance(first, RowGrad):
+                g32 = torch.zeros(first.shape, dtype=torch.float32)
+                first.into(g32, self.inv_scale, first=True)
+            else:
+                g32 = torch.empty(first.shape, dtype=torch.float32).copy_(first)
+                if self.inv_scale != 1.0:
+                    g32.mul_(self.inv_scale)
             for more in parts[1:]:
-                g32.add_(more, alpha=self.inv_scale)
+                if isinstance(more, RowGrad):
+                    more.into(g32, self.inv_scale)
+                else:
+                    g32.add_(more, alpha=self.inv_scale)
         return g32
 
     def pop(self, pid: int) -> torch.Tensor | None:
@@ -208,16 +239,28 @@ class CallGrads:
         return _Widened(self)
 
     # -- arrival (host lane) ---------------------------------------------------------
-    def add(self, pid: int, grad: torch.Tensor) -> None:
-        if self.keep_dtype and grad.dtype != torch.float32:
+    def add(self, pid: int, grad: torch.Tensor | RowGrad) -> None:
+        rows = isinstance(grad, RowGrad)
+        dtype = grad.values.dtype if rows else grad.dtype
+        if self.keep_dtype and dtype != torch.float32:
             # A pageable copy: the download buffer is page-locked and reused.
-            copy = torch.empty(grad.shape, dtype=grad.dtype).copy_(grad)
+            if rows:
+                copy = RowGrad(grad.rows, torch.empty_like(grad.values, device="cpu")
+                               .copy_(grad.values), grad.shape)
+            else:
+                copy = torch.empty(grad.shape, dtype=grad.dtype).copy_(grad)
             with self._lock:
                 self.parts.setdefault(pid, []).append(copy)
             return
         with self._lock, torch.no_grad():
             cur = self.staged.get(pid)
-            if cur is None:
+            if rows:
+                if cur is None:
+                    cur = self.staged[pid] = torch.zeros(grad.shape, dtype=torch.float32)
+                    grad.into(cur, self.inv_scale, first=True)
+                else:
+                    grad.into(cur, self.inv_scale)
+            elif cur is None:
                 if grad.dtype == torch.float32 and self.inv_scale == 1.0:
                     self.staged[pid] = grad
                 else:

@@ -95,6 +95,8 @@ class ActionRunner:
         self._trainable = frozenset(host.trainable)
         self.devices, self.shells, self.stages = devices, shells, stages
         self.states: dict[int, CallState] = {}
+        self.lookups = None
+        """Embedding tables stages move by rows (:class:`rotapipe.model.Lookups`)."""
         self._tls = threading.local()
         self.copies = ChunkedCopies(
             self, chunk_bytes, pinned,
