@@ -271,13 +271,17 @@ def test_layer_fault_is_reported_promptly_and_changes_nothing(i):
         assert_close_to_reference(pipe, ref, "after the clean step", grads=False)
 
 
-def test_fault_in_every_call_keeps_the_pipeline_usable():
-    """Faults in several calls in a row: each one is reported, none leaks state."""
+@pytest.mark.parametrize("lookups", [False, True], ids=["whole", "rows"])
+def test_fault_in_every_call_keeps_the_pipeline_usable(lookups):
+    """Faults in several calls in a row: each one is reported, none leaks state (nor
+    device memory: with the embedding moved by rows, its transient buffers too)."""
     trigger = Trigger()
     model = faulty_model(trigger)
     ref = copy.deepcopy(model)
     x, y = token_batch(8, 5)
-    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 4)) as pipe:
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 4),
+                            lookups={model[0].inner.emb: lambda ids: ids} if lookups
+                            else None) as pipe:
         before = snapshot(pipe, torch.optim.SGD(pipe.parameters(), lr=0.1))
         for layer, mb, pass_ in ((0, 3, "forward"), (2, 1, "recompute"),
                                  (1, 0, "backward"), (5, 2, "tail-backward")):
@@ -287,6 +291,7 @@ def test_fault_in_every_call_keeps_the_pipeline_usable():
             trigger.disarm()
         assert pipe.calls == 0
         assert_same_state(before, snapshot(pipe, torch.optim.SGD(pipe.parameters(), lr=0.1)))
+        assert [d.memory_in_use() for d in pipe.devices] == [0, 0]
         pipe.forward_backward(x, y)
         reference_forward_backward(ref, x, y, 4, call=0)
         assert_close_to_reference(pipe, ref, "after four failed calls")

@@ -173,6 +173,9 @@ class ChunkedCopies:
                             shape = c.shape if p not in rows else \
                                 (rows[p].numel(),) + tuple(c.shape[1:])
                             dst[p] = dev.empty(shape, c.dtype)
+                            if p in rows:      # a transient beside the full table
+                                r.stores[a.worker].put(("rowbuf", s.name, p), dst[p],
+                                                       f"looked-up rows of {s}")
                         self._upload_buffers(dev, l, buffers)
                     for i, lo, hi in pieces:
                         target = _bytes(dst[pids[i]])[lo:hi]
@@ -194,6 +197,7 @@ class ChunkedCopies:
                 if table.is_floating_point():
                     table.fill_(float("nan"))
                 dst[p] = table.index_copy_(0, index, compact)
+                r.stores[a.worker].pop(("rowbuf", s.name, p))
                 kept[p] = index
             if grad and any(r.ls.params[p].requires_grad for p in kept):
                 # The gradient's download gathers the same rows (same worker and job).
@@ -292,6 +296,8 @@ class ChunkedCopies:
                     if p in grads:
                         shapes[p] = grads[p].shape
                         grads[p] = grads[p].index_select(0, index[p])
+                        r.stores[a.worker].put(("rowbuf", a.stage, p), grads[p],
+                                               f"looked-up gradient rows of {a.stage}")
             return grads
 
         for l, pids, sizes in self._layers(a, lambda p: trainable[p].requires_grad, rows):
@@ -312,6 +318,7 @@ class ChunkedCopies:
         def finish():
             take()
             for p, shape in shapes.items():
+                r.stores[a.worker].pop(("rowbuf", a.stage, p))
                 out[p] = RowGrad(rows[p], out[p], shape)
             r.host_store.put(("wgrad", a.stage), dict(out))
             # The chunks' closures live as long as the call's action lists: let the
