@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..config import RecomputeGrain
+from .._enums import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import Hardware, ModelCosts, model_costs, model_work
 from ..plan.hostmem import (GB, SHARD_MODES, HostMemory, bytes_sent, host_memory,
