@@ -345,6 +345,39 @@ def test_recut_candidates_only_add_plans_that_fit_and_estimate_no_slower(
         assert est == pytest.approx(estimate_step_ms(plan, fp, workers))
 
 
+@FAST
+@given(times=st.lists(st.floats(0.1, 20.0), min_size=3, max_size=20),
+       uploads=st.lists(st.floats(0.0, 30.0), min_size=20, max_size=20),
+       workers=st.integers(1, 8), mbs=st.integers(1, 8), tail_jobs=st.integers(1, 3),
+       calls=st.sampled_from([1, 1, 3]), seed=st.integers(0, 2**16))
+def test_the_local_search_retimes_a_move_exactly_as_the_estimate(
+        times, uploads, workers, mbs, tail_jobs, calls, seed):
+    """The local search times a move from the first job it changes, on the state of
+    the cut it starts from: the same float as :func:`_estimate` of the whole plan,
+    along a random walk of moves (each accepted move becomes the new base)."""
+    from rotapipe.plan.partitioner import _estimate, _moves, _Retimer
+    n = len(times)
+    tail_jobs = min(tail_jobs, mbs)
+    fp = Footprint.of(_model(times, uploads[:n]), mbs)
+    body = n - 1
+    rng = random.Random(seed)
+    fwd, bwd = [(i, i + 1) for i in range(body)], [(0, body)]
+    timed = _Retimer(fp, body, tail_jobs, workers, calls)
+    timed.rebase(fwd, bwd)
+    for _ in range(12):
+        d = rng.random() < 0.5
+        moves = list(_moves(fwd if d else bwd))
+        if not moves:
+            d = not d
+            moves = list(_moves(fwd if d else bwd))
+        runs = rng.choice(moves)
+        f2, b2 = (runs, bwd) if d else (fwd, runs)
+        assert timed(f2, b2) == _estimate(fp, f2, body, b2, tail_jobs, workers, calls)
+        if rng.random() < 0.5:
+            fwd, bwd = f2, b2
+            timed.rebase(fwd, bwd)
+
+
 def test_recut_candidates_thin_the_first_stages_of_qwen3_32b_and_simulate_faster():
     """Qwen3-32B on 8x4090: the min-max cut makes every forward stage three blocks, so
     worker w starts its first stage w x 66 ms after worker 0; the re-cut plan starts
