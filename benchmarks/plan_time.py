@@ -57,12 +57,12 @@ def main(argv=None) -> None:
           f"{'speedup':>8s} {'same':>5s} {'CLI wall s':>11s} {'CLI CPU s':>10s}")
     for model, lora in MODELS:
         # As rotapipe plan's analyze() configures the planner.
-        _, grads = _trainable(model, hw, lora)
+        trainable, grads = _trainable(model, hw, lora)
         config = PlannerConfig(8, int(0.9 * hw.device.memory_bytes), (1, 2, 4, 8, 16),
                                grad_bytes=grads, tail_jobs=tuple(range(1, 9)))
 
-        def costs_for(m, model=model):
-            return _costs(model, hw, 2048, 16 // m)
+        def costs_for(m, model=model, trainable=trainable):
+            return _costs(model, hw, 2048, 16 // m, adapters=trainable)
         t = time.process_time()
         pruned = choose_plan(costs_for, config)
         t_pruned = time.process_time() - t

@@ -75,11 +75,12 @@ class Footprint:
         return fp
 
     def _prefix(self) -> None:
-        acc = {k: [0.0] for k in ("f", "rb", "up", "w", "g", "out", "saved")}
+        acc = {k: [0.0] for k in ("f", "rb", "up", "dw", "w", "g", "out", "saved")}
         for l, g in zip(self.costs.layers, self.grad_bytes):
             rec = l.recompute_ms * (2 if self.grain is RecomputeGrain.LAYER else 1)
             for k, v in (("f", l.forward_ms), ("rb", rec + l.backward_ms),
-                         ("up", l.upload_ms), ("w", l.weight_bytes), ("g", g),
+                         ("up", l.upload_ms), ("dw", l.dw_ms), ("w", l.weight_bytes),
+                         ("g", g),
                          ("out", l.output_bytes), ("saved", l.saved_bytes)):
                 acc[k].append(acc[k][-1] + v)
         object.__setattr__(self, "_acc", acc)
@@ -276,8 +277,8 @@ def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) ->
     resident) and the link is free; microbatch ``m`` starts when the worker is free,
     the weights are in, and microbatch ``m`` of the previous job has crossed to the
     host and back. A call ends when its last microbatch is through and every tail and
-    backward job's weight gradients are down (a download as long as the job's weight
-    upload, after its last compute). With ``calls > 1``: the mean period of
+    backward job's weight gradients are down (its layers' ``dw_ms`` after its last
+    compute: as long as the upload, or the adapters' gradients with LoRA). With ``calls > 1``: the mean period of
     overlapping calls."""
     return _estimate(fp, [(s.start, s.stop) for s in plan.forward], plan.tail.start,
                      [(s.start, s.stop) for s in plan.backward], plan.tail_jobs, workers,
@@ -285,8 +286,9 @@ def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) ->
 
 
 def _job_terms(fp: Footprint, kind: StageKind, a: int, b: int) -> tuple[float, ...]:
-    """(early, per-microbatch time, weight upload, hop in) of a job over ``[a, b)``:
-    ``early`` is the recompute a backward job may run before its input gradient."""
+    """(early, per-microbatch time, weight upload, hop in, weight-gradient download) of
+    a job over ``[a, b)``: ``early`` is the recompute a backward job may run before its
+    input gradient; a forward job downloads no weight gradient."""
     cache = fp.__dict__.setdefault("_values", {})
     key = ("job", kind, a, b)
     t = cache.get(key)
@@ -294,14 +296,14 @@ def _job_terms(fp: Footprint, kind: StageKind, a: int, b: int) -> tuple[float, .
         c = fp.costs
         up = fp._sum("up", a, b)
         if kind is StageKind.FORWARD:
-            t = (0.0, fp._sum("f", a, b), up, 2 * c.boundary_hop_ms(a))
+            t = (0.0, fp._sum("f", a, b), up, 2 * c.boundary_hop_ms(a), 0.0)
         elif kind is StageKind.TAIL:
             t = (0.0, fp._sum("f", a, b) + c.sum("backward_ms", a, b), up,
-                 2 * c.boundary_hop_ms(a))
+                 2 * c.boundary_hop_ms(a), fp._sum("dw", a, b))
         else:
             rb = fp._sum("rb", a, b)
             bw = c.sum("backward_ms", a, b)
-            t = (rb - bw, bw, up, 2 * c.boundary_hop_ms(b))
+            t = (rb - bw, bw, up, 2 * c.boundary_hop_ms(b), fp._sum("dw", a, b))
         cache[key] = t
     return t
 
@@ -353,7 +355,7 @@ def _run_jobs(jobs, mbs, nf: int, M: int, workers: int, calls: int, *,
             free, link, ready, ended, g = list(f0), list(l0), list(r0), e0[:j0], j0
             resume = None
         for j in range(j0, len(jobs)):
-            early, t, up, hop = jobs[j]
+            early, t, up, hop, dw = jobs[j]
             if states is not None:
                 states.append((tuple(free), tuple(link), tuple(ready), last, ended))
             w = g % workers
@@ -373,8 +375,8 @@ def _run_jobs(jobs, mbs, nf: int, M: int, workers: int, calls: int, *,
                 ready[m] = f
             free[w] = f
             ended.append(f)
-            if j >= nf and f + up > last:
-                last = f + up   # its weight gradients go down (as long as the upload)
+            if j >= nf and f + dw > last:
+                last = f + dw   # its weight gradients go down
             g += 1
         ends.append(max(last, max(ready)))
         j0 = 0

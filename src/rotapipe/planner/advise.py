@@ -218,11 +218,12 @@ LAYOUT_TEXT = {
 
 
 def _costs(model, hw: Hardware, seq: int, microbatch_size: int = 1,
-           quantize: str | None = None) -> ModelCosts:
+           quantize: str | None = None, adapters=None) -> ModelCosts:
     """:func:`model_costs` with the head's activations as the chunked loss keeps them:
-    its input and output gradient (two hidden states per token) plus one chunk."""
+    its input and output gradient (two hidden states per token) plus one chunk.
+    ``adapters``: LoRA's trainable parameters per layer (:func:`lora_params`)."""
     costs = model_costs(model, hw, seq=seq, microbatch_size=microbatch_size,
-                        quantize=quantize)
+                        quantize=quantize, adapters=adapters)
     head = costs.layers[-1]
     hidden = 2 * costs.layers[-2].output_bytes
     saved = min(head.saved_bytes, hidden + LOSS_CHUNK_BYTES)
@@ -355,7 +356,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     quantize = "nf4" if qlora else None
 
     def costs_for(M: int) -> ModelCosts:
-        return _costs(model, hw, seq, global_batch // M, quantize)
+        return _costs(model, hw, seq, global_batch // M, quantize, trainable)
 
     def host_for(costs, plan, M) -> HostMemory:
         hosts = [host_memory(costs, plan, M, hw.count, trainable_params=trainable, pin=pin,
@@ -380,7 +381,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
                                     qlora=qlora, layout=host.layout)
     mfu = 0.0
     if choice is not None:
-        flops = sum(w.forward_flops + w.backward_flops for w in model_work(model, seq))
+        flops = sum(w.forward_flops + w.backward_flops
+                    for w in model_work(model, seq, adapters=trainable))
         peak = (hw.device.tflops_fp16_accumulate if hw.fp16_accumulate
                 else hw.device.tflops) * 1e12
         mfu = flops * choice.report.tokens_per_s / (hw.count * peak)
