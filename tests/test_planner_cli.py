@@ -114,3 +114,25 @@ def test_plan_of_a_named_model_or_a_config_file_does_not_import_torch():
                          check=True, env={**os.environ, "PYTHONPATH": str(src)})
     assert "plan: " in out.stdout and '"fits": true' in out.stdout, out.stdout
     assert out.stdout.strip().endswith("imported False False"), out.stdout
+
+
+def test_plan_lora_example_runs_and_lora_plans_faster_than_full(capsys, monkeypatch):
+    """examples/plan_lora.py: a LoRA block's backward and gradient download are shorter
+    than full fine-tuning's (frozen weights), its upload the same, and the planned
+    LoRA step is shorter."""
+    import pathlib
+    import re
+    import runpy
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "plan_lora.py"
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    rows = re.findall(r"backward +([\d.]+) ms  weight upload +([\d.]+) ms  gradient "
+                      r"download +([\d.]+) ms", out)
+    (full_bw, full_up, full_dw), (lora_bw, lora_up, lora_dw) = [tuple(map(float, r))
+                                                                for r in rows]
+    assert lora_bw < 0.6 * full_bw and lora_up == full_up and lora_dw < 0.05 * full_dw
+    steps = [float(s) for s in re.findall(r"step ([\d.]+) s", out)]
+    assert len(steps) == 2 and steps[1] < steps[0], out
