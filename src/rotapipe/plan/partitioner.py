@@ -278,8 +278,8 @@ def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) ->
     the weights are in, and microbatch ``m`` of the previous job has crossed to the
     host and back. A call ends when its last microbatch is through and every tail and
     backward job's weight gradients are down (its layers' ``dw_ms`` after its last
-    compute: as long as the upload, or the adapters' gradients with LoRA). With ``calls > 1``: the mean period of
-    overlapping calls."""
+    compute: as long as the upload, or the adapters' gradients with LoRA). With
+    ``calls > 1``: the mean period of overlapping calls."""
     return _estimate(fp, [(s.start, s.stop) for s in plan.forward], plan.tail.start,
                      [(s.start, s.stop) for s in plan.backward], plan.tail_jobs, workers,
                      calls)
