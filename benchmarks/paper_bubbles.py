@@ -4,10 +4,12 @@ issue-16 goal (about 0.75x the paper's own simulated bubbles).
 For each model: the planner's plan (``rotapipe plan MODEL --microbatches 16``: 8x RTX
 4090, sequence 2048, one sequence per microbatch, full fine-tuning, Qwen3-235B-A22B
 with LoRA rank 16; the planner's cost model, fp16 without fp16 accumulation unless
-``--fp16-accumulate``), simulated for one call: once with the fused tail as one job
-(``tail_jobs=(1,)``) and once with the planner free to split it into up to 8 jobs (one
-per worker). A split tail's extra jobs each upload the head's weights and download
-their gradients; the simulator charges both. Both runs include the planner's re-cut
+``--fp16-accumulate``; LoRA priced as LoRA: a frozen weight's backward computes only
+its input gradient, and only the adapters' gradients go down), simulated for one
+call: once with the fused tail as one job (``tail_jobs=(1,)``) and once with the
+planner free to split it into up to 8 jobs (one per worker). A split tail's extra
+jobs each upload the head's weights and download their gradients; the simulator
+charges both. Both runs include the planner's re-cut
 candidates (thin first stages, local search on the job-grain estimate). Also the wall
 and CPU time of ``analyze`` (what ``rotapipe plan`` runs, longest-sequence search
 included; on a shared machine the CPU time is the figure to read).
@@ -15,7 +17,7 @@ included; on a shared machine the CPU time is the figure to read).
     python benchmarks/paper_bubbles.py [--fp16-accumulate]
 
 GPT-OSS-20B is the shipped config (``gpt-oss-20b``). The last column's planning time
-runs in this process (no import): ``rotapipe plan`` adds about a second of imports.
+runs in this process (``rotapipe plan`` adds about 0.1 s of imports: no torch).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 
 from rotapipe.plan import hardware
 from rotapipe.planner import analyze
-from rotapipe.planner.advise import _costs
+from rotapipe.planner.advise import _costs, _trainable
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 
 # (name, config, LoRA rank, the paper's simulated exact-mode bubble, the goal)
@@ -54,9 +56,9 @@ def main(argv=None) -> None:
         a = analyze(model, hw, seq=SEQ, global_batch=M, microbatches=M, lora_rank=lora)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         c = a.choice
-        grads = tuple(2 * x for x in __import__("rotapipe.plan.hostmem", fromlist=["x"])
-                      .lora_params(model, lora)) if lora else None
-        one = choose_plan(lambda m: _costs(model, hw, SEQ, global_batch=M),
+        trainable, grads = _trainable(model, hw, lora)    # as analyze() plans LoRA
+        one = choose_plan(lambda m: _costs(model, hw, SEQ, adapters=trainable,
+                                           global_batch=M),
                           PlannerConfig(8, a.device_limit, (M,), grad_bytes=grads))
         best = c.report
         met = "yes" if 100 * best.bubble.total <= goal else "no"

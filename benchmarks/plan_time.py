@@ -1,15 +1,17 @@
 """How long ``rotapipe plan`` takes on the shipped model configs, and what the planner's
 lower bounds save.
 
-For each shipped config (8x RTX 4090 defaults: 16 x 2048 tokens, every microbatch
-count dividing 16, both recompute grains, tails split up to 4 jobs):
+For each of the paper's five models as ``rotapipe plan`` plans them (8x RTX 4090
+defaults: 16 x 2048 tokens, every microbatch count dividing 16, both recompute grains,
+tails split up to 8 jobs; Qwen3-235B-A22B with ``--lora``, rank 8):
 
 - the planner as ``rotapipe plan`` runs it (``choose_plan``), against the same search
   simulating every ranked candidate (``PlannerConfig(prune=False)``), side by side in
   this process: CPU seconds, candidates simulated, and that both choose the same plan
   and step;
-- ``python -m rotapipe plan MODEL`` as a user runs it (imports included), wall and
-  CPU seconds, the best of ``--runs`` runs (the machine may be shared);
+- ``python -m rotapipe plan MODEL`` as a user runs it (imports included: the plan
+  command imports neither torch nor transformers), wall and CPU seconds, the best of
+  ``--runs`` runs (the machine may be shared);
 - last, ``python -m rotapipe simulate --model qwen3-32b --hardware rtx4090x8`` (every
   schedule side by side) the same way.
 
@@ -27,10 +29,12 @@ import time
 from dataclasses import replace
 
 from rotapipe.plan import hardware
-from rotapipe.planner.advise import _costs
+from rotapipe.planner.advise import _costs, _trainable
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 
-MODELS = ("qwen3-1.7b", "llama-3.1-8b", "gpt-oss-20b", "qwen3-32b", "qwen3-235b-a22b")
+# (config, LoRA rank or None): the paper's five models, as issue 16 plans them
+MODELS = (("qwen3-1.7b", None), ("llama-3.1-8b", None), ("gpt-oss-20b", None),
+          ("qwen3-32b", None), ("qwen3-235b-a22b", 8))
 
 
 def _cli(*args: str) -> tuple[float, float]:
@@ -49,13 +53,16 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
     hw = hardware("rtx4090x8")
-    config = PlannerConfig(8, int(0.9 * hw.device.memory_bytes), (1, 2, 4, 8, 16),
-                           tail_jobs=(1, 2, 3, 4))
-    print(f"{'model':16s} {'pruned s':>9s} {'sims':>5s} {'every s':>8s} {'sims':>5s} "
+    print(f"{'model':22s} {'pruned s':>9s} {'sims':>5s} {'every s':>8s} {'sims':>5s} "
           f"{'speedup':>8s} {'same':>5s} {'CLI wall s':>11s} {'CLI CPU s':>10s}")
-    for model in MODELS:
-        def costs_for(m, model=model):
-            return _costs(model, hw, 2048, 16 // m)
+    for model, lora in MODELS:
+        # As rotapipe plan's analyze() configures the planner.
+        trainable, grads = _trainable(model, hw, lora)
+        config = PlannerConfig(8, int(0.9 * hw.device.memory_bytes), (1, 2, 4, 8, 16),
+                               grad_bytes=grads, tail_jobs=tuple(range(1, 9)))
+
+        def costs_for(m, model=model, trainable=trainable):
+            return _costs(model, hw, 2048, 16 // m, adapters=trainable)
         t = time.process_time()
         pruned = choose_plan(costs_for, config)
         t_pruned = time.process_time() - t
@@ -64,8 +71,10 @@ def main(argv=None) -> None:
         t_every = time.process_time() - t
         same = (pruned.plan.to_text(), pruned.microbatches, pruned.grain, pruned.step_ms) == \
             (every.plan.to_text(), every.microbatches, every.grain, every.step_ms)
-        cli = [_cli("plan", model) for _ in range(args.runs)]
-        print(f"{model:16s} {t_pruned:9.2f} {pruned.simulated:5d} {t_every:8.2f} "
+        flags = ("--lora", "--lora-rank", str(lora)) if lora else ()
+        cli = [_cli("plan", model, *flags) for _ in range(args.runs)]
+        name = model + (" --lora" if lora else "")
+        print(f"{name:22s} {t_pruned:9.2f} {pruned.simulated:5d} {t_every:8.2f} "
               f"{every.simulated:5d} {t_every / t_pruned:7.1f}x {'yes' if same else 'NO':>5s} "
               f"{min(w for w, _ in cli):11.2f} {min(c for _, c in cli):10.2f}")
     sim = [_cli("simulate", "--model", "qwen3-32b", "--hardware", "rtx4090x8")

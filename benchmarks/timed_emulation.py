@@ -258,21 +258,15 @@ def bench(model: str, args) -> list[dict]:
 def lora_costs(model: str, seq: int, quantize: str | None, rank: int = 16,
                call_tokens: int | None = None):
     """The planner's costs of LoRA of ``rank`` on a frozen base (NF4 with ``quantize``)
-    on one RTX 4090, and the adapters' parameters per layer. A frozen weight gets no
-    weight gradient: its share of the backward (the projections, ``5 forward - 2
-    backward`` of :func:`rotapipe.plan.model_work`'s arithmetic, whose backward is
-    twice the projections plus 2.5 times the attention core) goes, and only the
-    adapters' bf16 gradients are downloaded (``grad_ms``). The adapters' own FLOPs are
-    left out (rank 16: under 1% of a block's)."""
+    on one RTX 4090, and the adapters' parameters per layer: ``model_costs`` with the
+    adapters (:func:`rotapipe.plan.model_work`): a frozen weight's backward computes
+    only its input gradient, the adapters add their own FLOPs, and only their bf16
+    gradients are downloaded (``grad_ms``)."""
     hw = rotapipe.plan.hardware("rtx4090x8")
-    costs = rotapipe.plan.model_costs(model, hw, seq=seq, quantize=quantize,
-                                      call_tokens=call_tokens)
     trainable = lora_params(model, rank)
-    ms_per_byte = 1e3 / hw.link_bytes_per_s
-    layers = tuple(replace(l, backward_ms=3 * l.backward_ms - 5 * l.forward_ms,
-                           grad_ms=2 * t * ms_per_byte)
-                   for l, t in zip(costs.layers, trainable))
-    return replace(costs, layers=layers), trainable
+    costs = rotapipe.plan.model_costs(model, hw, seq=seq, quantize=quantize,
+                                      adapters=trainable, call_tokens=call_tokens)
+    return costs, trainable
 
 
 def lora_bench(model: str, args) -> list[dict]:

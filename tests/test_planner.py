@@ -106,13 +106,20 @@ def test_planner_equals_brute_force_on_small_instances(times, uploads, workers, 
     assert choice.device_bytes <= memory
 
 
-def _random_model(rng, n):
+def _random_model(rng, n, lora=False):
     """Layers with random compute, uploads and hops (the hops as large as compute on
-    some layers, so transfers can decide the step), fixed bytes."""
-    return ModelCosts(tuple(
+    some layers, so transfers can decide the step), fixed bytes. ``lora``: each
+    layer's weight-gradient download (``grad_ms``) is none or a random part of its
+    upload, as LoRA's adapters on frozen weights."""
+    costs = ModelCosts(tuple(
         LayerCost(f"l{i}", rng.uniform(0.2, 5.0), rng.uniform(0.2, 10.0), rng.uniform(0.2, 5.0),
                   rng.choice([0.0, rng.uniform(0.0, 6.0)]), rng.choice([0.1, rng.uniform(0, 3)]),
                   40, 30, 10) for i in range(n)), 1, input_hop_ms=rng.uniform(0, 1), input_bytes=10)
+    if lora:
+        costs = replace(costs, layers=tuple(
+            replace(l, grad_ms=rng.choice([0.0, rng.uniform(0, 1) * l.upload_ms]))
+            for l in costs.layers))
+    return costs
 
 
 def _every_plan(n):
@@ -146,11 +153,13 @@ def _check_exact(rng, n, workers):
     return len(steps), choice.simulated
 
 
-def test_step_lower_bound_never_exceeds_the_simulated_step():
-    """Every plan of random small models, the tail split into 1-3 jobs."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_step_lower_bound_never_exceeds_the_simulated_step(lora):
+    """Every plan of random small models, the tail split into 1-3 jobs (``lora``: weight
+    gradients shorter than the weights, or none)."""
     rng = random.Random(7)
     for n, workers, mbs in [(1, 2, 3), (3, 1, 2), (4, 3, 4), (5, 2, 1), (5, 4, 3), (4, 2, 5)]:
-        costs = _random_model(rng, n)
+        costs = _random_model(rng, n, lora)
         for plan in _every_plan(n):
             for k in range(1, min(mbs, 3) + 1):
                 split = replace(plan, tail_jobs=k)
@@ -158,12 +167,13 @@ def test_step_lower_bound_never_exceeds_the_simulated_step():
                 assert step_lower_bound(split, costs, workers, mbs) <= sim * (1 + 1e-9), split
 
 
-def test_call_lower_bound_never_exceeds_any_plans_step():
+@pytest.mark.parametrize("lora", [False, True])
+def test_call_lower_bound_never_exceeds_any_plans_step(lora):
     """The bound of a microbatch count and tail split holds for every plan whose tail
     is at most ``max_tail`` layers (the planner skips the whole group with it)."""
     rng = random.Random(3)
     for n, workers, mbs in [(1, 2, 3), (2, 1, 1), (4, 3, 4), (5, 2, 4), (4, 2, 5), (3, 4, 6)]:
-        costs = _random_model(rng, n)
+        costs = _random_model(rng, n, lora)
         for plan in _every_plan(n):
             tail = n - plan.tail.start
             for k in range(1, min(mbs, 3) + 1):
@@ -181,13 +191,16 @@ def _same_choice(a, b):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(12, 20), workers=st.integers(2, 8), seed=st.integers(0, 10**6))
-def test_pruned_search_chooses_what_simulating_every_candidate_chooses(n, workers, seed):
+@given(n=st.integers(12, 20), workers=st.integers(2, 8), seed=st.integers(0, 10**6),
+       lora=st.booleans())
+def test_pruned_search_chooses_what_simulating_every_candidate_chooses(n, workers, seed,
+                                                                       lora):
     """Ranked candidates (no exact search) over microbatch counts, grains and tail
-    splits, heavy heads and costly uploads among them: skipping what the bounds rule
-    out changes neither the plan nor its simulated step."""
+    splits, heavy heads and costly uploads among them (``lora``: short or no weight
+    gradient downloads): skipping what the bounds rule out changes neither the plan
+    nor its simulated step."""
     rng = random.Random(seed)
-    costs = _random_model(rng, n - 1)
+    costs = _random_model(rng, n - 1, lora)
     head = costs.layers[-1]
     costs = replace(costs, layers=costs.layers + (replace(
         head, name="head", forward_ms=rng.uniform(2, 30), backward_ms=rng.uniform(4, 60)),))
@@ -207,13 +220,15 @@ def test_pruned_search_chooses_what_simulating_every_candidate_chooses(n, worker
                                         ("qwen3-235b-a22b", 16)])
 def test_pruning_keeps_the_planners_choice_on_the_shipped_models(model, lora):
     """The paper's five models as ``rotapipe plan`` plans them (8x RTX 4090, 16 x 2048
-    tokens, tails split up to 4 jobs): the pruned search picks the plan, grain and
-    step that simulating every ranked candidate picks, after far fewer simulations."""
+    tokens, tails split up to 8 jobs, LoRA priced as LoRA): the pruned search picks
+    the plan, grain and step that simulating every ranked candidate picks, after far
+    fewer simulations."""
     hw = hardware("rtx4090x8")
-    grads = tuple(2 * x for x in lora_params(model, lora)) if lora else None
+    adapters = lora_params(model, lora) if lora else None
+    grads = tuple(2 * x for x in adapters) if lora else None
     config = PlannerConfig(8, int(0.9 * hw.device.memory_bytes), (16,), grad_bytes=grads,
-                           tail_jobs=(1, 2, 3, 4))
-    costs = model_costs(model, hw, seq=2048)
+                           tail_jobs=tuple(range(1, 9)))
+    costs = model_costs(model, hw, seq=2048, adapters=adapters)
     pruned = choose_plan(lambda m: costs, config)
     every = choose_plan(lambda m: costs, replace(config, prune=False))
     _same_choice(pruned, every)
@@ -322,6 +337,22 @@ def test_the_estimate_ends_a_call_with_its_last_weight_gradient_download():
     assert simulate_plan(plan, costs, 1, 1).step_ms == pytest.approx(38.0)
 
 
+def test_a_lora_call_ends_with_the_adapters_gradient_download():
+    """The plan above with LoRA: the weight gradients are the adapters' only
+    (``grad_ms`` 1 and 0.5 ms against uploads of 10 and 5). T's download runs 18-18.5
+    and B0's 28-29, so the call ends at 29, not 38; the estimate, the simulator and
+    both lower bounds agree (the bounds price the same downloads)."""
+    layers = (LayerCost("l0", 1.0, 2.0, 1.0, 10.0, grad_ms=1.0),
+              LayerCost("l1", 1.0, 2.0, 1.0, 5.0, grad_ms=0.5))
+    costs = ModelCosts(layers, 1)
+    plan = Plan.from_text("F0[0:1] T[1:2] B0[0:1]")
+    assert estimate_step_ms(plan, Footprint.of(costs, 1), 1) == pytest.approx(29.0)
+    assert simulate_plan(plan, costs, 1, 1).step_ms == pytest.approx(29.0)
+    assert step_lower_bound(plan, costs, 1, 1) <= 29.0 + 1e-9
+    # flow: layer 0's upload, every forward and backward, layer 0's gradient download
+    assert call_lower_bound(costs, 1, 1) == pytest.approx(10.0 + 6.0 + 1.0)
+
+
 @FAST
 @given(times=st.lists(st.floats(0.1, 20.0), min_size=3, max_size=30),
        uploads=st.lists(st.floats(0.0, 30.0), min_size=30, max_size=30),
@@ -343,6 +374,39 @@ def test_recut_candidates_only_add_plans_that_fit_and_estimate_no_slower(
     for est, plan in recut:
         assert device_need(plan, fp) <= memory
         assert est == pytest.approx(estimate_step_ms(plan, fp, workers))
+
+
+@FAST
+@given(times=st.lists(st.floats(0.1, 20.0), min_size=3, max_size=20),
+       uploads=st.lists(st.floats(0.0, 30.0), min_size=20, max_size=20),
+       workers=st.integers(1, 8), mbs=st.integers(1, 8), tail_jobs=st.integers(1, 3),
+       calls=st.sampled_from([1, 1, 3]), seed=st.integers(0, 2**16))
+def test_the_local_search_retimes_a_move_exactly_as_the_estimate(
+        times, uploads, workers, mbs, tail_jobs, calls, seed):
+    """The local search times a move from the first job it changes, on the state of
+    the cut it starts from: the same float as :func:`_estimate` of the whole plan,
+    along a random walk of moves (each accepted move becomes the new base)."""
+    from rotapipe.plan.partitioner import _estimate, _moves, _Retimer
+    n = len(times)
+    tail_jobs = min(tail_jobs, mbs)
+    fp = Footprint.of(_model(times, uploads[:n]), mbs)
+    body = n - 1
+    rng = random.Random(seed)
+    fwd, bwd = [(i, i + 1) for i in range(body)], [(0, body)]
+    timed = _Retimer(fp, body, tail_jobs, workers, calls)
+    timed.rebase(fwd, bwd)
+    for _ in range(12):
+        d = rng.random() < 0.5
+        moves = list(_moves(fwd if d else bwd))
+        if not moves:
+            d = not d
+            moves = list(_moves(fwd if d else bwd))
+        runs = rng.choice(moves)
+        f2, b2 = (runs, bwd) if d else (fwd, runs)
+        assert timed(f2, b2) == _estimate(fp, f2, body, b2, tail_jobs, workers, calls)
+        if rng.random() < 0.5:
+            fwd, bwd = f2, b2
+            timed.rebase(fwd, bwd)
 
 
 def test_recut_candidates_thin_the_first_stages_of_qwen3_32b_and_simulate_faster():

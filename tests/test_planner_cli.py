@@ -92,3 +92,47 @@ def test_plan_says_which_pin_mode_it_assumed_and_what_is_page_locked(capsys):
                                         + 2 * 2 * 32 * 2**20)
     _, small = _json(capsys, *argv, "--pin", "off", "--copy-chunk-mb", "8")
     assert small["host_bytes"]["bounce_buffers"] == 2 * 2 * 8 * 2**20
+
+
+def test_plan_of_a_named_model_or_a_config_file_does_not_import_torch():
+    # The planner is pure arithmetic on a config: `rotapipe plan` (full, LoRA, a
+    # config.json path, JSON output) loads neither torch nor transformers, which cost
+    # about a second of every run.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    src = pathlib.Path(__file__).resolve().parents[1] / "src"
+    config = src / "rotapipe" / "data" / "configs" / "qwen3-1.7b.json"
+    code = ("import sys; from rotapipe.cli import main\n"
+            f"for argv in (['plan', 'qwen3-1.7b', '--microbatches', '16'],"
+            f" ['plan', {str(config)!r}, '--lora', '--microbatches', '16', '--json']):\n"
+            "    assert main(argv) == 0, argv\n"
+            "print('imported', 'torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(src)})
+    assert "plan: " in out.stdout and '"fits": true' in out.stdout, out.stdout
+    assert out.stdout.strip().endswith("imported False False"), out.stdout
+
+
+def test_plan_lora_example_runs_and_lora_plans_faster_than_full(capsys, monkeypatch):
+    """examples/plan_lora.py: a LoRA block's backward and gradient download are shorter
+    than full fine-tuning's (frozen weights), its upload the same, and the planned
+    LoRA step is shorter."""
+    import pathlib
+    import re
+    import runpy
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "plan_lora.py"
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    rows = re.findall(r"backward +([\d.]+) ms  weight upload +([\d.]+) ms  gradient "
+                      r"download +([\d.]+) ms", out)
+    (full_bw, full_up, full_dw), (lora_bw, lora_up, lora_dw) = [tuple(map(float, r))
+                                                                for r in rows]
+    assert lora_bw < 0.6 * full_bw and lora_up == full_up and lora_dw < 0.05 * full_dw
+    steps = [float(s) for s in re.findall(r"step ([\d.]+) s", out)]
+    assert len(steps) == 2 and steps[1] < steps[0], out

@@ -106,3 +106,76 @@ def test_explicit_and_uniform_costs():
         LayerCost("x", -1.0, 1.0, 1.0)
     with pytest.raises(ConfigError, match="at least one layer"):
         ModelCosts((), 1)
+
+
+_TINY = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "intermediate_size": 128, "vocab_size": 100}
+
+
+def test_lora_prices_a_frozen_weights_backward_as_its_input_gradient_only():
+    """Closed forms on a tiny Llama (h 64, q 64, kv 32, MLP 128, vocab 100, seq 8):
+    per token a block's weights cost 2 x (64*64 + 2*64*32 + 64*64 + 3*64*128) = 73,728
+    FLOPs forward; full fine-tuning doubles that in the backward (input and weight
+    gradients), LoRA keeps one (input gradient only); the attention core (4 * 64 *
+    4.5 = 1,152 forward, 2.5x backward) is the same in both. An adapter of p
+    parameters adds 2p forward and 4p backward. The head's backward is 2 x 64 x 100
+    (input gradient) instead of 4 x; the embedding costs nothing in either."""
+    from rotapipe.plan.hostmem import lora_params
+    adapters = lora_params(_TINY, 4)
+    block = 4 * (128 + 96 + 96 + 128 + 3 * 192)      # rank x (in + out) of q k v o gate up down
+    assert adapters == (0, block, block, 0)
+    full, lora = model_work(_TINY, 8), model_work(_TINY, 8, adapters=adapters)
+    proj, core = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128), 4 * 64 * 4.5
+    assert proj == 73_728
+    for f, l, p in zip(full[1:-1], lora[1:-1], adapters[1:-1]):
+        assert f.forward_flops == proj + core and f.backward_flops == 2 * proj + 2.5 * core
+        assert l.forward_flops == proj + core + 2 * p
+        assert l.backward_flops == proj + 2.5 * core + 4 * p
+        assert (l.params, l.saved_bytes, l.output_bytes) == (f.params, f.saved_bytes,
+                                                              f.output_bytes)
+    assert (full[-1].backward_flops, lora[-1].backward_flops) == (4 * 6400, 2 * 6400)
+    assert lora[-1].forward_flops == full[-1].forward_flops == 2 * 6400
+    assert lora[0].forward_flops == lora[0].backward_flops == 0
+    with pytest.raises(ConfigError, match="adapters has 3 entries; the model has 4 layers"):
+        model_work(_TINY, 8, adapters=(0, 1, 0))
+
+
+def test_lora_costs_download_only_the_adapters_gradients():
+    """model_costs with adapters: times are the LoRA FLOPs at the hardware's rate, the
+    weights upload as before, and each layer's weight-gradient download (``grad_ms``,
+    ``dw_ms``) moves 2 bytes per adapter parameter; the simulator's DW chunks add up
+    to it. Qwen3-235B-A22B LoRA rank 16 on an RTX 4090: a block's backward over 16
+    microbatches falls from 322 ms (full) to 176 ms, its gradient download from 199 ms
+    to 0.04 ms."""
+    from rotapipe.plan import Plan
+    from rotapipe.plan.hostmem import lora_params
+    from rotapipe.schedule import Action, ActionKind as K
+    from rotapipe.sim.timing import ActionTimes
+    hw = hardware("rtx4090x8")
+    adapters = lora_params("qwen3-235b-a22b", 16)
+    full = model_costs("qwen3-235b-a22b", hw, seq=2048)
+    lora = model_costs("qwen3-235b-a22b", hw, seq=2048, adapters=adapters)
+    work = model_work("qwen3-235b-a22b", 2048, adapters=adapters)
+    for f, l, w, p in zip(full.layers, lora.layers, work, adapters):
+        assert l.backward_ms == pytest.approx(w.backward_flops * 2048 / hw.flops * 1e3)
+        assert l.forward_ms == l.recompute_ms == pytest.approx(
+            w.forward_flops * 2048 / hw.flops * 1e3)
+        assert (l.upload_ms, l.weight_bytes) == (f.upload_ms, f.weight_bytes)
+        assert l.grad_ms == l.dw_ms == pytest.approx(2 * p / hw.link_bytes_per_s * 1e3)
+        assert f.grad_ms is None and f.dw_ms == f.upload_ms
+    block, fblock = lora.layers[1], full.layers[1]
+    assert 16 * fblock.backward_ms == pytest.approx(322.4, abs=0.1)
+    assert 16 * block.backward_ms == pytest.approx(175.8, abs=0.1)
+    assert fblock.upload_ms == pytest.approx(199.0, abs=0.1)
+    assert block.dw_ms == pytest.approx(0.043, abs=0.001)
+    assert lora.layers[0].dw_ms == lora.layers[-1].dw_ms == 0.0   # frozen: no adapters
+    n = len(lora.layers)
+    plan = Plan.from_text(f"F0[0:{n - 1}] T[{n - 1}:{n}] B0[0:{n - 1}]")
+    for costs in (full, lora):
+        times = ActionTimes(plan, costs)
+        down = times(Action(K.DOWNLOAD_WGRAD, 0, "B0"))
+        up = times(Action(K.UPLOAD_WEIGHTS, 0, "B0"))
+        assert len(down) == len(up) > n         # chunked as the weights
+        assert sum(down) == pytest.approx(sum(l.dw_ms for l in costs.layers[:-1]))
+        assert sum(up) == pytest.approx(sum(l.upload_ms for l in costs.layers[:-1]))

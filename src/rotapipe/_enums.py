@@ -1,13 +1,14 @@
 """The closed sets of pipeline settings that ``rotapipe.train.TrainConfig`` and the
-command line use, importable without torch (``rotapipe train --help`` stays fast);
-:mod:`rotapipe.config` re-exports them, and that is where they are documented and used."""
+command line and the planner use, importable without torch (``rotapipe train --help``
+and ``rotapipe plan`` stay fast); :mod:`rotapipe.config` re-exports them, and that is
+where they are documented and used."""
 
 from __future__ import annotations
 
 import enum
 
-__all__ = ["BackendKind", "NonFinite", "OptimizerMode", "RecomputeGrain", "ShardMode",
-           "StateDtype"]
+__all__ = ["BackendKind", "NonFinite", "OptimizerMode", "PinMode", "RecomputeGrain",
+           "ShardMode", "StateDtype"]
 
 
 class RecomputeGrain(str, enum.Enum):
@@ -90,3 +91,20 @@ class StateDtype(str, enum.Enum):
     """8-bit blockwise state, for a bitsandbytes 8-bit optimizer
     (``bitsandbytes.optim.AdamW8bit``, which keeps it so itself; about a quarter of the
     bytes): an approximation."""
+
+
+class PinMode(str, enum.Enum):
+    """How the model state the workers upload is kept in host memory
+    (docs/host_memory.md). A copy engine reads page-locked ("pinned") memory without the
+    CPU; from pageable memory a copy is partly synchronous with the host (CUDA runtime
+    API, "API synchronization behavior")."""
+
+    COPY = "copy"
+    """Copy every compute-dtype weight into newly allocated pinned memory (the original
+    is dropped; for a moment both exist)."""
+    REGISTER = "register"
+    """Page-lock the existing storages in place (``cudaHostRegister``): no second copy.
+    The emulated backend records and accounts the registration."""
+    OFF = "off"
+    """Keep the weights pageable (e.g. a memory-mapped safetensors frozen base) and
+    stream them through a small pool of pinned bounce buffers, chunk by chunk."""

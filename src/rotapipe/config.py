@@ -10,8 +10,8 @@ import torch
 from . import _validate as check
 # The closed sets TrainConfig and the command line need, defined without torch so that
 # `rotapipe train --help` does not import it; they are this module's names.
-from ._enums import (BackendKind, NonFinite, OptimizerMode, RecomputeGrain, ShardMode,
-                     StateDtype)
+from ._enums import (BackendKind, NonFinite, OptimizerMode, PinMode, RecomputeGrain,
+                     ShardMode, StateDtype)
 from .errors import ConfigError
 
 __all__ = ["RecomputeGrain", "BackendKind", "DataParallelConfig", "NonFinite",
@@ -34,23 +34,6 @@ class PartitionMode(str, enum.Enum):
     REFINE = "refine"
     """As ``auto``, then re-planned from measured per-stage times between the first
     training calls, until the timings are stable (then frozen)."""
-
-
-class PinMode(str, enum.Enum):
-    """How the model state the workers upload is kept in host memory
-    (docs/host_memory.md). A copy engine reads page-locked ("pinned") memory without the
-    CPU; from pageable memory a copy is partly synchronous with the host (CUDA runtime
-    API, "API synchronization behavior")."""
-
-    COPY = "copy"
-    """Copy every compute-dtype weight into newly allocated pinned memory (the original
-    is dropped; for a moment both exist)."""
-    REGISTER = "register"
-    """Page-lock the existing storages in place (``cudaHostRegister``): no second copy.
-    The emulated backend records and accounts the registration."""
-    OFF = "off"
-    """Keep the weights pageable (e.g. a memory-mapped safetensors frozen base) and
-    stream them through a small pool of pinned bounce buffers, chunk by chunk."""
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
@@ -36,12 +36,13 @@ class LayerCost:
     name: str
     forward_ms: float
     backward_ms: float
-    """Backward only (input and weight gradients), without recomputing the forward."""
+    """Backward only (input gradients, and the weight gradients of what is trained),
+    without recomputing the forward."""
     recompute_ms: float
     """Re-running the forward before the backward (usually ``forward_ms``)."""
     upload_ms: float = 0.0
     """Host-to-device upload of the layer's weights (the download of their gradients
-    takes as long)."""
+    takes as long, unless ``grad_ms`` says otherwise)."""
     hop_ms: float = 0.0
     """One transfer of the layer's output activation, or of its gradient, over one host
     link (device to host, or host to device)."""
@@ -53,6 +54,12 @@ class LayerCost:
     """Device-to-host download of the layer's weight gradients when it differs from
     ``upload_ms`` (LoRA: only the adapters' gradients; ``None``: every weight is
     trained and its gradient takes as long as its upload)."""
+
+    @property
+    def dw_ms(self) -> float:
+        """Download of the layer's weight gradients: ``grad_ms``, or ``upload_ms`` when
+        every weight is trained."""
+        return self.upload_ms if self.grad_ms is None else self.grad_ms
 
     def __post_init__(self):
         for f in ("forward_ms", "backward_ms", "recompute_ms", "upload_ms", "hop_ms",
@@ -195,12 +202,21 @@ def _get(cfg: Mapping, key: str, default=None):
     return value
 
 
-def model_work(config, seq: int, dtype_bytes: int = 2) -> tuple[LayerWork, ...]:
+def model_work(config, seq: int, dtype_bytes: int = 2,
+               adapters: Sequence[int] | None = None) -> tuple[LayerWork, ...]:
     """Per-token FLOPs and bytes of the embedding, every decoder block and the LM head
     of a Llama-style decoder (Llama, Qwen2/3, Mistral, Qwen3-MoE, GPT-OSS), for
     sequences of ``seq`` tokens with causal flash attention. MoE blocks count the routed
     (active) experts' FLOPs and every expert's weights; sliding-window layers
-    (``layer_types``) attend to at most ``sliding_window`` positions."""
+    (``layer_types``) attend to at most ``sliding_window`` positions.
+
+    ``adapters``: what is trained. ``None``: every weight (full fine-tuning; a weight's
+    backward computes its input gradient and its weight gradient, each as many FLOPs
+    as its forward). Otherwise LoRA on a frozen base: the trainable adapter parameters
+    of each layer (:func:`rotapipe.plan.lora_params`, one entry per layer). A frozen
+    weight's backward computes only the input gradient (as many FLOPs as its
+    forward); an adapter of ``p`` parameters adds ``2 p`` FLOPs per token to the
+    forward and ``4 p`` to the backward (input and weight gradients)."""
     cfg = load_config(config)
     if isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg, **cfg["text_config"]}
@@ -229,6 +245,12 @@ def model_work(config, seq: int, dtype_bytes: int = 2) -> tuple[LayerWork, ...]:
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     types = cfg.get("layer_types") or ()
     window = cfg.get("sliding_window")
+    if adapters is not None and len(adapters) != layers + 2:
+        raise ConfigError(f"adapters has {len(adapters)} entries; the model has "
+                          f"{layers + 2} layers (embedding, {layers} blocks, head)")
+    # Backward FLOPs per forward FLOP of a weight: input gradient, plus the weight
+    # gradient when it is trained.
+    grads = 2 if adapters is None else 1
     # Embedding: a row lookup, no FLOPs; it reads one row per token and writes it.
     works = [LayerWork("embed", 0.0, 0.0, vocab * h, 0.0, h * dtype_bytes,
                        memory_bytes=2 * h * dtype_bytes)]
@@ -255,14 +277,18 @@ def model_work(config, seq: int, dtype_bytes: int = 2) -> tuple[LayerWork, ...]:
             mlp_saved = 4 * inter
         proj = 2 * attn_params + mlp_flops
         works.append(LayerWork(
-            f"block{i}", proj + core, 2 * proj + 2.5 * core,
+            f"block{i}", proj + core, grads * proj + 2.5 * core,
             attn_params + attn_extra + mlp_params + 2 * h + qk_norm,
             (base_saved + mlp_saved) * dtype_bytes + (4 * experts if moe else 0),
             h * dtype_bytes))
     # Head: final norm, output projection, cross-entropy over the vocabulary (logits in
     # the compute dtype, log-softmax kept in fp32 for the backward).
-    works.append(LayerWork("head", 2 * h * vocab, 4 * h * vocab, vocab * h + h,
+    works.append(LayerWork("head", 2 * h * vocab, grads * 2 * h * vocab, vocab * h + h,
                            2 * h * dtype_bytes + vocab * (dtype_bytes + 4), 0.0))
+    if adapters is not None:
+        works = [replace(w, forward_flops=w.forward_flops + 2 * p,
+                         backward_flops=w.backward_flops + 4 * p)
+                 for w, p in zip(works, adapters)]
     return tuple(works)
 
 
@@ -295,12 +321,22 @@ def nf4_bytes(numel: int) -> int:
 
 def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size: int = 1,
                 dtype_bytes: int = 2, quantize: str | None = None,
+                adapters: Sequence[int] | None = None,
                 call_tokens: int | None = None) -> ModelCosts:
     """:class:`ModelCosts` of a Hugging Face decoder on ``hardware``: times from FLOPs at
     ``hardware.flops``, transfers at the host link bandwidth, for microbatches of
     ``microbatch_size`` sequences of ``seq`` tokens. ``quantize="nf4"`` (QLoRA): the
     decoder blocks' weights upload as NF4 bytes (:func:`rotapipe.model.quant.nf4_bytes`)
     and are dequantized on the device, where they take ``weight_bytes`` as before.
+
+    ``adapters`` (LoRA: trainable adapter parameters per layer, as
+    :func:`rotapipe.plan.lora_params` gives them; ``None``: full fine-tuning): the
+    times of :func:`model_work` with those adapters on a frozen base, and each layer's
+    ``grad_ms`` is the download of its adapters' compute-dtype gradients (0 for a
+    layer without adapters). The adapters' own weights (rank 16: 1.2% of a Qwen3-1.7B
+    block's, 0.02% of a Qwen3-235B-A22B block's) are left out of ``weight_bytes`` and
+    the upload.
+
     ``call_tokens``: the tokens of one call (global batch x sequence): the token
     embedding then moves by rows (``RoundPipe(lookups=...)``, what wrapped Hugging Face
     models do), at most ``min(vocab, call_tokens)`` of them each way, and keeps its
@@ -316,7 +352,7 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
     ms_per_flop = 1e3 / hardware.flops
     ms_per_byte = 1e3 / hardware.link_bytes_per_s
     layers = []
-    works = model_work(config, seq, dtype_bytes)
+    works = model_work(config, seq, dtype_bytes, adapters)
     for i, w in enumerate(works):
         fwd = w.forward_flops * tokens * ms_per_flop
         weight_bytes = w.params * dtype_bytes
@@ -326,8 +362,10 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
             row = int(w.output_bytes)
             moved = min(weight_bytes, row * int(call_tokens))
         out_bytes = int(w.output_bytes * tokens)
+        grad_ms = None if adapters is None else adapters[i] * dtype_bytes * ms_per_byte
         layers.append(LayerCost(w.name, fwd, w.backward_flops * tokens * ms_per_flop, fwd,
                                 moved * ms_per_byte, out_bytes * ms_per_byte,
-                                weight_bytes, int(w.saved_bytes * tokens), out_bytes))
+                                weight_bytes, int(w.saved_bytes * tokens), out_bytes,
+                                grad_ms))
     input_bytes = 8 * tokens
     return ModelCosts(tuple(layers), tokens, input_bytes * ms_per_byte, input_bytes)

@@ -63,7 +63,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..config import PinMode
+from .._enums import PinMode
 from ..errors import ConfigError
 from .costs import ModelCosts, _get, load_config, nf4_bytes
 from .partition import Plan

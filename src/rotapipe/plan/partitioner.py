@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import RecomputeGrain
+from .._enums import RecomputeGrain
 from ..errors import PlanError
 from .costs import ModelCosts
 from .partition import INPUT_DEPTH, Plan, Stage, StageKind
@@ -75,11 +75,12 @@ class Footprint:
         return fp
 
     def _prefix(self) -> None:
-        acc = {k: [0.0] for k in ("f", "rb", "up", "w", "g", "out", "saved")}
+        acc = {k: [0.0] for k in ("f", "rb", "up", "dw", "w", "g", "out", "saved")}
         for l, g in zip(self.costs.layers, self.grad_bytes):
             rec = l.recompute_ms * (2 if self.grain is RecomputeGrain.LAYER else 1)
             for k, v in (("f", l.forward_ms), ("rb", rec + l.backward_ms),
-                         ("up", l.upload_ms), ("w", l.weight_bytes), ("g", g),
+                         ("up", l.upload_ms), ("dw", l.dw_ms), ("w", l.weight_bytes),
+                         ("g", g),
                          ("out", l.output_bytes), ("saved", l.saved_bytes)):
                 acc[k].append(acc[k][-1] + v)
         object.__setattr__(self, "_acc", acc)
@@ -276,17 +277,18 @@ def estimate_step_ms(plan: Plan, fp: Footprint, workers: int, calls: int = 1) ->
     resident) and the link is free; microbatch ``m`` starts when the worker is free,
     the weights are in, and microbatch ``m`` of the previous job has crossed to the
     host and back. A call ends when its last microbatch is through and every tail and
-    backward job's weight gradients are down (a download as long as the job's weight
-    upload, after its last compute). With ``calls > 1``: the mean period of
-    overlapping calls."""
+    backward job's weight gradients are down (its layers' ``dw_ms`` after its last
+    compute: as long as the upload, or the adapters' gradients with LoRA). With
+    ``calls > 1``: the mean period of overlapping calls."""
     return _estimate(fp, [(s.start, s.stop) for s in plan.forward], plan.tail.start,
                      [(s.start, s.stop) for s in plan.backward], plan.tail_jobs, workers,
                      calls)
 
 
 def _job_terms(fp: Footprint, kind: StageKind, a: int, b: int) -> tuple[float, ...]:
-    """(early, per-microbatch time, weight upload, hop in) of a job over ``[a, b)``:
-    ``early`` is the recompute a backward job may run before its input gradient."""
+    """(early, per-microbatch time, weight upload, hop in, weight-gradient download) of
+    a job over ``[a, b)``: ``early`` is the recompute a backward job may run before its
+    input gradient; a forward job downloads no weight gradient."""
     cache = fp.__dict__.setdefault("_values", {})
     key = ("job", kind, a, b)
     t = cache.get(key)
@@ -294,14 +296,14 @@ def _job_terms(fp: Footprint, kind: StageKind, a: int, b: int) -> tuple[float, .
         c = fp.costs
         up = fp._sum("up", a, b)
         if kind is StageKind.FORWARD:
-            t = (0.0, fp._sum("f", a, b), up, 2 * c.boundary_hop_ms(a))
+            t = (0.0, fp._sum("f", a, b), up, 2 * c.boundary_hop_ms(a), 0.0)
         elif kind is StageKind.TAIL:
             t = (0.0, fp._sum("f", a, b) + c.sum("backward_ms", a, b), up,
-                 2 * c.boundary_hop_ms(a))
+                 2 * c.boundary_hop_ms(a), fp._sum("dw", a, b))
         else:
             rb = fp._sum("rb", a, b)
             bw = c.sum("backward_ms", a, b)
-            t = (rb - bw, bw, up, 2 * c.boundary_hop_ms(b))
+            t = (rb - bw, bw, up, 2 * c.boundary_hop_ms(b), fp._sum("dw", a, b))
         cache[key] = t
     return t
 
@@ -311,6 +313,12 @@ def _estimate(fp: Footprint, fwd, tail: int, bwd, tail_jobs: int, workers: int,
     """:func:`estimate_step_ms` of the plan with forward runs ``fwd``, the tail from
     layer ``tail`` in ``tail_jobs`` jobs and backward runs ``bwd`` (no :class:`Plan`
     built: the candidate search scores thousands)."""
+    jobs, mbs = _jobs(fp, fwd, tail, bwd, tail_jobs)
+    return _run_jobs(jobs, mbs, len(fwd), fp.microbatches, workers, calls)
+
+
+def _jobs(fp: Footprint, fwd, tail: int, bwd, tail_jobs: int):
+    """(each job's :func:`_job_terms`, each job's microbatches), in dispatch order."""
     M, n = fp.microbatches, len(fp.costs.layers)
     if tail_jobs > M:
         raise PlanError(f"the tail is split into {tail_jobs} jobs but a call has only "
@@ -323,16 +331,33 @@ def _estimate(fp: Footprint, fwd, tail: int, bwd, tail_jobs: int, workers: int,
     whole = range(M)
     mbs = [whole] * len(fwd) + [range(i, M, tail_jobs) for i in range(tail_jobs)] + \
         [whole] * len(bwd)
+    return jobs, mbs
+
+
+def _run_jobs(jobs, mbs, nf: int, M: int, workers: int, calls: int, *,
+              resume=None, states: list | None = None) -> float:
+    """The job-grain estimate of ``jobs`` (the first ``nf`` of them forward) over
+    ``calls`` calls. ``states`` (one call only) collects the state before each job:
+    ``resume=(j, state)`` starts from ``states[j]`` of a run whose first ``j`` jobs
+    were the same (the local search re-times only the jobs a move changed; the
+    arithmetic is the same, so is the result)."""
     free = [0.0] * workers
     link = [0.0] * workers
     ended: list[float] = []
     ends, g = [], 0
     back = 2 * workers
-    nf = len(fwd)
+    j0 = 0
     for _ in range(calls):
         ready = [0.0] * M
         last = 0.0      # the call's last weight-gradient download ends
-        for j, (early, t, up, hop) in enumerate(jobs):
+        if resume is not None:
+            j0, (f0, l0, r0, last, e0) = resume
+            free, link, ready, ended, g = list(f0), list(l0), list(r0), e0[:j0], j0
+            resume = None
+        for j in range(j0, len(jobs)):
+            early, t, up, hop, dw = jobs[j]
+            if states is not None:
+                states.append((tuple(free), tuple(link), tuple(ready), last, ended))
             w = g % workers
             two_back = ended[g - back] if g >= back else 0.0
             lw = link[w]
@@ -350,10 +375,11 @@ def _estimate(fp: Footprint, fwd, tail: int, bwd, tail_jobs: int, workers: int,
                 ready[m] = f
             free[w] = f
             ended.append(f)
-            if j >= nf and f + up > last:
-                last = f + up   # its weight gradients go down (as long as the upload)
+            if j >= nf and f + dw > last:
+                last = f + dw   # its weight gradients go down
             g += 1
         ends.append(max(last, max(ready)))
+        j0 = 0
     return ends[0] if calls == 1 else (ends[-1] - ends[0]) / (calls - 1)
 
 
@@ -509,19 +535,70 @@ def _polish(fp: Footprint, body: int, fwd, bwd, tail_jobs: int, workers: int, ca
         r = reach[d]
         return all(b <= r[a] for a, b in runs)
 
+    timed = _Retimer(fp, body, tail_jobs, workers, calls)
+    timed.rebase(fwd, bwd)
     evals, better = 0, True
     while better and evals < _POLISH_EVALS:
         better = False
         for d in (Direction.FORWARD, Direction.BACKWARD):
             for runs in _moves(fwd if d == Direction.FORWARD else bwd):
                 f2, b2 = (runs, bwd) if d == Direction.FORWARD else (fwd, runs)
-                e = _estimate(fp, f2, body, b2, tail_jobs, workers, calls)
-                evals += 1
-                if e < est - 1e-9 * est and fits(d, runs):
-                    est, fwd, bwd, better = e, f2, b2, True
+                evals += 1     # a move that does not fit counts, but is not timed
+                if fits(d, runs):
+                    e = timed(f2, b2)
+                    if e < est - 1e-9 * est:
+                        est, fwd, bwd, better = e, f2, b2, True
+                        timed.rebase(fwd, bwd)
                 if evals >= _POLISH_EVALS:
                     break
     return est, fwd, bwd
+
+
+class _Retimer:
+    """:func:`_estimate` of the local search's moves, each computed once, and from the
+    first job a move changes: the jobs before it run as in the current cut (the
+    ``rebase``), so their state is taken from its run (one call only; with
+    overlapping calls every move is timed whole). The result is :func:`_estimate`'s,
+    to the bit."""
+
+    def __init__(self, fp: Footprint, body: int, tail_jobs: int, workers: int, calls: int):
+        self.fp, self.body, self.tail_jobs = fp, body, tail_jobs
+        self.workers, self.calls = workers, calls
+        self.memo: dict[tuple, float] = {}
+        self.base = None
+
+    def rebase(self, fwd, bwd) -> None:
+        """Make ``fwd`` / ``bwd`` the cut moves are compared with."""
+        if self.calls != 1:
+            return
+        jobs, mbs = _jobs(self.fp, fwd, self.body, bwd, self.tail_jobs)
+        states: list = []
+        _run_jobs(jobs, mbs, len(fwd), self.fp.microbatches, self.workers, 1,
+                  states=states)
+        self.base = (jobs, mbs, len(fwd), states)
+
+    def __call__(self, fwd, bwd) -> float:
+        key = (tuple(fwd), tuple(bwd))
+        e = self.memo.get(key)
+        if e is not None:
+            return e
+        jobs, mbs = _jobs(self.fp, fwd, self.body, bwd, self.tail_jobs)
+        resume = None
+        if self.base is not None:
+            bjobs, bmbs, bnf, states = self.base
+            # The state before job j depends only on the jobs before it (their terms,
+            # microbatches, and which are forward).
+            stop = min(len(jobs), len(bjobs), len(fwd), bnf) if len(fwd) != bnf else \
+                min(len(jobs), len(bjobs))
+            j = 0
+            while j < stop and jobs[j] == bjobs[j] and mbs[j] == bmbs[j]:
+                j += 1
+            if 0 < j < len(states):
+                resume = (j, states[j])
+        e = _run_jobs(jobs, mbs, len(fwd), self.fp.microbatches, self.workers,
+                      self.calls, resume=resume)
+        self.memo[key] = e
+        return e
 
 
 def candidate_tail_sizes(fp: Footprint, workers: int, *, tail_layers: int | None = None,

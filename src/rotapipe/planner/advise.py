@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..config import RecomputeGrain
+from .._enums import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import Hardware, ModelCosts, model_costs, model_work
 from ..plan.hostmem import (GB, SHARD_MODES, HostMemory, bytes_sent, host_memory,
@@ -218,13 +218,15 @@ LAYOUT_TEXT = {
 
 
 def _costs(model, hw: Hardware, seq: int, microbatch_size: int = 1,
-           quantize: str | None = None, global_batch: int | None = None) -> ModelCosts:
+           quantize: str | None = None, adapters=None,
+           global_batch: int | None = None) -> ModelCosts:
     """:func:`model_costs` with the head's activations as the chunked loss keeps them:
-    its input and output gradient (two hidden states per token) plus one chunk. With
+    its input and output gradient (two hidden states per token) plus one chunk.
+    ``adapters``: LoRA's trainable parameters per layer (:func:`lora_params`). With
     ``global_batch`` the token embedding moves by the rows of a call's ``global_batch x
     seq`` tokens (what wrapped Hugging Face models do)."""
     costs = model_costs(model, hw, seq=seq, microbatch_size=microbatch_size,
-                        quantize=quantize,
+                        quantize=quantize, adapters=adapters,
                         call_tokens=None if global_batch is None else global_batch * seq)
     head = costs.layers[-1]
     hidden = 2 * costs.layers[-2].output_bytes
@@ -358,7 +360,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     quantize = "nf4" if qlora else None
 
     def costs_for(M: int) -> ModelCosts:
-        return _costs(model, hw, seq, global_batch // M, quantize, global_batch)
+        return _costs(model, hw, seq, global_batch // M, quantize, trainable,
+                      global_batch)
 
     def host_for(costs, plan, M) -> HostMemory:
         hosts = [host_memory(costs, plan, M, hw.count, trainable_params=trainable, pin=pin,
@@ -383,7 +386,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
                                     qlora=qlora, layout=host.layout)
     mfu = 0.0
     if choice is not None:
-        flops = sum(w.forward_flops + w.backward_flops for w in model_work(model, seq))
+        flops = sum(w.forward_flops + w.backward_flops
+                    for w in model_work(model, seq, adapters=trainable))
         peak = (hw.device.tflops_fp16_accumulate if hw.fp16_accumulate
                 else hw.device.tflops) * 1e12
         mfu = flops * choice.report.tokens_per_s / (hw.count * peak)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..config import RecomputeGrain
+from .._enums import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import ModelCosts, Plan, StageKind
 from ..plan.hostmem import HostMemory, host_memory

@@ -48,10 +48,10 @@ class _Terms:
 
     def __init__(self, costs: ModelCosts, microbatches: int):
         self.costs, self.M = costs, microbatches
-        acc = {k: [0.0] for k in ("f", "r", "b", "u")}
+        acc = {k: [0.0] for k in ("f", "r", "b", "u", "g")}
         for l in costs.layers:
             for k, v in (("f", l.forward_ms), ("r", l.recompute_ms), ("b", l.backward_ms),
-                         ("u", l.upload_ms)):
+                         ("u", l.upload_ms), ("g", l.dw_ms)):
                 acc[k].append(acc[k][-1] + v)
         self.acc = acc
         self.cache: dict[tuple[int, int, int], tuple[float, ...]] = {}
@@ -74,16 +74,17 @@ class _Terms:
 
     def _of(self, kind, a, b, M):
         acc, hop = self.acc, self.costs.boundary_hop_ms
-        f, r, bw, up = (acc[k][b] - acc[k][a] for k in ("f", "r", "b", "u"))
+        # dw: the weight-gradient download (the upload's length unless LoRA's grad_ms)
+        f, r, bw, up, dw = (acc[k][b] - acc[k][a] for k in ("f", "r", "b", "u", "g"))
         if kind == _FWD:
             into = 2 * hop(a) if a else hop(0)
             return (f, M * f, M * f, into, up, 0.0, up + M * hop(a), M * hop(b), up, 0.0)
         if kind == _TAIL:
             into = 2 * hop(a) if a else hop(0)
             c = f + bw
-            return (c, M * c, M * c, into, up, up, up + M * hop(a), M * hop(a) + up, up, 0.0)
-        return (bw, M * bw + (M - 1) * r, M * (r + bw), 2 * hop(b), up + r, up,
-                up + M * (hop(a) + hop(b)), (M * hop(a) if a else 0.0) + up, up, r)
+            return (c, M * c, M * c, into, up, dw, up + M * hop(a), M * hop(a) + dw, up, 0.0)
+        return (bw, M * bw + (M - 1) * r, M * (r + bw), 2 * hop(b), up + r, dw,
+                up + M * (hop(a) + hop(b)), (M * hop(a) if a else 0.0) + dw, up, r)
 
     def jobs(self, plan: Plan) -> list[tuple[float, ...]]:
         """The terms of every job of ``plan``, in execution order."""
@@ -175,7 +176,7 @@ def call_lower_bound(costs: ModelCosts, workers: int, microbatches: int, *,
       a backward stage: ``M - 1`` more recomputes and backwards; in the tail: the
       first tail job's other microbatches of forward + backward; a body layer is in
       both a forward and a backward stage); the last job's weight gradients (it
-      holds layer 0) go down last;
+      holds layer 0) go down last (``dw_ms``);
     - *work*: all compute (every layer's forward and backward, the recompute of the
       layers outside the tail) over the workers.
 
@@ -190,7 +191,8 @@ def call_lower_bound(costs: ModelCosts, workers: int, microbatches: int, *,
     extra = [share * fb[-1]] + [
         min(share * fb[i], (M - 1) * max(l.forward_ms, l.recompute_ms + l.backward_ms))
         for i, l in enumerate(layers[:-1])]
-    flow = (costs.input_hop_ms + 2 * layers[0].upload_ms + sum(fb) + max(extra))
+    flow = (costs.input_hop_ms + (layers[0].upload_ms + layers[0].dw_ms) + sum(fb)
+            + max(extra))
     work = M * (sum(fb) + sum(l.recompute_ms for l in layers[:L - t_max])) / workers
     return max(flow, work)
 

@@ -71,8 +71,7 @@ class ActionTimes:
             for l in layers:
                 k = 1 if self.chunk_bytes is None else \
                     layer_chunks(l.weight_bytes, self.chunk_bytes)
-                ms = l.grad_ms if a.kind is K.DOWNLOAD_WGRAD and l.grad_ms is not None \
-                    else l.upload_ms
+                ms = l.dw_ms if a.kind is K.DOWNLOAD_WGRAD else l.upload_ms
                 out += [ms / k] * k
             return tuple(out)
         if a.kind is K.OPTIMIZER and self.optimizer_ms is not None:
