@@ -92,3 +92,14 @@ def test_plan_says_which_pin_mode_it_assumed_and_what_is_page_locked(capsys):
                                         + 2 * 2 * 32 * 2**20)
     _, small = _json(capsys, *argv, "--pin", "off", "--copy-chunk-mb", "8")
     assert small["host_bytes"]["bounce_buffers"] == 2 * 2 * 8 * 2**20
+
+
+def test_plan_grad_dtype_reaches_the_per_server_table(capsys):
+    _, out = _json(capsys, "qwen3-1.7b", "--nodes", "2", "--grad-dtype", "bfloat16")
+    assert out["grad_dtype"] == "bfloat16"
+    assert [m["layout"] for m in out["servers"]] and all(
+        m["layout"] in ("sync", "lean") for m in out["servers"])
+    _, f32 = _json(capsys, "qwen3-1.7b", "--nodes", "2")
+    none, opt = (out["servers"][i]["sent_bytes_per_step"] for i in (0, 1))
+    assert none == f32["servers"][0]["sent_bytes_per_step"]
+    assert opt < f32["servers"][1]["sent_bytes_per_step"]
