@@ -136,3 +136,14 @@ def test_plan_lora_example_runs_and_lora_plans_faster_than_full(capsys, monkeypa
     assert lora_bw < 0.6 * full_bw and lora_up == full_up and lora_dw < 0.05 * full_dw
     steps = [float(s) for s in re.findall(r"step ([\d.]+) s", out)]
     assert len(steps) == 2 and steps[1] < steps[0], out
+
+
+def test_plan_grad_dtype_reaches_the_per_server_table(capsys):
+    _, out = _json(capsys, "qwen3-1.7b", "--nodes", "2", "--grad-dtype", "bfloat16")
+    assert out["grad_dtype"] == "bfloat16"
+    assert [m["layout"] for m in out["servers"]] and all(
+        m["layout"] in ("sync", "lean") for m in out["servers"])
+    _, f32 = _json(capsys, "qwen3-1.7b", "--nodes", "2")
+    none, opt = (out["servers"][i]["sent_bytes_per_step"] for i in (0, 1))
+    assert none == f32["servers"][0]["sent_bytes_per_step"]
+    assert opt < f32["servers"][1]["sent_bytes_per_step"]

@@ -177,7 +177,13 @@ def test_planner_per_server_memory_and_traffic():
     assert slow.fits and slow.shard == "optimizer"
     assert not one.fits_host and two.fits and two.shard == "optimizer"
     none, opt, grads = two.servers
-    assert none.host == one.host            # unsharded: every server holds everything
+    # unsharded: every server holds everything, plus the all-reduce's buckets in flight
+    # (at most the cap); no layout fits one server, so each row is in the last, lean
+    # for "none", while the sharded rows are cheapest in sync (no undo snapshot)
+    assert none.host.layout == one.host.layout == "lean" and none.host.staged == 0
+    assert none.host.gradients == one.host.gradients + 100 * 2**20
+    assert (none.host.masters, none.host.optimizer) == (one.host.masters, one.host.optimizer)
+    assert opt.host.layout == grads.host.layout == "sync" and opt.host.snapshots == 0
     assert opt.host.masters == -(-one.host.masters // 2)
     assert opt.host.optimizer == -(-one.host.optimizer // 2)
     assert opt.sent_bytes < none.sent_bytes and opt.comm_s < none.comm_s
@@ -198,6 +204,69 @@ def test_planner_per_server_memory_and_traffic():
     assert "capped at 100 MiB" in slow.to_text()
     with pytest.raises(rotapipe.ConfigError, match="multiple of --nodes"):
         analyze("qwen3-32b", hw, seq=2048, global_batch=15, nodes=2)
+
+
+def test_planner_per_server_follows_the_layout_state_and_staging():
+    from rotapipe.plan import hardware, model_costs
+    from rotapipe.plan.hostmem import host_memory, per_server
+    from rotapipe.plan.balance import greedy_compute_plan
+    costs = model_costs("qwen3-1.7b", hardware("rtx4090x1"))
+    plan = greedy_compute_plan(costs)
+    n = sum(l.weight_bytes for l in costs.layers) // 2
+    cap, stage = 100 * 2**20, 5 * 2**20
+    sync = host_memory(costs, plan, 4, 1)              # bf16: staged in bf16
+    assert sync.staged == 2 * n and sync.gradients == 4 * n + 2 * n
+    # "none": the all-reduce works on fp32, so the staged copy is fp32; buckets beside it
+    none = per_server(sync, 2, "none", cap, stage=stage)
+    assert none.staged == 4 * n and none.gradients == 4 * n + 4 * n + cap
+    assert (none.masters, none.optimizer, none.layout) == (sync.masters, sync.optimizer,
+                                                            "sync")
+    # sharded: 1/N in fp32 (a bf16 state is not what the sharded optimizer keeps), and
+    # overlap's undo snapshot of what a server steps, 1/N
+    bf16 = host_memory(costs, plan, 4, 1, layout="overlap", state_dtype="bf16")
+    opt = per_server(bf16, 2, "optimizer", cap, stage=stage)
+    assert opt.state_dtype == "fp32" and opt.optimizer == -(-8 * n // 2)
+    assert opt.masters == -(-4 * n // 2) and opt.snapshots == -(-(4 * n + 8 * n) // 2)
+    assert opt.gradients == -(-4 * n // 2) + stage + cap and opt.staged == 0
+    assert opt.layout == "overlap"
+    assert per_server(sync, 2, "gradients", cap, stage=stage).snapshots == 0
+    assert per_server(sync, 1, "none", cap) == sync
+
+
+def test_planner_bf16_sharded_gradients_halve_their_traffic_not_host_memory():
+    from rotapipe.plan import hardware
+    from rotapipe.plan.hostmem import GB
+    from rotapipe.planner.advise import analyze
+    hw = hardware("rtx4090x8")
+    kw = dict(seq=2048, global_batch=16, host_ram=384 * GB, nodes=2)
+    f32 = analyze("qwen3-32b", hw, **kw)
+    b16 = analyze("qwen3-32b", hw, grad_dtype="bfloat16", **kw)
+    n = f32.host.masters // 2       # the sharded row's masters are 1/2: n = params
+    for a, b in zip(f32.servers, b16.servers):
+        assert a.host == b.host     # in-flight buffers are capped in bytes
+    assert b16.servers[0].sent_bytes == f32.servers[0].sent_bytes     # none: fp32
+    for shard in (1, 2):            # the reduce-scatter's bytes halve, the gather stays
+        assert f32.servers[shard].sent_bytes - b16.servers[shard].sent_bytes == \
+            pytest.approx(0.5 * 2 * n, rel=1e-6)
+    assert "sharded gradients sent in bfloat16" in b16.to_text()
+    assert b16.as_dict()["grad_dtype"] == "bfloat16"
+    with pytest.raises(rotapipe.ConfigError, match="--nodes 2"):
+        analyze("qwen3-32b", hw, seq=2048, global_batch=16, grad_dtype="bfloat16")
+
+
+def test_plan_per_server_rows_show_the_layout_the_header_names():
+    from rotapipe.plan import hardware
+    from rotapipe.plan.hostmem import GB
+    from rotapipe.planner.advise import LAYOUT_TEXT, analyze
+    a = analyze("qwen3-32b", hardware("rtx4090x8"), seq=2048, global_batch=16,
+                host_ram=384 * GB, nodes=2)
+    text = a.to_text()
+    pick = next(m for m in a.servers if m.shard == a.shard)
+    assert pick.host == a.host and f"host layout: {LAYOUT_TEXT[a.host.layout]}" in text
+    for m in a.servers:
+        row = next(l for l in text.splitlines() if l.split()[:1] == [m.shard])
+        assert row.split()[1] == m.host.layout
+        assert f"{m.host.gradients / GB:.1f}" in row
 
 
 class _SlowLink:

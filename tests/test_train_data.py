@@ -106,3 +106,17 @@ def test_bad_line_and_missing_fields_name_the_line(tmp_path):
         check_data([p], FIELDS)
     with pytest.raises(ConfigError, match="does not exist"):
         source_files(str(tmp_path / "nope.txt"))
+
+
+def test_the_run_summary_counts_files_and_saved_datasets(tmp_path):
+    from rotapipe.train.records import describe_sources
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.txt").write_text("one\n")
+    (d / "b.txt").write_text("two\n")
+    saved = tmp_path / "ds"            # what datasets.Dataset.save_to_disk writes
+    saved.mkdir()
+    (saved / "state.json").write_text("{}")
+    (saved / "dataset_info.json").write_text("{}")
+    assert describe_sources(source_files(str(d / "a.txt"))) == "1 file"
+    assert describe_sources(source_files(f"{d},{saved}")) == "2 files, 1 saved dataset"

@@ -319,6 +319,7 @@ def test_hub_dataset_configs_and_splits_load_by_name(tmp_path, model_dir, monkey
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from rotapipe.train.data import iter_records, source_files
+    from rotapipe.train.records import describe_sources
     for spec, config, split, file, rows in (
             ("tiny-org/mixed", "chat", None, "chat/train.jsonl", 120),
             ("tiny-org/mixed:test", "sft", None, "sft/test.jsonl", 7),
@@ -326,6 +327,7 @@ def test_hub_dataset_configs_and_splits_load_by_name(tmp_path, model_dir, monkey
         (src,) = source_files(spec, config, split)
         lines = (tmp_path / "repo" / file).read_text().splitlines()
         assert [r for _, r in iter_records(src)] == [json.loads(x) for x in lines[:rows]]
+        assert describe_sources([src]) == f"dataset split {src} ({rows:,} rows)"
     with pytest.raises(ConfigError, match="has the configs chat, sft: choose one with "
                                           "--data-config"):
         source_files("tiny-org/mixed")
@@ -379,6 +381,11 @@ def test_train_from_a_dataset_name_offline_in_a_fresh_hf_home(tmp_path, model_di
     q = run(["--data", "tiny-org/absent", "--out-dir", str(tmp_path / "o2"), *base])
     assert p.returncode == 0, p.stdout + p.stderr
     assert "evaluation on tiny-org/mixed" in p.stdout and "Generating" not in p.stderr
+    # The summary names the split it read and its rows (not "1 files"), and the
+    # optimizer's state precision.
+    assert "data: tiny-org/mixed (dataset split tiny-org/mixed[chat]:train (120 rows))" \
+        in p.stdout, p.stdout
+    assert "optimizer adamw (fp32 state)" in p.stdout
     assert (home / "datasets").is_dir()          # datasets prepared it in HF_HOME's cache
     assert q.returncode == 2 and "Traceback" not in q.stderr
     assert "'tiny-org/absent' is not in the Hugging Face cache" in q.stderr, q.stderr

@@ -353,6 +353,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="with --nodes: MiB of gradient buffers each server keeps in flight before "
            "the backward waits, as DataParallelConfig.inflight_mb (default: 100, "
            "4 x bucket_mb)")
+    a("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
+      help="with --nodes: dtype the sharded modes send gradients in, as "
+           "DataParallelConfig.grad_dtype (default: float32)")
     a("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -379,7 +382,8 @@ def plan(args: argparse.Namespace) -> int:
                      microbatches=args.microbatches, stale=args.stale,
                      memory_fraction=args.memory_fraction, pin=args.pin,
                      chunk_mb=args.copy_chunk_mb, nodes=args.nodes,
-                     network_gbps=args.network_gbps, inflight_mb=args.inflight_mb)
+                     network_gbps=args.network_gbps, inflight_mb=args.inflight_mb,
+                     grad_dtype=args.grad_dtype)
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.to_text())
     return EXIT_OK if result.fits else EXIT_NO_FIT
 

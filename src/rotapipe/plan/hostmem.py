@@ -13,7 +13,9 @@ What lives in host memory (see :mod:`rotapipe.runtime.host`):
 - **gradients**: an fp32 gradient per trainable parameter (accumulated over calls),
   and a second one for the call in flight: the runtime stages a call's gradients and
   merges them only when the whole call succeeded (``runtime.host.CallGrads``), so a
-  failed call changes nothing;
+  failed call changes nothing. It stages them as they arrive from the workers, in the
+  compute dtype (2 bytes in bf16/fp16, 4 in fp32), and widens each to fp32 only where
+  it is merged; with data parallelism the all-reduce works on them in fp32;
 - **pinned buffers**: per worker, staging for two stages' weight-gradient downloads
   (compute dtype);
 - **checkpoints**: every microbatch's activation at each stage boundary a later stage
@@ -32,7 +34,7 @@ QLoRA (``quantized``) the decoder blocks' frozen weights are NF4 bytes instead
 The optimizer's host layout (:data:`LAYOUTS`, docs/memory.md) decides the gradients:
 
 - ``"sync"`` (the default ``PipeConfig``): the fp32 gradient of every trainable
-  parameter, twice while calls accumulate (``staged_grads``);
+  parameter, plus the staged copy while calls accumulate (``staged_grads``);
 - ``"overlap"``: the same gradients, plus the snapshot ``overlap`` takes of the
   weights and optimizer state of each stage it steps, so a failed call can be undone
   (``PipeConfig(undo_steps=True)``, its default): ``4 * (1 + optimizer_states)``
@@ -61,7 +63,7 @@ pageable.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .._enums import PinMode
 from ..errors import ConfigError
@@ -104,6 +106,9 @@ class HostMemory:
     """The optimizer host layout the bytes assume (:data:`LAYOUTS`)."""
     state_dtype: str = "fp32"
     """How the optimizer state is kept (:data:`STATE_BYTES`)."""
+    staged: int = 0
+    """Of ``gradients``: the staged copy of the call in flight while calls accumulate
+    (``staged_grads``), in the dtype it is kept in."""
 
     @property
     def total(self) -> int:
@@ -180,7 +185,8 @@ def lora_params(config, rank: int = 16,
 def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, *,
                 trainable_params: Sequence[int] | None = None, dtype_bytes: int = 2,
                 optimizer_states: int = 2, grad_bytes: int = 4,
-                staged_grads: bool = True, pin: PinMode | str = PinMode.REGISTER,
+                staged_grads: bool = True, staged_bytes: int | None = None,
+                pin: PinMode | str = PinMode.REGISTER,
                 chunk_mb: float = 32.0, largest_tensor: int | None = None,
                 quantized: bool = False, layout: str = "sync",
                 prefetch: int = 1, state_dtype: str = "fp32") -> HostMemory:
@@ -190,7 +196,11 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
     :func:`lora_params`, whose adapters also get a compute-dtype copy).
     ``optimizer_states``: fp32 tensors of optimizer state per trainable parameter
     (Adam: 2, SGD with momentum: 1). ``staged_grads``: count the call's staged
-    gradients beside the accumulated ones (what the runtime does).
+    gradients beside the accumulated ones (what the runtime holds while calls
+    accumulate; with one call per step the staged gradients become ``.grad``, one fp32
+    copy at the peak); ``staged_bytes``: their bytes per parameter, by default the
+    compute dtype's ``dtype_bytes`` (the runtime keeps them as they arrive; with data
+    parallelism they are fp32: :func:`per_server`).
 
     ``pin``: the weights' pin mode (module docstring); ``chunk_mb``: the bounce buffers'
     chunk in MiB (``PipeConfig.copy_chunk_mb``); ``largest_tensor``: compute-dtype bytes
@@ -236,18 +246,21 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
         if plan.tail.start > 0 else costs.input_bytes
     if largest_tensor is None:
         largest_tensor = max(l.weight_bytes for l in layers)
-    gradients = grad_bytes * n_train * (2 if staged_grads else 1)
+    staged = (dtype_bytes if staged_bytes is None else staged_bytes) * n_train \
+        if staged_grads else 0
+    gradients = grad_bytes * n_train + staged
     if layout == "lean":
         # Stages whose gradients are on the host at once: the schedule's gradient
         # window (a download waits for the hand-off prefetch + 2 jobs back).
         per_stage = [sum(trainable[s.start:s.stop]) for s in grad_stages]
         gradients = grad_bytes * min(n_train, (prefetch + 2) * max(per_stage))
+        staged = 0      # one call per step
     optimizer = int(state_bytes * optimizer_states * n_train)
     return HostMemory(weights=weights, masters=4 * n_train,
                       optimizer=optimizer,
                       gradients=gradients,
                       snapshots=4 * n_train + optimizer if layout == "overlap" else 0,
-                      layout=layout, state_dtype=state_dtype,
+                      layout=layout, state_dtype=state_dtype, staged=staged,
                       pinned_buffers=2 * workers * stage_bytes,
                       checkpoints=microbatches * per_mb,
                       bounce_buffers=(2 * workers * int(chunk_mb * 2**20)
@@ -269,35 +282,48 @@ def _pin_mode(pin: PinMode | str) -> PinMode:
 SHARD_MODES = ("none", "optimizer", "gradients")
 
 
-def per_server(mem: HostMemory, nodes: int, shard: str, in_flight: int = 0) -> HostMemory:
+def per_server(mem: HostMemory, nodes: int, shard: str, in_flight: int = 0, *,
+               stage: int = 0) -> HostMemory:
     """Host bytes per server of a run of ``nodes`` data-parallel servers, each holding
-    ``mem`` for its share of the batch (docs/distributed.md, "Sharding"):
+    ``mem`` for its share of the batch (docs/distributed.md, "Sharding"), in ``mem``'s
+    layout:
 
-    - ``"none"``: every server holds everything;
-    - ``"optimizer"`` / ``"gradients"``: masters and optimizer state are 1/N. With one
-      call per step (what ``rotapipe train`` does) a stage's gradients are copied into
-      send buffers at its hand-off and dropped, so a server keeps the fp32 1/N it owns
-      plus ``in_flight``: what waits for the network, which the runtime bounds
-      (``DataParallelConfig.inflight_mb``, :class:`rotapipe.runtime.allreduce.InFlight`):
-      the send and receive buffers of the collectives in flight (at most the cap) and
-      one stage's fp32 gradients waiting at its hand-off; the backward then waits, with
-      at most two stages per worker downloaded ahead (the pinned staging buffers,
-      already counted). With several calls per step ``"optimizer"`` also keeps a full
-      local fp32 gradient between the calls.
+    - ``"none"``: every server holds everything; its gradients are all-reduced in fp32,
+      so a staged copy (``mem.staged``, counted in the compute dtype) is fp32, and the
+      flat buckets in flight beside them are ``in_flight`` at most (the runtime's cap,
+      ``DataParallelConfig.inflight_mb``, :class:`rotapipe.runtime.allreduce.InFlight`);
+    - ``"optimizer"`` / ``"gradients"``: masters and optimizer state are 1/N, and the
+      state is fp32 whatever ``mem.state_dtype`` (the sharded optimizer keeps fp32
+      state; ``PipeConfig`` refuses another), and so is ``overlap``'s undo snapshot of
+      what a server steps (the sharded ``overlap`` and ``lean`` layouts always take it).
+      With one call per step (what ``rotapipe train`` does) a stage's gradients are
+      copied into send buffers at its hand-off and dropped, so a server keeps the fp32
+      1/N it owns plus what waits for the network: the send and receive buffers of the
+      collectives in flight (``in_flight``, at most the cap, in bytes whatever
+      ``DataParallelConfig.grad_dtype``: bf16 halves the traffic, not these bytes) and
+      ``stage``, one stage's fp32 gradients waiting at its hand-off; the backward then
+      waits, with at most two stages per worker downloaded ahead (the pinned staging
+      buffers, already counted). With several calls per step ``"optimizer"`` also keeps
+      a full local fp32 gradient between the calls.
     """
     if shard not in SHARD_MODES:
         raise ConfigError(f"shard={shard!r}: use one of {', '.join(map(repr, SHARD_MODES))}")
     if nodes < 1:
         raise ConfigError(f"nodes={nodes}: use 1 or more servers")
-    if shard == "none" or nodes == 1:
+    if nodes == 1:
         return mem
     n_train = mem.masters // 4
-    return HostMemory(weights=mem.weights, masters=-(-mem.masters // nodes),
-                      optimizer=-(-mem.optimizer // nodes),
-                      gradients=-(-4 * n_train // nodes) + min(in_flight, mem.gradients),
-                      pinned_buffers=mem.pinned_buffers, checkpoints=mem.checkpoints,
-                      bounce_buffers=mem.bounce_buffers, transient=mem.transient,
-                      pin=mem.pin)
+    if shard == "none":
+        staged = 4 * n_train if mem.staged else 0
+        return replace(mem, gradients=mem.gradients - mem.staged + staged + in_flight,
+                       staged=staged)
+    optimizer = int(mem.optimizer * 4 / STATE_BYTES[mem.state_dtype])     # fp32 state
+    return replace(mem, masters=-(-mem.masters // nodes),
+                   optimizer=-(-optimizer // nodes), state_dtype="fp32", staged=0,
+                   gradients=-(-4 * n_train // nodes) + min(stage + in_flight,
+                                                            mem.gradients),
+                   snapshots=(-(-(4 * n_train + optimizer) // nodes)
+                              if mem.layout != "sync" else 0))
 
 
 def bytes_sent(trainable: int, nodes: int, shard: str, *, dtype_bytes: int = 2,

@@ -93,6 +93,9 @@ class PlanAnalysis:
     inflight_mb: float = 100.0
     """``nodes`` > 1: the runtime's cap on collective buffers in flight per server
     (``DataParallelConfig.inflight_mb``), as the host memory counts it."""
+    grad_dtype: str = "float32"
+    """``nodes`` > 1: dtype the sharded modes send gradients in
+    (``DataParallelConfig.grad_dtype``; ``"none"`` always sends fp32)."""
 
     @property
     def fits_device(self) -> bool:
@@ -126,8 +129,9 @@ class PlanAnalysis:
                "longest_seq": self.longest_seq,
                "longest_seq_with_host": self.longest_seq_host, "suggestions": list(self.suggestions),
                "device_error": self.device_error, "nodes": self.nodes,
-               "shard": self.shard,
-               "servers": [{"shard": m.shard, "host_bytes": m.host.as_dict(),
+               "shard": self.shard, "grad_dtype": self.grad_dtype,
+               "servers": [{"shard": m.shard, "layout": m.host.layout,
+                            "host_bytes": m.host.as_dict(),
                             "sent_bytes_per_step": m.sent_bytes, "comm_s": m.comm_s,
                             "network_gbps": m.network_gbps, "exposed_s": m.exposed_s,
                             "step_s": m.step_s} for m in self.servers]}
@@ -178,8 +182,9 @@ class PlanAnalysis:
                      f"({host_note})")
         if self.nodes > 1:
             lines.append(f"per server ({self.nodes} servers, data parallel, "
-                         f"{self.servers[0].network_gbps:g} Gb/s each; exact optimizer):")
-            lines.append(f"  {'shard':>10} {'host RAM (GB)':>14} {'masters':>8} "
+                         f"{self.servers[0].network_gbps:g} Gb/s each; exact optimizer; "
+                         f"sharded gradients sent in {self.grad_dtype}):")
+            lines.append(f"  {'shard':>10} {'layout':>7} {'host RAM (GB)':>14} {'masters':>8} "
                          f"{'optimizer':>10} {'gradients':>10} {'sent/step (GB)':>15} "
                          f"{'comm (s)':>9} {'exposed (s)':>12} {'step (s)':>9} "
                          f"{'tokens/s':>9}")
@@ -187,7 +192,7 @@ class PlanAnalysis:
             for m in self.servers:
                 mark = "  <- fits" if m.shard == self.shard and self.fits_host else ""
                 rate = tokens / m.step_s if m.step_s > 0 else 0.0
-                lines.append(f"  {m.shard:>10} {m.host.total / GB:>14.1f} "
+                lines.append(f"  {m.shard:>10} {m.host.layout:>7} {m.host.total / GB:>14.1f} "
                              f"{m.host.masters / GB:>8.1f} {m.host.optimizer / GB:>10.1f} "
                              f"{m.host.gradients / GB:>10.1f} {m.sent_bytes / GB:>15.1f} "
                              f"{m.comm_s:>9.2f} {m.exposed_s:>12.2f} {m.step_s:>9.2f} "
@@ -207,7 +212,7 @@ docs/huggingface.md), so full-sequence logits never exist."""
 
 LAYOUT_TEXT = {
     "sync": "sync (the default optimizer_mode: exact; fp32 gradients of the whole model, "
-            "twice while calls accumulate)",
+            "plus a call's staged copy while calls accumulate)",
     "overlap": "overlap with undo_steps=True (exact; gradients of the whole model plus "
                "snapshots of stepped weights and optimizer state)",
     "lean": "lean: PipeConfig(optimizer_mode='overlap', undo_steps=False), one call per "
@@ -300,7 +305,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
             chunk_mb: float = 32.0, nodes: int = 1, network_gbps: float = 25.0,
             qlora: bool = False, layout: str | None = None,
             prefetch: int = 1, inflight_mb: float = 100.0,
-            optimizer_state: str = "fp32") -> PlanAnalysis:
+            optimizer_state: str = "fp32", grad_dtype: str = "float32") -> PlanAnalysis:
     """Plan ``model`` on ``hw`` for steps of ``global_batch`` sequences of ``seq``
     tokens (LoRA of ``lora_rank`` if given) and judge the fit; see :class:`PlanAnalysis`.
     Host memory assumes the weights' pin mode ``pin`` (:class:`rotapipe.PinMode`) and
@@ -310,7 +315,9 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     each plans its ``global_batch / nodes`` sequences, and the host memory is per
     server for the first shard mode that fits (:attr:`PlanAnalysis.servers` lists
     every mode), with ``inflight_mb`` MiB of collective buffers in flight (the
-    runtime's backpressure cap, ``DataParallelConfig.inflight_mb``).
+    runtime's backpressure cap, ``DataParallelConfig.inflight_mb``), the sharded modes
+    sending gradients in ``grad_dtype`` (``DataParallelConfig.grad_dtype``: float32 or
+    bfloat16, which halves their traffic but not the host bytes: the cap is in bytes).
 
     ``qlora``: the LoRA base is NF4 (needs ``lora_rank``). ``layout``: the optimizer's
     host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`); ``None``: the first of
@@ -324,6 +331,11 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
                           "evenly over the servers (a multiple of --nodes)")
     if not network_gbps > 0:
         raise ConfigError(f"--network-gbps {network_gbps}: use the link rate in Gb/s, > 0")
+    if grad_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--grad-dtype {grad_dtype}: use float32 or bfloat16")
+    if grad_dtype != "float32" and nodes == 1:
+        raise ConfigError("--grad-dtype bfloat16 is how sharded data parallelism sends "
+                          "gradients between servers: add --nodes 2 (or more), or drop it")
     if not inflight_mb > 0:
         raise ConfigError(f"--inflight-mb {inflight_mb}: use MiB > 0 (the runtime's "
                           "default is 4 x bucket_mb = 100)")
@@ -331,13 +343,24 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
         a = analyze(model, hw, seq=seq, global_batch=global_batch // nodes,
                     lora_rank=lora_rank, host_ram=host_ram, microbatches=microbatches,
                     stale=stale, memory_fraction=memory_fraction, pin=pin,
-                    chunk_mb=chunk_mb, qlora=qlora, layout=layout, prefetch=prefetch)
-        modes = tuple(_server_mode(a, hw, nodes, m, network_gbps, inflight_mb)
-                      for m in SHARD_MODES)
+                    chunk_mb=chunk_mb, qlora=qlora, layout=layout, prefetch=prefetch,
+                    optimizer_state=optimizer_state)
+        def server_mode(m: str) -> ServerMode:
+            # Each shard mode in the first layout that fits it (the sharded overlap
+            # step always snapshots its pieces, so lean is rarely their cheapest).
+            opts = [_server_mode(replace(a, host=_relayout(a, model, hw, lora_rank, name,
+                                                           pin, chunk_mb, qlora, prefetch,
+                                                           optimizer_state)),
+                                 hw, nodes, m, network_gbps, inflight_mb,
+                                 2 if grad_dtype == "bfloat16" and m != "none" else 4)
+                    for name in ((layout,) if layout else ("sync", "lean"))]
+            return next((o for o in opts if o.host.total <= a.host_limit), opts[-1])
+        modes = tuple(server_mode(m) for m in SHARD_MODES)
         pick = next((m for m in modes if m.host.total <= a.host_limit), modes[-1])
         out = PlanAnalysis(**{**a.__dict__, "host": pick.host, "nodes": nodes,
                               "shard": pick.shard, "servers": modes,
-                              "suggestions": (), "inflight_mb": inflight_mb})
+                              "suggestions": (), "inflight_mb": inflight_mb,
+                              "grad_dtype": grad_dtype})
         return _with_suggestions(out, model, hw, lora_rank,
                                  (microbatches,) if microbatches else
                                  _divisors(global_batch // nodes))
@@ -397,8 +420,25 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     return _with_suggestions(analysis, model, hw, lora_rank, counts)
 
 
+def _relayout(a: PlanAnalysis, model, hw, lora_rank, layout: str, pin, chunk_mb, qlora,
+              prefetch, optimizer_state) -> HostMemory:
+    """``a.host`` in the optimizer host layout ``layout``."""
+    if a.host.layout == layout:
+        return a.host
+    if a.choice is not None:
+        costs, plan, M = a.choice.costs, a.choice.plan, a.choice.microbatches
+    else:
+        M = max(_divisors(a.global_batch))      # as analyze() when no plan fits
+        costs = _costs(model, hw, a.seq, a.global_batch // M, "nf4" if qlora else None)
+        plan = _singles_plan(len(costs.layers))
+    return host_memory(costs, plan, M, hw.count,
+                       trainable_params=_trainable(model, hw, lora_rank)[0], pin=pin,
+                       chunk_mb=chunk_mb, quantized=qlora, layout=layout,
+                       prefetch=prefetch, state_dtype=optimizer_state)
+
+
 def _server_mode(a: PlanAnalysis, hw, nodes: int, shard: str, gbps: float,
-                 inflight_mb: float) -> ServerMode:
+                 inflight_mb: float, grad_bytes: int = 4) -> ServerMode:
     """Host bytes per server, traffic and step time of ``shard``. Gradients waiting for
     the network: the runtime caps them (:class:`rotapipe.runtime.allreduce.InFlight`)
     at ``inflight_mb`` of send and receive buffers plus one stage's fp32 gradients at
@@ -406,9 +446,9 @@ def _server_mode(a: PlanAnalysis, hw, nodes: int, shard: str, gbps: float,
     gradient traffic beyond the backward is exposed, and so is the all-gather of the
     weights after the step."""
     trainable = a.host.masters // 4
-    sent = bytes_sent(trainable, nodes, shard)
+    sent = bytes_sent(trainable, nodes, shard, grad_bytes=grad_bytes)
     stage = a.host.pinned_buffers // max(1, hw.count)     # one stage, fp32
-    in_flight = stage + int(inflight_mb * 2**20)
+    cap = int(inflight_mb * 2**20)
     compute_s = window_s = 0.0
     if a.choice is not None:
         compute_s = a.choice.report.step_ms / 1e3
@@ -417,7 +457,7 @@ def _server_mode(a: PlanAnalysis, hw, nodes: int, shard: str, gbps: float,
         window_s = compute_s * back / max(1e-9, back + sum(l.forward_ms for l in layers))
     gather = 0 if shard == "none" or nodes == 1 else \
         int((nodes - 1) / nodes * 2 * trainable)             # compute dtype (bf16)
-    return ServerMode(shard, per_server(a.host, nodes, shard, in_flight), sent, gbps,
+    return ServerMode(shard, per_server(a.host, nodes, shard, cap, stage=stage), sent, gbps,
                       compute_s, window_s, gather)
 
 

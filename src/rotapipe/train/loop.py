@@ -32,8 +32,8 @@ from .checkpoint import (check_compatible, check_out_dir, is_sharded, latest_che
                          load_shards, resume_from, save_checkpoint, save_sharded_checkpoint)
 from .config import TrainConfig
 from .data import Batch, TrainBatches, count_split, eval_set
-from .records import (IGNORE, TextFields, check_chats, iter_records, record_parts,
-                      source_files)
+from .records import (IGNORE, TextFields, check_chats, describe_sources, iter_records,
+                      record_parts, source_files)
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
 from .model import (adapter_dir, build_model, build_tokenizer, check_sequence_length,
@@ -390,7 +390,8 @@ def _describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) 
     epochs = f" ({cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''})" \
         if cfg.epochs and "steps" in chosen else ""
     echo(f"settings: lr {cfg.lr:g}, warmup {cfg.warmup}, weight decay {cfg.weight_decay:g}, "
-         f"{cfg.steps} steps{epochs}, batch {cfg.batch} x {cfg.seq} tokens"
+         f"{cfg.steps} steps{epochs}, batch {cfg.batch} x {cfg.seq} tokens, optimizer "
+         f"{cfg.optimizer} ({cfg.optimizer_state} state)"
          + (f"; {'pretrained-model' if cfg.pretrained else 'from-scratch'} defaults: "
             f"{', '.join(k.replace('_', ' ') for k in chosen)}" if chosen else ""))
     if held is None:
@@ -400,8 +401,8 @@ def _describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) 
         evaluation = f"evaluation on {cfg.eval_data}: {held.ids.shape[0]} sequences"
     else:
         evaluation = f"held-out {held.ids.shape[0]} sequences"
-    echo(f"data: {data} ({len(files)} files), {cfg.seq}-token sequences ({cfg.packing}), "
-         f"{evaluation}; setup {setup_s:.1f} s")
+    echo(f"data: {data} ({describe_sources(files)}), {cfg.seq}-token sequences "
+         f"({cfg.packing}), {evaluation}; setup {setup_s:.1f} s")
     echo(f"pipeline: {len(pipe.devices)} {kind} workers, {cfg.microbatches} microbatches "
          f"of {cfg.batch // cfg.microbatches}, plan {pipe.plan.to_text()}")
 

@@ -92,6 +92,18 @@ def source_files(spec: str, config: str | None = None, split: str | None = None,
     return files
 
 
+def describe_sources(files) -> str:
+    """What :func:`source_files` resolved, for the run summary: ``3 files``, ``1 saved
+    dataset``, ``dataset split org/name:train (1,000 rows)``, joined by commas."""
+    splits = [f for f in files if isinstance(f, HubSplit)]
+    saved = sum(1 for f in files if f not in splits and f.is_dir())
+    plain = len(files) - len(splits) - saved
+    parts = [f"{n} {what}{'s' if n != 1 else ''}"
+             for n, what in ((plain, "file"), (saved, "saved dataset")) if n]
+    parts += [f"dataset split {f} ({len(f):,} rows)" for f in splits]
+    return ", ".join(parts)
+
+
 # Bytes that do not occur in text (C0 controls other than tab, newlines, form feed,
 # vertical tab and escape). Random or compressed bytes hold about 11% of them.
 _CONTROL = bytes(c for c in range(32) if c not in (9, 10, 11, 12, 13, 27))
