@@ -2,9 +2,16 @@
 
 A random Qwen3-architecture model is built (fp32 parameters: they become the masters),
 wrapped, and trained for 2 steps with AdamW on emulated CPU workers in bf16 compute.
-The peak RSS growth over the process baseline (after imports, before the model) is
+The peak RSS growth over the process baseline (after imports and a warm-up run of a
+tiny model through the same code, which loads what is loaded lazily, before the model) is
 compared with :func:`rotapipe.plan.hostmem.host_memory` for the pipeline's plan plus
-the emulated devices' peak memory (on emulated workers device buffers are host RAM).
+the emulated devices' peak memory (on emulated workers device buffers are host RAM),
+with one call per step (``staged_grads=False``: what the run does). It runs with
+``MALLOC_MMAP_THRESHOLD_=65536`` (it re-executes itself with it), so that freed tensors
+go back to the OS: glibc's default raises its mmap threshold up to 32 MB as large
+blocks are freed, and then keeps freed tensors below that size in its heap, which RSS
+counts. ``benchmarks/host_memory_diet.py`` is the careful version (a warm-up run first,
+device memory subtracted as measured, per term).
 
     python benchmarks/planner_host_memory.py [--layers 6 --hidden 1024]
 """
@@ -12,7 +19,10 @@ the emulated devices' peak memory (on emulated workers device buffers are host R
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import sys
 
 import torch
 
@@ -29,6 +39,9 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args()
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:      # see the module docstring
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     torch.set_num_threads(2)
     import transformers
 
@@ -42,9 +55,8 @@ def main() -> None:
                num_attention_heads=args.hidden // 64,
                num_key_value_heads=max(1, args.hidden // 256), head_dim=64,
                tie_word_embeddings=False)
-    base = rss()
-    with Sampler() as s:
-        torch.manual_seed(0)
+
+    def run(cfg, vocab):
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
         wrapped = rotapipe.adapters.wrap_hf(model)
         pc = rotapipe.PipeConfig(workers=args.workers, microbatches=args.microbatches,
@@ -52,14 +64,25 @@ def main() -> None:
                                  precision=rotapipe.PrecisionConfig("bf16"))
         pipe = wrapped.pipe(pc)
         pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-4))
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+        ids = torch.randint(0, vocab, (args.batch, args.seq))
         for _ in range(2):
             pipe.forward_backward(wrapped.inputs(ids), ids)
             pipe.step()
+        return pipe
+
+    tiny = dict(cfg, vocab_size=512, hidden_size=128, intermediate_size=384,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    run(tiny, 512).close()
+    gc.collect()
+    base = rss()
+    with Sampler() as s:
+        torch.manual_seed(0)
+        pipe = run(cfg, args.vocab)
     measured = s.peak - base
     costs = model_costs(cfg, hardware("rtx4090"), seq=args.seq,
                         microbatch_size=args.batch // args.microbatches)
-    host = host_memory(costs, pipe.plan, args.microbatches, args.workers)
+    host = host_memory(costs, pipe.plan, args.microbatches, args.workers,
+                       staged_grads=False)
     devices = sum(pipe.peak_memory())
     predicted = host.total + devices
     print(json.dumps(dict(measured=measured, predicted=predicted, host=host.as_dict(),
