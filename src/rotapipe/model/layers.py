@@ -190,8 +190,9 @@ class Lookups:
         """Parameter id -> the function giving the indices a microbatch looks up."""
         self.rows: dict[int, int] = {}
         """Parameter id -> rows of its table."""
-        self._layer_pids: list[frozenset[int]] = [frozenset()] * len(layerset)
-        self._uses: list[frozenset[int]] = [frozenset()] * len(layerset)
+        # Per layer: the tables it uses through a declared lookup, and otherwise.
+        self._lookup: list[frozenset[int]] = [frozenset()] * len(layerset)
+        self._other: list[frozenset[int]] = [frozenset()] * len(layerset)
         if not modules:
             return
         declared: set[int] = set()
@@ -214,9 +215,8 @@ class Lookups:
             self.ids[pid] = fn
             self.rows[pid] = mod.weight.shape[0]
             declared.add(id(mod))
-        # Per layer: the tables it holds, and those it uses only through lookups. A
-        # declared module looks up in the first layer holding it; a later layer holding
-        # it (a head reading a tied embedding's weight) uses the whole table.
+        # A declared module looks up in the first layer holding it; a later layer
+        # holding it (a head reading a tied embedding's weight) uses the whole table.
         owner: dict[int, int] = {}
         for l, layer in enumerate(layerset.layers):
             for mod in layer.modules():
@@ -230,19 +230,17 @@ class Lookups:
                     if pid in self.ids:
                         lookup = id(mod) in declared and owner[id(mod)] == l
                         (ok if lookup else other).add(pid)
-            self._uses[l] = frozenset(ok | other)
-            self._layer_pids[l] = frozenset(ok - other)
+            self._lookup[l], self._other[l] = frozenset(ok), frozenset(other)
 
     def __bool__(self) -> bool:
         return bool(self.ids)
 
     def stage_pids(self, layers: range) -> frozenset[int]:
-        """Tables a stage over ``layers`` moves by rows: those every layer of it that
-        holds them uses only through lookups (a tied LM head in the same stage makes
-        the table move whole)."""
-        held = set().union(*(self._uses[l] for l in layers))
-        return frozenset(p for p in held if all(p in self._layer_pids[l] for l in layers
-                                                if p in self._uses[l]))
+        """Tables a stage over ``layers`` moves by rows: those it uses through lookups
+        and no layer of it uses otherwise (a tied LM head in the same stage makes the
+        table move whole)."""
+        return frozenset().union(*(self._lookup[l] for l in layers)) \
+            - frozenset().union(*(self._other[l] for l in layers))
 
     def call_rows(self, microbatches: Sequence) -> dict[int, torch.Tensor]:
         """Table -> the sorted distinct rows the call's microbatches look up (int64, on
@@ -253,10 +251,9 @@ class Lookups:
             for t in ids:
                 if not isinstance(t, torch.Tensor) or t.is_floating_point() or \
                         t.is_complex() or t.dtype == torch.bool:
-                    raise InputError(f"lookups gave {type(t).__name__}"
-                                     f"{'' if not isinstance(t, torch.Tensor) else ' of ' + str(t.dtype)}"
-                                     " for a microbatch: it must return the integer "
-                                     "indices the embedding looks up")
+                    got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise InputError(f"lookups gave {got} for a microbatch: it must "
+                                     "return the integer indices the embedding looks up")
             flat = torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in ids])
             rows = torch.unique(flat, sorted=True)
             n = self.rows[pid]

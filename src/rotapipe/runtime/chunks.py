@@ -23,6 +23,7 @@ gathers the same rows on the device and hands the host a
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -37,6 +38,11 @@ from .host import RowGrad
 from .transfer import layer_chunks, sleep_until, split_bytes
 
 __all__ = ["ChunkedCopies", "BouncePool"]
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes of one row (dim 0) of a table."""
+    return math.prod(t.shape[1:]) * t.element_size()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +110,7 @@ class ChunkedCopies:
     def rows(self, a: Action) -> dict[int, torch.Tensor]:
         """Tables ``a``'s stage moves by rows -> the call's rows (host, int64)."""
         r = self.r
-        lookups = getattr(r, "lookups", None)
+        lookups = r.lookups
         if not lookups:
             return {}
         s = r.stages[a.stage]
@@ -128,9 +134,8 @@ class ChunkedCopies:
             sizes = []
             for p in pids:
                 c = self.r.compute[p]
-                n = c.numel() if not rows or p not in rows else \
-                    rows[p].numel() * (c.numel() // max(1, c.shape[0]))
-                sizes.append(n * c.element_size())
+                sizes.append(rows[p].numel() * _row_bytes(c) if rows and p in rows
+                             else c.numel() * c.element_size())
             out.append((l, pids, sizes))
         return out
 
@@ -255,7 +260,7 @@ class ChunkedCopies:
         c = self.r.compute[p]
         if p not in rows:
             return _bytes(c.contiguous())[lo:hi]
-        row = (c.numel() // max(1, c.shape[0])) * c.element_size()
+        row = _row_bytes(c)
         first, last = lo // row, -(-hi // row)
         part = c.index_select(0, rows[p][first:last])
         return _bytes(part)[lo - first * row:hi - first * row]
