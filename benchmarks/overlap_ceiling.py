@@ -8,7 +8,10 @@ pipelined ``overlap`` and ``stale`` calls in their steady state (the same schedu
 period measure as ``timed_emulation.py``), and the ceilings. An exact step cannot be
 shorter than one call alone with its last stage's step (docs/optimizer.md), so
 ``overlap`` keeps at most that share of ``stale``'s tokens/s; ``free last step``: the
-share if that last step took no time.
+share if that last step took no time. The columns up to there run the plan for one
+exact call; ``stale, own plan`` is the steady step of ``stale`` on the plan the planner
+picks for overlapping calls (``rotapipe plan --stale``), and the last column what
+``overlap`` keeps of that (each mode at its best).
 
     python benchmarks/overlap_ceiling.py
 """
@@ -35,14 +38,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     m = args.microbatches
     print(f"{'model':14s} {'call, no step':>13s} {'call + steps':>12s} {'overlap':>9s} "
-          f"{'stale':>9s} {'overlap/stale':>13s} {'ceiling':>8s} {'free last step':>14s}")
+          f"{'stale':>9s} {'overlap/stale':>13s} {'ceiling':>8s} {'free last step':>14s} "
+          f"{'stale, own plan':>15s} {'overlap/it':>10s}")
     for model in args.models.split(","):
         em = TimedEmulation.of(model.strip(), "rtx4090x8", seq=2048, call_tokens=2048 * m,
                                optimizer_params_per_s=args.optimizer_rate)
         choice = choose_plan(lambda _: em.costs,
                              PlannerConfig(DEVICES, USABLE, microbatch_counts=(m,),
                                            tail_jobs=(1, 2, 3, 4)))
-        em = replace(em, costs=choice.costs)
+        base, em = em, replace(em, costs=choice.costs)
         call = rotapipe.roundpipe_schedule(choice.plan, DEVICES, m)
         bare = run(call, ActionTimes(choice.plan, choice.costs)).makespan
         one = run(call, ActionTimes(choice.plan, choice.costs,
@@ -50,9 +54,16 @@ def main(argv=None) -> None:
         step = {mode: loss_period(pipelined_sim(em, choice.plan, mode, m,
                                                 WARMUP + MEASURED), choice.plan, MEASURED)
                 for mode in ("overlap", "stale")}
+        lagged = choose_plan(lambda _: base.costs,
+                             PlannerConfig(DEVICES, USABLE, microbatch_counts=(m,),
+                                           tail_jobs=(1, 2, 3, 4), stale=True))
+        em_s = replace(em, costs=lagged.costs)
+        own = loss_period(pipelined_sim(em_s, lagged.plan, "stale", m, WARMUP + MEASURED),
+                          lagged.plan, MEASURED)
         print(f"{model:14s} {bare:10,.0f} ms {one:9,.0f} ms {step['overlap']:6,.0f} ms "
               f"{step['stale']:6,.0f} ms {step['stale'] / step['overlap']:13.1%} "
-              f"{step['stale'] / one:8.1%} {step['stale'] / bare:14.1%}")
+              f"{step['stale'] / one:8.1%} {step['stale'] / bare:14.1%} "
+              f"{own:12,.0f} ms {own / step['overlap']:10.1%}")
 
 
 if __name__ == "__main__":

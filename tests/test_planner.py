@@ -184,6 +184,20 @@ def test_call_lower_bound_never_exceeds_any_plans_step(lora):
                     assert bound <= sim * (1 + 1e-9), (plan, k, longest)
 
 
+def test_call_lower_bound_charges_the_first_heavy_layers_upload_and_download():
+    """GPT-OSS-20B's shape: a free first layer (the embedding), then a block whose
+    weights take longer to move than its compute. Nothing past the embedding computes
+    before the block's weights are up (10 ms), and its gradients go down (10 ms) after
+    every later layer's compute: the workers' 36 ms of work (4 microbatches of 6 + 3)
+    fit only in between, so every plan takes at least 10 + 36 / 2 + 10 = 38 ms, more
+    than the flow (29) or the work (18) shows."""
+    costs = ModelCosts((LayerCost("embed", 0.0, 0.0, 0.0, 1.0, 0.1),
+                        LayerCost("block", 2.0, 4.0, 2.0, 10.0, 0.1),
+                        LayerCost("head", 1.0, 2.0, 1.0, 1.0, 0.1)), 1)
+    assert call_lower_bound(costs, 2, 4) == pytest.approx(38.0)
+    assert min(simulate_plan(p, costs, 2, 4).step_ms for p in _every_plan(3)) >= 38.0
+
+
 def _same_choice(a, b):
     assert (a.plan.to_text(), a.microbatches, a.grain) == (b.plan.to_text(), b.microbatches,
                                                           b.grain)
@@ -349,8 +363,10 @@ def test_a_lora_call_ends_with_the_adapters_gradient_download():
     assert estimate_step_ms(plan, Footprint.of(costs, 1), 1) == pytest.approx(29.0)
     assert simulate_plan(plan, costs, 1, 1).step_ms == pytest.approx(29.0)
     assert step_lower_bound(plan, costs, 1, 1) <= 29.0 + 1e-9
-    # flow: layer 0's upload, every forward and backward, layer 0's gradient download
-    assert call_lower_bound(costs, 1, 1) == pytest.approx(10.0 + 6.0 + 1.0)
+    # ends (above flow's 10 + 6 + 1): layer 0's upload, all the work on the one
+    # worker (every forward and backward, layer 0's recompute), layer 0's gradient
+    # download
+    assert call_lower_bound(costs, 1, 1) == pytest.approx(10.0 + 7.0 + 1.0)
 
 
 @FAST

@@ -178,7 +178,15 @@ def call_lower_bound(costs: ModelCosts, workers: int, microbatches: int, *,
       both a forward and a backward stage); the last job's weight gradients (it
       holds layer 0) go down last (``dw_ms``);
     - *work*: all compute (every layer's forward and backward, the recompute of the
-      layers outside the tail) over the workers.
+      layers outside the tail) over the workers;
+    - *ends*: for any layer ``j``, no compute of layers ``j`` onward starts before
+      ``j``'s weights are up, and once ``j``'s last backward ends every compute of the
+      later layers has ended (each microbatch's backward reaches ``j`` after them), so
+      only the earlier layers' work can run beside ``j``'s gradient download. The rest
+      of the work fills at most the time between: ``upload(j) + dw(j) + (work - work
+      of the layers before j) / workers``. At a call's two ends every worker idles
+      while the first heavy layer's weights go up and its gradients go down
+      (GPT-OSS-20B: 66 ms each way; docs/planning.md).
 
     The planner skips a microbatch count, grain or tail split whose bound exceeds the
     best step simulated so far."""
@@ -193,8 +201,13 @@ def call_lower_bound(costs: ModelCosts, workers: int, microbatches: int, *,
         for i, l in enumerate(layers[:-1])]
     flow = (costs.input_hop_ms + (layers[0].upload_ms + layers[0].dw_ms) + sum(fb)
             + max(extra))
-    work = M * (sum(fb) + sum(l.recompute_ms for l in layers[:L - t_max])) / workers
-    return max(flow, work)
+    recomputed = [l.recompute_ms if i < L - t_max else 0.0 for i, l in enumerate(layers)]
+    total = M * (sum(fb) + sum(recomputed))
+    ends, before = 0.0, 0.0             # before: the work of the layers before j
+    for j, l in enumerate(layers):
+        ends = max(ends, l.upload_ms + l.dw_ms + (total - before) / workers)
+        before += M * (fb[j] + recomputed[j])
+    return max(flow, total / workers, ends)
 
 
 def _cuts(n: int) -> list[tuple[tuple[int, int], ...]]:

@@ -1,0 +1,70 @@
+"""Is the planner's plan a local optimum of the simulator? For each of the paper's
+models (as ``paper_bubbles.py`` plans them: 8x RTX 4090, sequence 2048, 16
+microbatches, exact optimizer, one call), simulate every plan one move away from the
+planner's choice (a stage boundary moved by one layer, two neighbouring stages merged,
+a stage split in halves: the moves of the planner's local search, which ranks them by
+its job-grain estimate instead) and print the best neighbour's step and bubble.
+``--climb`` keeps taking the best improving move until none improves.
+
+    python benchmarks/plan_neighbours.py [--models qwen3-32b,gpt-oss-20b] [--climb]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from paper_bubbles import M, MODELS, SEQ
+from rotapipe.plan import hardware
+from rotapipe.plan.partitioner import Footprint, _moves, assemble_plan
+from rotapipe.planner import analyze
+from rotapipe.planner.advise import _costs, _trainable
+from rotapipe.planner.autoplan import _grain_costs, device_need, simulate_plan
+
+
+def neighbours(plan, costs, fp, limit):
+    """(step ms, bubble, plan) of every fitting plan one move from ``plan``."""
+    fwd = [(s.start, s.stop) for s in plan.forward]
+    bwd = [(s.start, s.stop) for s in plan.backward]
+    body = plan.tail.start
+    for forward in (True, False):
+        for runs in _moves(fwd if forward else bwd):
+            q = assemble_plan(plan.num_layers, runs if forward else fwd, body,
+                              bwd if forward else runs, plan.tail_jobs)
+            if device_need(q, fp) <= limit:
+                r = simulate_plan(q, costs, 8, M)
+                yield r.step_ms, r.bubble.total, q
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(m[1] for m in MODELS))
+    ap.add_argument("--climb", action="store_true")
+    args = ap.parse_args(argv)
+    hw = hardware("rtx4090x8")
+    print(f"{'model':22s} {'plan ms':>9s} {'bubble':>7s} {'neighbours':>10s} "
+          f"{'best ms':>9s} {'bubble':>7s} {'climbed':>8s}")
+    for name, model, lora, _, _ in MODELS:
+        if model not in args.models.split(","):
+            continue
+        a = analyze(model, hw, seq=SEQ, global_batch=M, microbatches=M, lora_rank=lora)
+        c = a.choice
+        trainable, grads = _trainable(model, hw, lora)    # as analyze() plans it
+        base = _costs(model, hw, SEQ, 1, None, trainable, M)
+        fp, costs = Footprint.of(base, M, c.grain, grads), _grain_costs(base, c.grain)
+        plan, step, bubble, climbed = c.plan, c.report.step_ms, c.report.bubble.total, 0
+        first = None
+        while True:
+            found = sorted(neighbours(plan, costs, fp, a.device_limit), key=lambda n: n[0])
+            first = first or (len(found), found[0] if found else (step, bubble, plan))
+            if not args.climb or not found or found[0][0] >= step - 1e-6:
+                break
+            step, bubble, plan = found[0]
+            climbed += 1
+        count, (best, best_bubble, _) = first
+        print(f"{name:22s} {c.report.step_ms:9.1f} {c.report.bubble.total:7.1%} "
+              f"{count:10d} {best:9.1f} {best_bubble:7.1%} "
+              f"{(f'{bubble:.1%} ({climbed})' if args.climb else '-'):>8s}")
+
+
+if __name__ == "__main__":
+    main()
