@@ -82,8 +82,40 @@ def test_simulate_command_on_a_32b_config(capsys):
     assert re.search(r"qwen3-32b on rtx4090x8 \(99 TFLOPS sustained", out)
 
 
+def test_simulate_prices_lora_qlora_and_a_whole_embedding_as_the_planner_does(capsys):
+    """``--lora`` / ``--qlora`` / ``--whole-embedding`` reach the cost model: the
+    RoundPipe step is the simulation of ``model_costs`` with the same adapters,
+    quantization and embedding rows, not of full fine-tuning."""
+    from rotapipe.plan import hardware, lora_params, model_costs
+    from rotapipe.sim import compare
+    hw = hardware("rtx4090x8")
+    steps = {}
+    for flags, kwargs in [((), dict(call_tokens=16 * 2048)),
+                          (("--lora", "--lora-rank", "16"),
+                           dict(call_tokens=16 * 2048,
+                                adapters=lora_params("qwen3-1.7b", 16))),
+                          (("--qlora", "--lora-rank", "16"),
+                           dict(call_tokens=16 * 2048, quantize="nf4",
+                                adapters=lora_params("qwen3-1.7b", 16))),
+                          (("--whole-embedding",), {})]:
+        assert main(["simulate", "--model", "qwen3-1.7b", "--schedules", "exact",
+                     *flags]) == 0
+        out = capsys.readouterr().out
+        if flags[:1] == ("--lora",):
+            assert "qwen3-1.7b (LoRA rank 16) on rtx4090x8" in out
+        step = float(_table(out)["roundpipe"][1])
+        costs = model_costs("qwen3-1.7b", hw, seq=2048, **kwargs)
+        want = compare(costs, SimConfig(8, 16, memory_limit=hw.device.memory_bytes),
+                       ("roundpipe",))[0].report.step_ms
+        assert step == pytest.approx(want, abs=0.051), flags
+        steps[flags] = step
+    assert len(set(steps.values())) == 4            # each flag changes the step
+
+
 @pytest.mark.parametrize("argv, match", [
     (["simulate", "--layers", "4"], "missing --fwd-ms, --bwd-ms"),
+    (["simulate", "--layers", "4", "--fwd-ms", "1", "--bwd-ms", "2", "--head-fwd-ms", "1",
+      "--head-bwd-ms", "2", "--lora"], "--lora needs --model"),
     (["simulate", "--model", "qwen3-32b", "--schedules", "1f1b,zb-v"], "unknown schedule 'zb-v'"),
     (["simulate", "--model", "qwen3-32b", "--hardware", "v100x8"], "unknown hardware"),
     (["simulate", "--model", "qwen3-32b", "--global-batch", "17"], "not a multiple"),

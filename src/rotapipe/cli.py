@@ -202,6 +202,18 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="fp16 math with fp16 accumulation (2x on GeForce cards)")
     g.add_argument("--memory-gib", type=_real(), default=None,
                    help="device memory to check peaks against (default: the hardware's)")
+    g.add_argument("--lora", action="store_true",
+                   help="LoRA on a frozen base, priced as LoRA (as plan --lora): a frozen "
+                        "weight's backward computes only its input gradient, only the "
+                        "adapters' gradients go down")
+    g.add_argument("--lora-rank", type=_count(), default=8,
+                   help="LoRA rank (default: 8, as plan and train)")
+    g.add_argument("--qlora", action="store_true",
+                   help="QLoRA: --lora with the blocks uploaded as NF4")
+    g.add_argument("--whole-embedding", action="store_true",
+                   help="the token embedding moves whole, for a model that declares no "
+                        "lookups (default: by the rows a call looks up, as wrapped "
+                        "Hugging Face models do)")
     a("--seq", type=_count(), default=2048, help="tokens per sequence (default: 2048)")
     a("--global-batch", type=_count(), default=None,
       help="sequences per step (default: one per microbatch)")
@@ -222,7 +234,7 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
 def simulate(args: argparse.Namespace) -> int:
     """Simulate the chosen schedules on explicit times or a model + hardware profile;
     print the table (and the picture and trace paths with ``--out``)."""
-    from .plan import ModelCosts, hardware, model_costs
+    from .plan import ModelCosts, hardware, lora_params, model_costs
     from .sim import SimConfig, compare, schedule_names, table
 
     names = schedule_names(args.schedules)
@@ -238,13 +250,24 @@ def simulate(args: argparse.Namespace) -> int:
         hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
                       **({"efficiency": args.efficiency} if args.efficiency is not None
                          else {}))
+        lora = args.lora or args.qlora
         costs = model_costs(args.model, hw, seq=args.seq, microbatch_size=batch // M,
-                            call_tokens=batch * args.seq)
+                            call_tokens=None if args.whole_embedding else batch * args.seq,
+                            adapters=lora_params(args.model, args.lora_rank) if lora
+                            else None, quantize="nf4" if args.qlora else None)
         devices = args.devices if args.devices is not None else hw.count
         limit = limit or hw.device.memory_bytes
-        what = (f"{args.model} on {hw.name} ({hw.flops / 1e12:.0f} TFLOPS sustained, "
+        what = (f"{args.model}"
+                + (f" ({'QLoRA' if args.qlora else 'LoRA'} rank {args.lora_rank})"
+                   if lora else "")
+                + f" on {hw.name} ({hw.flops / 1e12:.0f} TFLOPS sustained, "
                 f"{hw.device.pcie_gbps:g} GB/s per link direction)")
     else:
+        given = [f for f in ("lora", "qlora", "whole_embedding") if getattr(args, f)]
+        if given:
+            raise ConfigError(", ".join("--" + f.replace("_", "-") for f in given)
+                              + " needs --model: explicit times already say what each "
+                              "layer costs")
         missing = [f for f in ("layers", "fwd_ms", "bwd_ms", "head_fwd_ms", "head_bwd_ms")
                    if getattr(args, f) is None]
         if missing:
