@@ -59,3 +59,26 @@ def test_planner_prices_a_wrapped_qwen3_by_its_flop_model():
                                                            rel=0.01)
     assert plan == _plan(costs)
     assert plan != _plan(by_params)
+
+
+def test_a_lora_model_is_priced_as_lora():
+    """A PEFT LoRA model: only the adapters train, so the planner's costs are
+    ``model_work`` with those adapters (a frozen weight's backward computes only its
+    input gradient; the adapters add their own FLOPs), as ``rotapipe plan --lora``
+    prices it; unfreezing a base weight prices the model as full fine-tuning."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_qwen3(), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0))
+    wrapped = rotapipe.adapters.wrap_hf(model)
+    adapters = [sum(p.numel() for n, p in l.named_parameters() if "lora_" in n)
+                for l in wrapped.layers]
+    assert adapters[0] == adapters[-1] == 0 and all(a > 0 for a in adapters[1:-1])
+    lora = model_work(wrapped.config, SEQ, adapters=adapters)
+    assert [layer_work(l) for l in wrapped.layers] == list(lora)
+    full = model_work(wrapped.config, SEQ)
+    # The frozen head computes no weight gradient: half its full-fine-tuning backward.
+    assert lora[-1].backward_flops == pytest.approx(full[-1].backward_flops / 2)
+    assert lora[1].backward_flops < full[1].backward_flops
+    model.base_model.model.lm_head.weight.requires_grad_(True)
+    again = rotapipe.adapters.wrap_hf(model)
+    assert [layer_work(l) for l in again.layers] == list(full)

@@ -454,12 +454,31 @@ def _attach_work(layers: list[nn.Module], config) -> None:
     seq = min(int(getattr(config, "max_position_embeddings", None) or PLANNER_SEQ),
               PLANNER_SEQ)
     try:
-        works = model_work(config, seq)
+        works = model_work(config, seq, adapters=_lora_adapters(layers))
     except (ConfigError, TypeError, ValueError):
         return
     if len(works) == len(layers):
         for layer, work in zip(layers, works):
             set_work(layer, work)
+
+
+def _lora_adapters(layers: list[nn.Module]) -> list[int] | None:
+    """Each layer's trainable LoRA parameters (PEFT names them ``lora_*``) when they are
+    all that trains, as :func:`rotapipe.plan.model_work` prices LoRA (a frozen weight's
+    backward computes only its input gradient); ``None`` (priced as full fine-tuning)
+    when a base weight trains or there are no adapters. Read at wrap time: freezing or
+    unfreezing weights later does not change the plan's costs."""
+    counts = []
+    for layer in layers:
+        n = 0
+        for name, p in layer.named_parameters():
+            if not p.requires_grad:
+                continue
+            if "lora_" not in name:
+                return None
+            n += p.numel()
+        counts.append(n)
+    return counts if any(counts) else None
 
 
 def _on_meta(model: nn.Module) -> bool:
