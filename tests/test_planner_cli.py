@@ -79,19 +79,26 @@ def test_plan_says_which_pin_mode_it_assumed_and_what_is_page_locked(capsys):
     reg = out["register"]
     assert reg["pin"] == "register"
     host = reg["host_bytes"]
+    # The embedding moves by rows (16 x 2048 tokens: 134 MB of rows), gathered into
+    # two bounce buffers per worker of one 32 MiB chunk each, in every pin mode.
+    assert host["bounce_buffers"] == 2 * 2 * 32 * 2**20
     assert reg["host_pinned_bytes"] == (host["weights"] + host["pinned_buffers"]
-                                        + host["checkpoints"])
+                                        + host["checkpoints"] + host["bounce_buffers"])
     # copy: the same page-locked bytes, plus one weight held twice while copied: bounded
     # by the largest layer, the head (151936 x 2048 projection and its 2048 norm)
     assert out["copy"]["host_pinned_bytes"] == reg["host_pinned_bytes"]
     assert out["copy"]["host_bytes"]["transient"] == (151936 + 1) * 2048 * 2
-    # off: the weights leave the page-locked set; 2 workers x 2 chunks of 32 MiB join it
+    # off: the weights leave the page-locked set; the pageable weights stream through
+    # the same 2 workers x 2 chunks of 32 MiB
     off = out["off"]
     assert off["host_bytes"]["bounce_buffers"] == 2 * 2 * 32 * 2**20
-    assert off["host_pinned_bytes"] == (reg["host_pinned_bytes"] - host["weights"]
-                                        + 2 * 2 * 32 * 2**20)
+    assert off["host_pinned_bytes"] == reg["host_pinned_bytes"] - host["weights"]
     _, small = _json(capsys, *argv, "--pin", "off", "--copy-chunk-mb", "8")
     assert small["host_bytes"]["bounce_buffers"] == 2 * 2 * 8 * 2**20
+    # A call of 128 tokens moves 128 rows of 2048 bf16 values: buffers of that size.
+    _, few = _json(capsys, "qwen3-1.7b", "--hardware", "rtx4090x2", "--seq", "128",
+                   "--global-batch", "1")
+    assert few["host_bytes"]["bounce_buffers"] == 2 * 2 * 128 * 2048 * 2
 
 
 def test_plan_of_a_named_model_or_a_config_file_does_not_import_torch():

@@ -79,6 +79,10 @@ class ModelCosts:
     input_hop_ms: float = 0.0
     """Upload of one microbatch's model input (token ids)."""
     input_bytes: int = 0
+    rows_bytes: int = 0
+    """Bytes of the embedding rows one *call* moves each way when the table moves by
+    rows (``model_costs(call_tokens=)``; 0: it moves whole). They are gathered into
+    the workers' bounce buffers (:func:`rotapipe.plan.host_memory`)."""
 
     def __post_init__(self):
         if not self.layers:
@@ -351,7 +355,7 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
     tokens = seq * microbatch_size
     ms_per_flop = 1e3 / hardware.flops
     ms_per_byte = 1e3 / hardware.link_bytes_per_s
-    layers = []
+    layers, rows_bytes = [], 0
     works = model_work(config, seq, dtype_bytes, adapters)
     for i, w in enumerate(works):
         fwd = w.forward_flops * tokens * ms_per_flop
@@ -360,7 +364,7 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
         if i == 0 and call_tokens is not None and w.output_bytes:
             # Distinct rows a call can look up: at most one per token.
             row = int(w.output_bytes)
-            moved = min(weight_bytes, row * int(call_tokens))
+            moved = rows_bytes = min(weight_bytes, row * int(call_tokens))
         out_bytes = int(w.output_bytes * tokens)
         grad_ms = None if adapters is None else adapters[i] * dtype_bytes * ms_per_byte
         layers.append(LayerCost(w.name, fwd, w.backward_flops * tokens * ms_per_flop, fwd,
@@ -368,4 +372,5 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
                                 weight_bytes, int(w.saved_bytes * tokens), out_bytes,
                                 grad_ms))
     input_bytes = 8 * tokens
-    return ModelCosts(tuple(layers), tokens, input_bytes * ms_per_byte, input_bytes)
+    return ModelCosts(tuple(layers), tokens, input_bytes * ms_per_byte, input_bytes,
+                      rows_bytes)

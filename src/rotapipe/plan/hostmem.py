@@ -24,6 +24,8 @@ What lives in host memory (see :mod:`rotapipe.runtime.host`):
 
 - **bounce buffers** (pin mode ``"off"``): per worker, two page-locked chunks of
   ``copy_chunk_mb`` that pageable weights stream through on their way to the device;
+  in the other modes too when the embedding moves by rows (``ModelCosts.rows_bytes``:
+  the rows are gathered into them), each the smaller of a chunk and the rows;
 - **transient** (pin mode ``"copy"``): while a weight is copied into its new
   page-locked storage the original still exists: one tensor held twice, at most.
 
@@ -95,7 +97,8 @@ class HostMemory:
     pinned_buffers: int
     checkpoints: int
     bounce_buffers: int = 0
-    """Page-locked chunks pageable weights stream through (pin mode ``"off"``)."""
+    """Page-locked chunks pageable weights (pin mode ``"off"``) and gathered embedding
+    rows stream through."""
     transient: int = 0
     """The largest weight held twice while it is copied (pin mode ``"copy"``)."""
     pin: PinMode = PinMode.REGISTER
@@ -138,7 +141,7 @@ class HostMemory:
 
     def describe(self) -> str:
         """``612.3 GB = weights 65.5 + masters 131.0 + ...`` in decimal GB (the bounce
-        buffers and transient only where the pin mode has them)."""
+        buffers and transient only where they exist)."""
         optional = ("bounce_buffers", "transient", "snapshots")
         state = "" if self.state_dtype == "fp32" else f" ({self.state_dtype} state)"
         parts = " + ".join(f"{k.replace('_', ' ')} {v / GB:.1f}"
@@ -223,7 +226,7 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
     mode = _pin_mode(pin)
     if not chunk_mb > 0:
         raise ConfigError(f"chunk_mb={chunk_mb!r}: use the copy chunk in MiB, > 0 (e.g. 32)")
-    layers = costs.layers
+    layers, chunk = costs.layers, int(chunk_mb * 2**20)
     params = [l.weight_bytes // dtype_bytes for l in layers]
     trainable = list(trainable_params) if trainable_params is not None else params
     if len(trainable) != len(layers):
@@ -263,8 +266,8 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
                       layout=layout, state_dtype=state_dtype, staged=staged,
                       pinned_buffers=2 * workers * stage_bytes,
                       checkpoints=microbatches * per_mb,
-                      bounce_buffers=(2 * workers * int(chunk_mb * 2**20)
-                                      if mode is PinMode.OFF else 0),
+                      bounce_buffers=2 * workers * (
+                          chunk if mode is PinMode.OFF else min(chunk, costs.rows_bytes)),
                       transient=int(largest_tensor) if mode is PinMode.COPY else 0,
                       pin=mode)
 

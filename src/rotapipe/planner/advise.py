@@ -271,7 +271,7 @@ def longest_sequence(model, hw: Hardware, *, global_batch: int, device_limit: in
     trainable, grads = _trainable(model, hw, lora_rank)
 
     def ok(seq: int) -> bool:
-        costs = _costs(model, hw, seq)
+        costs = _costs(model, hw, seq, global_batch=global_batch)
         if not _fits_device(costs, device_limit, grads):
             return False
         if host_limit is None:
