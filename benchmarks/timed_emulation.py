@@ -326,9 +326,10 @@ def lora_bench(model: str, args) -> list[dict]:
 
 
 def hardware_link(costs) -> float:
-    """Bytes per ms of the host link (from the embedding, uploaded in bf16 in both):
-    ``upload GB`` is one pass over every layer's weights as uploaded."""
-    l = costs.layers[0]
+    """Bytes per ms of the host link (from the LM head, uploaded whole in bf16 in both;
+    the embedding moves by rows): ``upload GB`` is one pass over every layer's weights
+    as uploaded."""
+    l = costs.layers[-1]
     return l.weight_bytes / l.upload_ms
 
 
