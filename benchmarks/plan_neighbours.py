@@ -4,14 +4,19 @@ microbatches, exact optimizer, one call), simulate every plan one move away from
 planner's choice (a stage boundary moved by one layer, two neighbouring stages merged,
 a stage split in halves: the moves of the planner's local search, which ranks them by
 its job-grain estimate instead) and print the best neighbour's step and bubble.
-``--climb`` keeps taking the best improving move until none improves.
+``--climb`` keeps taking the best improving move until none improves; ``--random S``
+then spends S seconds on random combinations of 2-5 moves from the best plan so far
+(seed 1), keeping any that is faster.
 
     python benchmarks/plan_neighbours.py [--models qwen3-32b,gpt-oss-20b] [--climb]
+                                         [--random 240]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import time
 
 from paper_bubbles import M, MODELS, SEQ
 from rotapipe.plan import hardware
@@ -35,10 +40,35 @@ def neighbours(plan, costs, fp, limit):
                 yield r.step_ms, r.bubble.total, q
 
 
+def shaken(plan, costs, fp, limit, seconds: float, step: float):
+    """Random combinations of 2-5 moves from the best plan so far, for ``seconds``:
+    (step ms, bubble, plan) of the best found (``None`` if none beats ``step``), and
+    the number simulated."""
+    rng, best, tried, end = random.Random(1), None, 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        cur = best[2] if best else plan
+        fwd = [(s.start, s.stop) for s in cur.forward]
+        bwd = [(s.start, s.stop) for s in cur.backward]
+        for _ in range(rng.randint(2, 5)):
+            if rng.random() < 0.5:
+                fwd = rng.choice(list(_moves(fwd)))
+            else:
+                bwd = rng.choice(list(_moves(bwd)))
+        q = assemble_plan(plan.num_layers, fwd, plan.tail.start, bwd, plan.tail_jobs)
+        if device_need(q, fp) > limit:
+            continue
+        tried += 1
+        r = simulate_plan(q, costs, 8, M)
+        if r.step_ms < (best[0] if best else step) - 1e-6:
+            best = (r.step_ms, r.bubble.total, q)
+    return best, tried
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(m[1] for m in MODELS))
     ap.add_argument("--climb", action="store_true")
+    ap.add_argument("--random", type=float, default=0.0, metavar="SECONDS")
     args = ap.parse_args(argv)
     hw = hardware("rtx4090x8")
     print(f"{'model':22s} {'plan ms':>9s} {'bubble':>7s} {'neighbours':>10s} "
@@ -64,6 +94,10 @@ def main(argv=None) -> None:
         print(f"{name:22s} {c.report.step_ms:9.1f} {c.report.bubble.total:7.1%} "
               f"{count:10d} {best:9.1f} {best_bubble:7.1%} "
               f"{(f'{bubble:.1%} ({climbed})' if args.climb else '-'):>8s}")
+        if args.random > 0:
+            found, tried = shaken(plan, costs, fp, a.device_limit, args.random, step)
+            print(f"  {tried} random combinations of 2-5 moves: " + (
+                f"{found[0]:.1f} ms, bubble {found[1]:.1%}" if found else "none faster"))
 
 
 if __name__ == "__main__":
