@@ -266,3 +266,25 @@ def test_use_schedule_refuses_another_worker_count():
         stale = roundpipe_stale_schedule(pipe.plan, 2, 4, calls=2)
         with pytest.raises(rotapipe.ConfigError, match="spans 2 calls"):
             pipe.use_schedule(stale)
+
+
+def test_a_stale_pipeline_plans_for_overlapping_calls():
+    """``optimizer_mode="stale"`` gets the planner's plan for the steady state of
+    overlapping calls (as ``rotapipe plan --stale``), the exact modes the plan for one
+    call: on Qwen3-1.7B's emulated costs (8x RTX 4090) each plan is the faster in the
+    mode it was chosen for."""
+    from rotapipe.planner.autoplan import simulate_plan
+    from rotapipe.runtime.emulation import TimedEmulation
+    em = TimedEmulation.of("qwen3-1.7b", "rtx4090x8", seq=2048, call_tokens=16 * 2048)
+    model = em.stand_in()
+    plans = {}
+    for mode in ("sync", "stale"):
+        cfg = rotapipe.PipeConfig(workers=8, microbatches=16, backend="emulated",
+                                  emulation=em, optimizer_mode=mode)
+        with rotapipe.RoundPipe(model, lm_loss, config=cfg) as pipe:
+            plans[mode] = pipe.plan
+    assert plans["sync"] != plans["stale"]
+    steady = {m: simulate_plan(p, em.costs, 8, 16, stale=True).step_ms
+              for m, p in plans.items()}
+    one = {m: simulate_plan(p, em.costs, 8, 16).step_ms for m, p in plans.items()}
+    assert steady["stale"] < 0.98 * steady["sync"] and one["sync"] < one["stale"]

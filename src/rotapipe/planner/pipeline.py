@@ -14,7 +14,9 @@ The rule (docs/planning.md, "The runtime's plan"):
    Hugging Face config when the adapter attached it, else the estimate of
    :mod:`rotapipe.model.work`; the timed emulation's costs when set), at the
    pipeline's worker count, microbatch count, recompute grain, ``tail_layers`` and
-   worker budget (a CUDA device's memory when ``device_memory`` is unset). It splits
+   worker budget (a CUDA device's memory when ``device_memory`` is unset); with
+   ``optimizer_mode="stale"`` for the steady state of overlapping calls (as
+   ``rotapipe plan --stale``), otherwise for one exact call. It splits
    the fused tail into several jobs (``Plan.tail_jobs``) only with a timed emulation's
    costs, which time the transfers a split adds, and never with ``tail_context`` or
    buffers. If its memory bound (a sufficient condition) fits no plan, the even
@@ -31,7 +33,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from ..config import PartitionMode, PipeConfig
+from ..config import OptimizerMode, PartitionMode, PipeConfig
 from ..errors import ConfigError, PlanError
 from ..model.work import estimate_work
 from ..plan import LayerCost, ModelCosts, Plan, Stage, even_plan
@@ -206,7 +208,8 @@ class PipePlanner:
         cfg = PlannerConfig(self.workers, memory, (self.config.microbatches,),
                             grains=(self.config.grain,), exhaustive=RUNTIME_EXHAUSTIVE,
                             grad_bytes=self.grad_bytes, tail_layers=self.tail_layers,
-                            tail_jobs=self.tail_jobs)
+                            tail_jobs=self.tail_jobs,
+                            stale=self.config.optimizer_mode is OptimizerMode.STALE)
         return choose_plan(lambda m: costs, cfg).plan
 
     # -- refinement -----------------------------------------------------------------
