@@ -38,7 +38,9 @@ def Block(dim: int, hidden: int, heads: int = 2, dropout: float = 0.0) -> nn.Mod
 
 class Sleepy(nn.Module):
     """A linear layer that sleeps ``seconds`` in forward while ``seconds`` is set (a
-    stuck kernel; set it to 0 on the workers' shells to end the stall)."""
+    stuck kernel; set it to 0 on the workers' shells to end the stall, also one under
+    way: an abandoned stuck thread would otherwise hold the emulated backend's CPU
+    generator lock, and stall the next pipeline in the process, until it wakes)."""
 
     def __init__(self, seconds: float):
         super().__init__()
@@ -46,8 +48,9 @@ class Sleepy(nn.Module):
         self.seconds = seconds
 
     def forward(self, x):
-        if self.seconds:
-            time.sleep(self.seconds)
+        end = time.monotonic() + (self.seconds or 0)
+        while self.seconds and time.monotonic() < end:
+            time.sleep(0.02)
         return self.lin(x)
 
 

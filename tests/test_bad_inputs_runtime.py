@@ -11,6 +11,7 @@ type, a message naming the problem, a bounded time, and that the state is unchan
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -85,13 +86,26 @@ def test_a_closed_pipeline_raises_at_once(method):
     assert_state(model, before)        # the trained weights stay in the model
 
 
+@contextlib.contextmanager
+def _ended(shells):
+    """Ends the stall of the workers' ``Sleepy`` shells on the way out: the abandoned
+    thread wakes instead of holding the emulated backend's CPU generator lock for
+    the rest of its sleep (which stalled the next test's pipeline for 25 s)."""
+    try:
+        yield
+    finally:
+        for shell in shells:
+            shell[1].module.seconds = 0
+
+
 def test_a_stall_names_the_action_running_and_close_is_bounded():
     model = nn.Sequential(nn.Linear(4, 4), Sleepy(30.0), nn.Linear(4, 4))
     pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss,
                               config=emulated(2, 2, timeout_s=0.5))
     stuck = next(s for s in pipe.plan.forward if 1 in s.layers)
+    shells = pipe._calls.shells
     x, y = batch(4)
-    with deadline(20):
+    with deadline(20), _ended(shells):
         t0 = time.monotonic()
         with pytest.raises(rotapipe.WorkerError) as info:
             pipe.forward_backward(x, y)
