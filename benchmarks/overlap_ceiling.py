@@ -22,10 +22,9 @@ import argparse
 from dataclasses import replace
 
 import rotapipe
-from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 from rotapipe.runtime.emulation import TimedEmulation
 from rotapipe.sim import ActionTimes, run
-from timed_emulation import DEVICES, USABLE, WARMUP, loss_period, pipelined_sim
+from timed_emulation import DEVICES, WARMUP, loss_period, pipelined_sim, planned
 
 MEASURED = 4
 
@@ -43,9 +42,7 @@ def main(argv=None) -> None:
     for model in args.models.split(","):
         em = TimedEmulation.of(model.strip(), "rtx4090x8", seq=2048, call_tokens=2048 * m,
                                optimizer_params_per_s=args.optimizer_rate)
-        choice = choose_plan(lambda _: em.costs,
-                             PlannerConfig(DEVICES, USABLE, microbatch_counts=(m,),
-                                           tail_jobs=(1, 2, 3, 4)))
+        choice = planned(em.costs, m)
         base, em = em, replace(em, costs=choice.costs)
         call = rotapipe.roundpipe_schedule(choice.plan, DEVICES, m)
         bare = run(call, ActionTimes(choice.plan, choice.costs)).makespan
@@ -54,9 +51,7 @@ def main(argv=None) -> None:
         step = {mode: loss_period(pipelined_sim(em, choice.plan, mode, m,
                                                 WARMUP + MEASURED), choice.plan, MEASURED)
                 for mode in ("overlap", "stale")}
-        lagged = choose_plan(lambda _: base.costs,
-                             PlannerConfig(DEVICES, USABLE, microbatch_counts=(m,),
-                                           tail_jobs=(1, 2, 3, 4), stale=True))
+        lagged = planned(base.costs, m, stale=True)
         em_s = replace(em, costs=lagged.costs)
         own = loss_period(pipelined_sim(em_s, lagged.plan, "stale", m, WARMUP + MEASURED),
                           lagged.plan, MEASURED)

@@ -26,18 +26,27 @@ from rotapipe.planner.advise import _costs, _trainable
 from rotapipe.planner.autoplan import _grain_costs, device_need, simulate_plan
 
 
+def _runs(plan):
+    """The plan's forward and backward cuts as lists of (start, stop)."""
+    return ([(s.start, s.stop) for s in plan.forward],
+            [(s.start, s.stop) for s in plan.backward])
+
+
+def _simulated(plan, fwd, bwd, costs, fp, limit):
+    """(step ms, bubble, plan) of ``plan`` re-cut to ``fwd`` / ``bwd``, or ``None``
+    where that does not fit the device."""
+    q = assemble_plan(plan.num_layers, fwd, plan.tail.start, bwd, plan.tail_jobs)
+    if device_need(q, fp) > limit:
+        return None
+    r = simulate_plan(q, costs, 8, M)
+    return r.step_ms, r.bubble.total, q
+
+
 def neighbours(plan, costs, fp, limit):
     """(step ms, bubble, plan) of every fitting plan one move from ``plan``."""
-    fwd = [(s.start, s.stop) for s in plan.forward]
-    bwd = [(s.start, s.stop) for s in plan.backward]
-    body = plan.tail.start
-    for forward in (True, False):
-        for runs in _moves(fwd if forward else bwd):
-            q = assemble_plan(plan.num_layers, runs if forward else fwd, body,
-                              bwd if forward else runs, plan.tail_jobs)
-            if device_need(q, fp) <= limit:
-                r = simulate_plan(q, costs, 8, M)
-                yield r.step_ms, r.bubble.total, q
+    fwd, bwd = _runs(plan)
+    moved = [(runs, bwd) for runs in _moves(fwd)] + [(fwd, runs) for runs in _moves(bwd)]
+    return [r for r in (_simulated(plan, f, b, costs, fp, limit) for f, b in moved) if r]
 
 
 def shaken(plan, costs, fp, limit, seconds: float, step: float):
@@ -46,21 +55,18 @@ def shaken(plan, costs, fp, limit, seconds: float, step: float):
     the number simulated."""
     rng, best, tried, end = random.Random(1), None, 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
-        cur = best[2] if best else plan
-        fwd = [(s.start, s.stop) for s in cur.forward]
-        bwd = [(s.start, s.stop) for s in cur.backward]
+        fwd, bwd = _runs(best[2] if best else plan)
         for _ in range(rng.randint(2, 5)):
             if rng.random() < 0.5:
                 fwd = rng.choice(list(_moves(fwd)))
             else:
                 bwd = rng.choice(list(_moves(bwd)))
-        q = assemble_plan(plan.num_layers, fwd, plan.tail.start, bwd, plan.tail_jobs)
-        if device_need(q, fp) > limit:
+        r = _simulated(plan, fwd, bwd, costs, fp, limit)
+        if r is None:
             continue
         tried += 1
-        r = simulate_plan(q, costs, 8, M)
-        if r.step_ms < (best[0] if best else step) - 1e-6:
-            best = (r.step_ms, r.bubble.total, q)
+        if r[0] < (best[0] if best else step) - 1e-6:
+            best = r
     return best, tried
 
 

@@ -196,14 +196,21 @@ def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
                 sim_tokens=tokens / (sim_ms / 1e3))
 
 
+def planned(costs, microbatches: int, stale: bool = False):
+    """The planner's choice for RoundPipe on the emulated 8x RTX 4090: for one exact call,
+    or with ``stale`` for the steady state of overlapping calls (``rotapipe plan
+    --stale``)."""
+    return choose_plan(lambda m: costs,
+                       PlannerConfig(DEVICES, USABLE, microbatch_counts=(microbatches,),
+                                     tail_jobs=(1, 2, 3, 4), stale=stale))
+
+
 def bench(model: str, args) -> list[dict]:
     em0 = TimedEmulation.of(model, "rtx4090x8", seq=args.seq,
                             optimizer_params_per_s=args.optimizer_rate,
                             call_tokens=args.seq * args.microbatches)
     M = args.microbatches
-    choice = choose_plan(lambda m: em0.costs,
-                         PlannerConfig(DEVICES, USABLE, microbatch_counts=(M,),
-                                       tail_jobs=(1, 2, 3, 4)))
+    choice = planned(em0.costs, M)
     costs = choice.costs
     sim_rp = run(rotapipe.roundpipe_schedule(choice.plan, DEVICES, M),
                  ActionTimes(choice.plan, costs))
@@ -222,9 +229,7 @@ def bench(model: str, args) -> list[dict]:
             for mode in ("sync", "overlap")]
     # stale runs the plan the planner picks for it (``rotapipe plan --stale``: the
     # steady state of overlapping calls), at the same dilation.
-    lagged = choose_plan(lambda m: em0.costs,
-                         PlannerConfig(DEVICES, USABLE, microbatch_counts=(M,),
-                                       tail_jobs=(1, 2, 3, 4), stale=True))
+    lagged = planned(em0.costs, M, stale=True)
     em_s = replace(em, costs=lagged.costs)
     runs.append(("roundpipe stale", em_s, lagged.plan, None, "stale", lagged.grain.value,
                  pipelined_sim(em_s, lagged.plan, "stale", M, WARMUP + args.steps)))
