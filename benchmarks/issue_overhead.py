@@ -53,11 +53,9 @@ from rotapipe.runtime.executor import Chunk, Executor
 from rotapipe.schedule import HOST, ActionKind as K, Lane
 from rotapipe.runtime.emulation import TimedEmulation
 from rotapipe.sim import ActionTimes, run as simulate
-from rotapipe.planner.autoplan import PlannerConfig, choose_plan
+from timed_emulation import DEVICES, planned
 
-DEVICES = 8
-GIB, MIB = 2**30, 2**20
-USABLE = int(22.5 * GIB)      # of a 24 GiB RTX 4090, after context and fragmentation
+MIB = 2**20
 
 
 # -- the null backend ------------------------------------------------------------------
@@ -190,11 +188,10 @@ def plan_summary(plan) -> str:
 
 
 def bench(model: str, args) -> dict:
-    em = TimedEmulation.of(model, "rtx4090x8", seq=args.seq)
     M = args.microbatches
-    choice = choose_plan(lambda m: em.costs,
-                         PlannerConfig(DEVICES, USABLE, microbatch_counts=(M,),
-                                       tail_jobs=(1, 2, 3, 4)))
+    # The embedding moves by the call's rows, as in timed_emulation.py.
+    em = TimedEmulation.of(model, "rtx4090x8", seq=args.seq, call_tokens=args.seq * M)
+    choice = planned(em.costs, M)
     schedule = rotapipe.roundpipe_schedule(choice.plan, DEVICES, M,
                                            side_inputs=args.side_inputs)
     sim_ms = simulate(schedule, ActionTimes(choice.plan, choice.costs)).makespan
