@@ -72,6 +72,7 @@ from rotapipe.schedule import (gpipe_schedule, mobius_schedule, one_f_one_b_sche
                                roundpipe_stale_schedule)
 from rotapipe.runtime.emulation import TimedEmulation
 from rotapipe.sim import ActionTimes, memory_sizes, report, run
+from rotapipe.sim.timing import DEFAULT_CHUNK
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 from rotapipe.plan.hostmem import lora_params
 from rotapipe.sim import Timeline
@@ -123,13 +124,16 @@ WARMUP = 2
 """Calls before the measured ones (overlapping calls reach their steady state)."""
 
 
-def pipelined_sim(em, plan, mode: str, microbatches: int, calls: int):
+def pipelined_sim(em, plan, mode: str, microbatches: int, calls: int,
+                  chunk_bytes: int = DEFAULT_CHUNK):
     """The simulator's timeline of ``calls`` overlapping calls as the runtime runs them
     in ``mode`` (the schedule of :func:`roundpipe_stale_schedule`, without clipping;
-    each hand-off does its stage's optimizer work)."""
+    each hand-off does its stage's optimizer work), weights moving in chunks of
+    ``chunk_bytes``."""
     s = roundpipe_stale_schedule(plan, DEVICES, microbatches, calls=calls,
                                  staleness=1 if mode == "stale" else 0)
-    return run(s, ActionTimes(plan, em.costs, optimizer_ms=em.optimizer_ms(plan, False)))
+    return run(s, ActionTimes(plan, em.costs, chunk_bytes,
+                              optimizer_ms=em.optimizer_ms(plan, False)))
 
 
 def loss_period(tl, plan, measured: int) -> float:
