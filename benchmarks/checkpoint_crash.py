@@ -1,8 +1,8 @@
 """Crash safety of checkpoints: SIGKILL a training run at random moments, 20 times.
 
-Each trial resumes the same run (``--resume``, a checkpoint after every step), kills it
-with SIGKILL after a random delay, then checks that the newest complete checkpoint
-loads (masters, optimizer state, metadata agree on the step). The next trial resumes
+Each trial resumes the same run (``--resume auto``, a checkpoint after every step),
+kills it with SIGKILL after a random delay, then checks that the newest complete
+checkpoint loads (masters, optimizer state, metadata agree on the step). The next trial resumes
 from it, so every trial also proves the checkpoint resumes. A kill that lands while a
 checkpoint is being written leaves a ``.tmp-`` directory; the table counts them.
 
@@ -45,7 +45,7 @@ def main() -> int:
     mid, ok = 0, 0
     for trial in range(1, args.trials + 1):
         proc = subprocess.Popen([sys.executable, "-m", "rotapipe", "train", *common(10**6),
-                                 "--resume"], env=env(), stdout=subprocess.DEVNULL,
+                                 "--resume", "auto"], env=env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         before = latest_checkpoint(out / "checkpoints")
         while latest_checkpoint(out / "checkpoints") == before:    # wait for a new save
@@ -68,7 +68,7 @@ def main() -> int:
     # Finish the run from the last checkpoint: the resume must complete and exit 0.
     step = load_checkpoint(latest_checkpoint(out / "checkpoints"))[2]["step"]
     done = subprocess.run([sys.executable, "-m", "rotapipe", "train", *common(step + 2),
-                           "--resume"],
+                           "--resume", "auto"],
                           env=env(), capture_output=True, text=True)
     print(f"{ok}/{args.trials} kills left a loadable newest checkpoint; {mid} landed during "
           f"a checkpoint write; final resume from step {step} to {step + 2}: exit "
