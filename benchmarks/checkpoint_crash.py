@@ -2,9 +2,10 @@
 
 Each trial resumes the same run (``--resume auto``, a checkpoint after every step),
 kills it with SIGKILL after a random delay, then checks that the newest complete
-checkpoint loads (masters, optimizer state, metadata agree on the step). The next trial resumes
-from it, so every trial also proves the checkpoint resumes. A kill that lands while a
-checkpoint is being written leaves a ``.tmp-`` directory; the table counts them.
+checkpoint loads (masters, optimizer state, metadata agree on the step). The next
+trial resumes from it, so every trial also proves the checkpoint resumes. A kill that
+lands while a checkpoint is being written leaves a ``.tmp-`` directory; the table
+counts them.
 
     python benchmarks/checkpoint_crash.py            # ~2-3 minutes on 2 cores
 """
