@@ -438,6 +438,74 @@ def test_load_state_dict_validates_everything_first_and_refreshes_the_workers(dt
     pipe.close()
 
 
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_load_state_dict_refuses_tensors_without_dense_values_before_writing(kind):
+    model = linear_model()
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2)) as pipe:
+        before = state_of(model)
+        new = {k: v * 2 + 1 for k, v in before.items()}
+        # The last key in order: a check made only while copying would have written
+        # the others first.
+        new["3.bias"] = torch.empty(4, device="meta") if kind == "meta" else \
+            torch.zeros(4).to_sparse()
+        with pytest.raises(rotapipe.ConfigError, match=rf"'3.bias' is a "
+                           rf"{'meta' if kind == 'meta' else 'torch.sparse_coo'} tensor"):
+            pipe.load_state_dict(new)
+        assert_state(model, before)
+
+
+# -- schedulers --------------------------------------------------------------------------
+
+def test_a_scheduler_that_needs_a_metric_is_refused_at_attach():
+    with rotapipe.RoundPipe(linear_model(), nn.functional.mse_loss,
+                            config=emulated(2, 2)) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        with pytest.raises(rotapipe.ConfigError, match=r"ReduceLROnPlateau.step\(\) needs "
+                           r"metrics.*step it yourself after pipe.step\(\)"):
+            pipe.attach_optimizer(opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+        for wrong in (torch.optim.SGD, [opt]):
+            with pytest.raises(rotapipe.ConfigError, match="takes a torch.optim.Optimizer "
+                               "instance"):
+                pipe.attach_optimizer(wrong)
+        assert pipe.optimizer is None and pipe.scheduler is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_scheduler_failing_after_the_step_reports_the_step_as_kept(mode):
+    """The optimizer step is applied before the scheduler runs: the error says so, the
+    call counts as committed, and the weights are one step on, exactly."""
+    model, ref = linear_model(), linear_model()
+    x, y = batch()
+    pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss,
+                              config=emulated(2, 2, optimizer_mode=mode, timeout_s=10))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    pipe.attach_optimizer(opt, torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: 1.0 if step < 1 else 1 / 0))
+    with deadline(30), pytest.raises(Exception) as info:
+        if mode == "sync":
+            pipe.forward_backward(x, y)
+            pipe.step()
+        else:
+            pipe.train_step(x, y)
+            pipe.flush()
+    err = info.value
+    cause = err if isinstance(err, rotapipe.ConfigError) else err.__cause__
+    assert isinstance(cause, rotapipe.ConfigError)
+    assert "the scheduler's step() failed (ZeroDivisionError" in str(err)
+    assert "the optimizer step, which is applied and kept" in str(err)
+    if mode != "sync":
+        assert err.calls_committed == 1 and err.calls_discarded == []
+        assert "call 0: completed, its update is kept" in str(err)
+    assert pipe.calls == 1
+    nn.functional.mse_loss(ref(x), y).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for (k, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=k)
+    pipe.close()
+
+
 # -- in-place parameter updates in forward ---------------------------------------------
 
 class BumpsItsBias(nn.Module):

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import math
 import threading
 import time
@@ -234,9 +235,15 @@ class RoundPipe:
         the learning rate of that step: pass it here instead
         (:meth:`step_result` gives the learning rate each step used)."""
         self._check_open()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"attach_optimizer takes a torch.optim.Optimizer instance, got "
+                              f"{_kind(optimizer)}: build one over the pipeline's "
+                              "parameters, e.g. torch.optim.AdamW(pipe.parameters())")
         if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
             raise ConfigError("the scheduler does not drive this optimizer: build it over "
                               "the optimizer passed to attach_optimizer")
+        if scheduler is not None:
+            _check_scheduler(scheduler)
         ours = {id(p) for p in self.parameters()}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -462,10 +469,17 @@ class RoundPipe:
                             if self.config.clip_grad_norm is not None else None,
                             self._host_opt.last_skipped)
         if self.scheduler is not None:
-            with warnings.catch_warnings():
-                # A skipped step (fp16 overflow) did not call optimizer.step().
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
-                self.scheduler.step()
+            try:
+                with warnings.catch_warnings():
+                    # A skipped step (fp16 overflow) did not call optimizer.step().
+                    warnings.filterwarnings("ignore",
+                                            "Detected call of `lr_scheduler.step()`")
+                    self.scheduler.step()
+            except Exception as exc:
+                raise ConfigError(
+                    f"the scheduler's step() failed ({type(exc).__name__}: {exc}) after "
+                    "the optimizer step, which is applied and kept: fix the scheduler, "
+                    "or step it yourself after pipe.step() / pipe.flush()") from exc
         return result
 
     @property
@@ -558,6 +572,10 @@ class RoundPipe:
                 elif v.is_floating_point() != mine.is_floating_point():
                     problems.append(f"{k!r} has dtype {v.dtype}, the model's is "
                                     f"{mine.dtype}")
+                elif v.layout is not torch.strided or v.is_meta:
+                    problems.append(f"{k!r} is a {'meta' if v.is_meta else str(v.layout)} "
+                                    "tensor, which holds no dense values: pass dense "
+                                    "tensors (.to_dense(), or load real weights)")
             if problems:
                 shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more"
                                                   if len(problems) > 8 else "")
@@ -833,3 +851,30 @@ def _close(devices, streams=()) -> None:
              for t in d.close(max(0.0, deadline - time.monotonic()) if broken else None)]
     if stuck:
         abandon(broken, stuck)
+
+
+def _kind(value) -> str:
+    """How an error names a value of the wrong kind: a class as 'the class X'."""
+    return f"the class {value.__name__}" if isinstance(value, type) else \
+        f"a {type(value).__name__}"
+
+
+def _check_scheduler(scheduler) -> None:
+    """Refuse a scheduler whose ``step()`` needs arguments (``ReduceLROnPlateau``
+    takes the metric): the pipeline steps it after each optimizer step with none."""
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise ConfigError(f"the scheduler ({type(scheduler).__name__}) has no step() "
+                          "method: pass a torch.optim.lr_scheduler over the optimizer")
+    try:
+        params = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):     # a builtin without a signature: let it run
+        return
+    needed = [p.name for p in params if p.default is p.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if needed:
+        raise ConfigError(
+            f"{type(scheduler).__name__}.step() needs {', '.join(needed)}, and the pipeline "
+            "steps the scheduler after each optimizer step with no arguments: step it "
+            "yourself after pipe.step() (after pipe.flush() with optimizer_mode 'overlap' "
+            "or 'stale'), and leave it out of attach_optimizer")

@@ -309,9 +309,11 @@ class Call:
             self.reduce.finish()        # the reduced gradients are in place
         self.hook.commit()
         self._buffers(self.state.host_store)
+        # Committed from here: a failing scheduler (after_step) leaves the step applied,
+        # and the failure reports this call as kept.
+        self.committed = True
         if self.step and self._after_step is not None:
             self.result = self._after_step()
-        self.committed = True
 
     def read_loss(self) -> float:
         self.loss = float(sum(self.losses()))
