@@ -52,7 +52,10 @@ def refused(make, *fragments):
     ("device_memory", 1.5, "whole number of bytes"),
     ("microbatches", True, "positive int (got bool)"),
     ("microbatches", "4", "positive int (got str)"),
-    ("workers", True, "positive int or None (got bool)"),
+    ("workers", True, "an int in [1, 256] (one worker per GPU; an emulated worker runs a "
+                      "thread per stream) or None (got bool)"),
+    ("workers", 0, "an int in [1, 256]"),
+    ("workers", 100_000, "an int in [1, 256]"),
     ("forward_stages", 2.0, "positive int or None"),
     ("prefetch", "2", "int >= 1"),
     ("seed", "x", "int >= 0 (got str)"),

@@ -562,3 +562,25 @@ def test_a_layer_changing_the_batch_size_is_refused_in_training_and_evaluation(c
             pipe.forward_backward(x, y) if call == "train" else pipe(x)
         assert_state(model, before)
         assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_devices_already_built_are_closed_when_one_cannot_be_built(monkeypatch):
+    """Thread exhaustion (or a device failing) part-way through building the workers
+    leaves no threads of the ones built behind."""
+    import threading
+    from rotapipe.runtime.devices import make_devices
+    from rotapipe.runtime.emulated import EmulatedDevice
+    real, built = EmulatedDevice.__init__, []
+
+    def third_fails(self, *args, **kwargs):
+        if len(built) == 2:
+            raise RuntimeError("can't start new thread")
+        real(self, *args, **kwargs)
+        built.append(self)
+
+    before = threading.active_count()
+    monkeypatch.setattr(EmulatedDevice, "__init__", third_fails)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        make_devices(rotapipe.PipeConfig(workers=4, backend="emulated"))
+    assert len(built) == 2
+    assert threading.active_count() == before

@@ -24,16 +24,18 @@ def _fail(name: str, value, allowed: str, optional: bool, wrong_type: bool):
                       f"{got}")
 
 
-def integer(name: str, value, *, minimum: int = 1, optional: bool = False,
-            allowed: str | None = None) -> int | None:
-    """An ``int`` (not a ``bool``) of at least ``minimum``; ``None`` when ``optional``."""
+def integer(name: str, value, *, minimum: int = 1, maximum: int | None = None,
+            optional: bool = False, allowed: str | None = None) -> int | None:
+    """An ``int`` (not a ``bool``) of at least ``minimum`` (and at most ``maximum``);
+    ``None`` when ``optional``."""
     if value is None and optional:
         return None
     wrong_type = isinstance(value, bool) or not isinstance(value, Integral)
-    if wrong_type or value < minimum:
-        _fail(name, value, allowed or ("a positive int" if minimum == 1
-                                       else f"an int >= {minimum}"), optional,
-              wrong_type and not isinstance(value, float))
+    if wrong_type or value < minimum or (maximum is not None and value > maximum):
+        _fail(name, value, allowed or (f"an int in [{minimum}, {maximum}]"
+                                       if maximum is not None else "a positive int"
+                                       if minimum == 1 else f"an int >= {minimum}"),
+              optional, wrong_type and not isinstance(value, float))
     return value
 
 

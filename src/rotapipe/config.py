@@ -36,6 +36,10 @@ class PartitionMode(str, enum.Enum):
     training calls, until the timings are stable (then frozen)."""
 
 
+MAX_WORKERS = 256
+"""Most workers a pipeline takes: a server has a handful of GPUs, and an emulated worker
+starts one thread per stream (several thousand workers exhaust the process's threads)."""
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -260,7 +264,9 @@ class PipeConfig:
             object.__setattr__(self, name, check.choice(kind, name, getattr(self, name)))
         if self.pin is not None:
             object.__setattr__(self, "pin", check.choice(PinMode, "pin", self.pin))
-        check.integer("workers", self.workers, optional=True)
+        check.integer("workers", self.workers, maximum=MAX_WORKERS, optional=True,
+                      allowed=f"an int in [1, {MAX_WORKERS}] (one worker per GPU; an "
+                      "emulated worker runs a thread per stream)")
         check.integer("microbatches", self.microbatches)
         check.integer("forward_stages", self.forward_stages, optional=True)
         check.integer("backward_stages", self.backward_stages, optional=True)

@@ -27,6 +27,22 @@ def make_devices(config: PipeConfig) -> list[Device]:
             raise ConfigError(f"workers={workers} but only {n} CUDA GPUs are visible: "
                               f"lower workers to {n} or use backend='emulated'")
         from .cuda import CudaDevice
-        return [CudaDevice(i, config.device_memory) for i in range(workers)]
+        return _built(lambda i: CudaDevice(i, config.device_memory), workers)
     from .emulated import EmulatedDevice
-    return [EmulatedDevice(i, config.device_memory) for i in range(config.workers or 2)]
+    return _built(lambda i: EmulatedDevice(i, config.device_memory), config.workers or 2)
+
+
+def _built(make, n: int) -> list[Device]:
+    """``n`` devices; if one cannot be built (no thread left to start, a device that
+    fails), those already built are closed before the error goes up."""
+    devices = []
+    try:
+        for i in range(n):
+            devices.append(make(i))
+    except BaseException:
+        for d in devices:
+            d.stop()
+        for d in devices:
+            d.close()
+        raise
+    return devices
