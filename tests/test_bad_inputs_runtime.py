@@ -584,3 +584,24 @@ def test_devices_already_built_are_closed_when_one_cannot_be_built(monkeypatch):
         make_devices(rotapipe.PipeConfig(workers=4, backend="emulated"))
     assert len(built) == 2
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("bad, named", [
+    (None, "takes a dict, got None"),
+    ({}, "'scaler' is missing"),
+    ({"calls": 5, "evals": 0, "scaler": "junk"}, "'scaler' is a str"),
+    ({"calls": "x", "evals": 0, "scaler": {"scale": 1.0, "good_steps": 0}}, "'calls' is 'x'"),
+    ({"calls": -5, "evals": 0, "scaler": {"scale": 1.0, "good_steps": 0}}, "'calls' is -5"),
+    ({"calls": 5, "evals": 1, "scaler": {"scale": 1.0}}, "'good_steps' is missing"),
+    ({"calls": 5, "evals": 1, "scaler": {"scale": float("nan"), "good_steps": 0}},
+     "'scale' is nan"),
+])
+def test_load_pipeline_state_checks_everything_before_changing_anything(bad, named):
+    with rotapipe.RoundPipe(linear_model(), nn.functional.mse_loss,
+                            config=emulated(2, 2)) as pipe:
+        before = pipe.pipeline_state()
+        with pytest.raises(rotapipe.CheckpointError, match=re.escape(named)):
+            pipe.load_pipeline_state(bad)
+        assert pipe.pipeline_state() == before
+        pipe.load_pipeline_state({**before, "calls": 7, "evals": 2})
+        assert pipe.calls == 7

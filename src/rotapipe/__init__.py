@@ -16,7 +16,7 @@ _FROM = {
     ".config": ("BackendKind", "DataParallelConfig", "NonFinite", "OptimizerMode",
                 "PartitionMode", "PinMode", "PipeConfig", "PrecisionConfig", "RecomputeGrain",
                 "ShardMode", "StateDtype"),
-    ".errors": ("ConfigError", "DeviceOutOfMemoryError", "DistributedError", "InputError",
+    ".errors": ("CheckpointError", "ConfigError", "DeviceOutOfMemoryError", "DistributedError", "InputError",
                 "NonFiniteError", "PipelineClosedError", "PlanError", "RaceError",
                 "RotapipeError", "ScheduleError", "WorkerError"),
     ".pipe": ("RoundPipe",),
@@ -34,9 +34,9 @@ if typing.TYPE_CHECKING:      # what the lazy names are, for type checkers and I
     from .config import (BackendKind, DataParallelConfig, NonFinite, OptimizerMode,
                          PartitionMode, PinMode, PipeConfig, PrecisionConfig,
                          RecomputeGrain, ShardMode, StateDtype)
-    from .errors import (ConfigError, DeviceOutOfMemoryError, DistributedError,
-                         InputError, NonFiniteError, PipelineClosedError, PlanError,
-                         RaceError, RotapipeError, ScheduleError, WorkerError)
+    from .errors import (CheckpointError, ConfigError, DeviceOutOfMemoryError,
+                         DistributedError, InputError, NonFiniteError, PipelineClosedError,
+                         PlanError, RaceError, RotapipeError, ScheduleError, WorkerError)
     from .pipe import RoundPipe
     from .plan import Plan, Stage, StageKind, even_plan
     from .runtime.rng import layer_seed

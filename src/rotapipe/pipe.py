@@ -616,8 +616,10 @@ class RoundPipe:
                 "optimizer_state_dtype": self.config.optimizer_state_dtype.value}
 
     def load_pipeline_state(self, state: dict) -> None:
-        """Restore what :meth:`pipeline_state` returned."""
+        """Restore what :meth:`pipeline_state` returned. Everything is checked before
+        anything changes (:class:`~rotapipe.errors.CheckpointError` naming the key)."""
         self._check_open()
+        calls, evals, scale, good = _pipeline_state(state)
         saved = state.get("optimizer_state_dtype", "fp32")
         ours = self.config.optimizer_state_dtype.value
         if saved != ours:
@@ -628,8 +630,8 @@ class RoundPipe:
                 f"{saved}) to resume it")
         with self._lock:
             self._flush()
-            self.calls, self._evals = int(state["calls"]), int(state["evals"])
-            self.scaler.load_state_dict(state["scaler"])
+            self.calls, self._evals = calls, evals
+            self.scaler.load_state_dict({"scale": scale, "good_steps": good})
 
     def train(self, mode: bool = True) -> RoundPipe:
         """Set the layers' training flag (dropout, BatchNorm), as ``nn.Module.train``."""
@@ -855,6 +857,8 @@ def _close(devices, streams=()) -> None:
 
 def _kind(value) -> str:
     """How an error names a value of the wrong kind: a class as 'the class X'."""
+    if value is None:
+        return "None"
     return f"the class {value.__name__}" if isinstance(value, type) else \
         f"a {type(value).__name__}"
 
@@ -878,3 +882,31 @@ def _check_scheduler(scheduler) -> None:
             "steps the scheduler after each optimizer step with no arguments: step it "
             "yourself after pipe.step() (after pipe.flush() with optimizer_mode 'overlap' "
             "or 'stale'), and leave it out of attach_optimizer")
+
+
+def _pipeline_state(state) -> tuple[int, int, float, int]:
+    """``(calls, evals, scale, good_steps)`` of a :meth:`RoundPipe.pipeline_state` dict,
+    checked: counts are ints >= 0 (training calls number from 0; evaluation uses -1,
+    -2, ...), the scale a finite float > 0."""
+    fix = "pass what pipe.pipeline_state() returned (the checkpoint is damaged otherwise)"
+    if not isinstance(state, dict):
+        raise CheckpointError(f"load_pipeline_state takes a dict, got {_kind(state)}: {fix}")
+    scaler = state.get("scaler")
+    if not isinstance(scaler, dict):
+        raise CheckpointError(f"the pipeline state's 'scaler' is "
+                              f"{'missing' if scaler is None else _kind(scaler)}, not a "
+                              f"dict: {fix}")
+    out = []
+    for where, key in ((state, "calls"), (state, "evals"), (scaler, "good_steps")):
+        v = where.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise CheckpointError(f"the pipeline state's {key!r} is "
+                                  f"{'missing' if v is None else repr(v)}: it must be an "
+                                  f"int >= 0; {fix}")
+        out.append(v)
+    scale = scaler.get("scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or \
+            not math.isfinite(scale) or scale <= 0:
+        raise CheckpointError(f"the pipeline state's scaler 'scale' is {scale!r}: it must "
+                              f"be a finite number > 0; {fix}")
+    return out[0], out[1], float(scale), out[2]
