@@ -605,3 +605,34 @@ def test_load_pipeline_state_checks_everything_before_changing_anything(bad, nam
         assert pipe.pipeline_state() == before
         pipe.load_pipeline_state({**before, "calls": 7, "evals": 2})
         assert pipe.calls == 7
+
+
+class AuxHead(nn.Module):
+    """The output, a 0-dim auxiliary loss and a record of twice the rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h):
+        o = self.lin(h)
+        return o, (o ** 2).mean(), o.reshape(-1, 2)
+
+
+def test_evaluation_joins_the_batch_and_lists_what_has_no_batch_dimension():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), AuxHead())
+    x, y = batch(6)
+
+    def loss(out, y):
+        return nn.functional.mse_loss(out[0], y) + 0.1 * out[1]
+
+    with rotapipe.RoundPipe(model, loss, config=emulated(2, 3)) as pipe:
+        pipe.forward_backward(x, y)           # trains with the auxiliary loss
+        out, aux, record = pipe(x)
+    with torch.no_grad():
+        parts = [model(m) for m in torch.tensor_split(x, 3)]
+    torch.testing.assert_close(out, torch.cat([p[0] for p in parts]), rtol=RTOL, atol=ATOL)
+    assert isinstance(aux, list) and len(aux) == 3
+    for got, want in zip(aux, parts):
+        torch.testing.assert_close(got, want[1], rtol=RTOL, atol=ATOL)
+    assert isinstance(record, list) and [r.shape for r in record] == [(4, 2)] * 3

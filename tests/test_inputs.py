@@ -178,7 +178,7 @@ def test_inputs_or_labels_on_the_wrong_device(pipe):
     ({"microbatches": 2.5}, r"microbatches=2.5: use a positive int"),
     ({"grain": "foo"}, r"grain='foo' is invalid: use one of 'stage', 'layer'"),
     ({"backend": "tpu"}, r"backend='tpu' is invalid: use one of 'auto', 'cuda', 'emulated'"),
-    ({"workers": 0}, r"workers=0: use a positive int or None"),
+    ({"workers": 0}, r"workers=0: use an int in \[1, 256\] \(one worker per GPU.* or None"),
     ({"forward_stages": 0}, r"forward_stages=0: use a positive int or None"),
     ({"backward_stages": -2}, r"backward_stages=-2"),
     ({"tail_layers": 0}, r"tail_layers=0: use a positive int: the fused tail needs at least "

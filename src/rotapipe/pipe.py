@@ -510,7 +510,10 @@ class RoundPipe:
         """Evaluate without gradients: the last layer's output for the whole batch.
 
         Runs forward stages only (the layers' train/eval flags apply as set; buffer
-        updates made during evaluation are not kept)."""
+        updates made during evaluation are not kept). The microbatches' outputs are
+        joined along dim 0; a further output tensor without the microbatch's samples in
+        dim 0 (a 0-dim mean, a per-token record) comes back as a list, one value per
+        microbatch."""
         self._check_open()
         with self._lock:
             self._flush()
@@ -528,7 +531,7 @@ class RoundPipe:
             self._calls.run(schedule, ctx, host_store)
             outs = [host_store.get(("act", self.plan.num_layers, m)) for m in range(M)]
             self._evals += 1
-        return trees.concat(outs)
+        return trees.concat(outs, [trees.batch_size(mb, "inputs") for mb in mbs])
 
     # -- reading state -----------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

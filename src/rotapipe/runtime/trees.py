@@ -43,13 +43,23 @@ def split(tree, parts: int) -> list:
     return [tree_unflatten([c[m] for c in chunks], spec) for m in range(parts)]
 
 
-def concat(trees: list):
-    """Join per-microbatch outputs along dim 0 (inverse of :func:`split`)."""
+def concat(trees: list, rows: list[int] | None = None):
+    """Join per-microbatch outputs along dim 0 (inverse of :func:`split`). With
+    ``rows`` (each microbatch's batch size), a tensor leaf that does not have those
+    rows in dim 0 in every microbatch (a 0-dim mean, a per-token record) cannot be
+    joined: it comes back as the list of its per-microbatch values."""
     flat = [tree_flatten(t) for t in trees]
     spec = flat[0][1]
     cols = zip(*(leaves for leaves, _ in flat))
-    return tree_unflatten([torch.cat(c) if isinstance(c[0], torch.Tensor) else c[0]
-                           for c in cols], spec)
+
+    def join(c):
+        if not isinstance(c[0], torch.Tensor):
+            return c[0]
+        if rows is not None and not all(isinstance(t, torch.Tensor) and t.dim() > 0
+                                        and t.shape[0] == n for t, n in zip(c, rows)):
+            return list(c)
+        return torch.cat(c)
+    return tree_unflatten([join(c) for c in cols], spec)
 
 
 def cast_floating(tree, dtype: torch.dtype):
