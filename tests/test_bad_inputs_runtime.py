@@ -65,6 +65,13 @@ CLOSED_CALLS = {
     "zero_grad": lambda p, x, y: p.zero_grad(),
     "pipeline_state": lambda p, x, y: p.pipeline_state(),
     "attach_optimizer": lambda p, x, y: p.attach_optimizer(torch.optim.SGD(p.layerset.params, lr=1)),
+    "schedule": lambda p, x, y: p.schedule(),
+    "last_timeline": lambda p, x, y: p.last_timeline(),
+    "train": lambda p, x, y: p.train(),
+    "eval": lambda p, x, y: p.eval(),
+    "calls (set)": lambda p, x, y: setattr(p, "calls", 3),
+    "peak_memory": lambda p, x, y: p.peak_memory(),
+    "reset_peak_memory": lambda p, x, y: p.reset_peak_memory(),
 }
 
 
@@ -452,6 +459,41 @@ def test_load_state_dict_refuses_tensors_without_dense_values_before_writing(kin
                            rf"{'meta' if kind == 'meta' else 'torch.sparse_coo'} tensor"):
             pipe.load_state_dict(new)
         assert_state(model, before)
+
+
+# -- values a training call derives from the user's callables ---------------------------
+
+@pytest.mark.parametrize("weight, named", [
+    (lambda y: torch.tensor([1.0, 2.0]), "a torch.float32 tensor of shape (2,)"),
+    (lambda y: "a", "'a'"),
+    (lambda y: float("inf"), "inf"),
+])
+def test_a_bad_loss_weight_is_named_and_changes_nothing(weight, named):
+    model = linear_model()
+    before = state_of(model)
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2),
+                            loss_weight=weight) as pipe:
+        with pytest.raises(rotapipe.InputError, match=re.escape(f"loss_weight returned "
+                                                                f"{named} for microbatch 0")):
+            pipe.forward_backward(*batch())
+        assert pipe.calls == 0
+    assert_state(model, before)
+
+
+def test_sparse_inputs_and_a_complex_loss_are_refused():
+    x, y = batch()
+    with rotapipe.RoundPipe(linear_model(), nn.functional.mse_loss,
+                            config=emulated(2, 2)) as pipe:
+        with pytest.raises(rotapipe.InputError, match="inputs leaf 0 is a torch.sparse_coo "
+                           "tensor: pass dense tensors"):
+            pipe.forward_backward(x.to_sparse(), y)
+        with pytest.raises(rotapipe.ConfigError, match=r"last_timeline\(calls=0\)"):
+            pipe.last_timeline(0)
+    with rotapipe.RoundPipe(linear_model(), lambda o, t: nn.functional.mse_loss(o, t).to(
+            torch.complex64), config=emulated(2, 2, timeout_s=10)) as pipe:
+        with pytest.raises(rotapipe.WorkerError, match="returned a torch.complex64 tensor"):
+            pipe.forward_backward(x, y)
+        assert pipe.calls == 0
 
 
 # -- schedulers --------------------------------------------------------------------------

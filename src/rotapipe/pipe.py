@@ -269,6 +269,7 @@ class RoundPipe:
 
     @calls.setter
     def calls(self, value: int) -> None:
+        self._check_open()
         self._stream.drain()
         self._stream.committed = int(value)
 
@@ -638,6 +639,7 @@ class RoundPipe:
 
     def train(self, mode: bool = True) -> RoundPipe:
         """Set the layers' training flag (dropout, BatchNorm), as ``nn.Module.train``."""
+        self._check_open()
         for layer in self.layerset.layers:
             layer.train(mode)
         return self
@@ -647,6 +649,7 @@ class RoundPipe:
 
     def schedule(self, training: bool = True) -> Schedule:
         """The schedule a call runs (``Schedule.grid()`` prints it)."""
+        self._check_open()
         return self._schedule(training)
 
     def use_schedule(self, schedule: Schedule) -> None:
@@ -704,14 +707,20 @@ class RoundPipe:
         Emulated workers give the times the actions ran; on CUDA the times are when
         their work was issued. With overlapping calls the timeline's schedule is what
         ran: :func:`rotapipe.schedule.roundpipe_stale_schedule`'s calls."""
+        self._check_open()
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+            raise ConfigError(f"last_timeline(calls={calls!r}): use an int >= 1 (the "
+                              "last 64 calls are kept)")
         history = list(self._stream.history)[-calls:]
         return timeline(history)
 
     def peak_memory(self) -> list[int]:
         """Peak accounted device bytes per worker since construction or reset."""
+        self._check_open()
         return [d.peak_memory() for d in self.devices]
 
     def reset_peak_memory(self) -> None:
+        self._check_open()
         for d in self.devices:
             d.reset_peak()
 

@@ -11,6 +11,7 @@ durations of the current plan, and the modelled host optimizer time.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from ..model import LayerSet, Lookups
 from ..plan import Plan, StageKind
 from ..schedule import ActionKind as K, Schedule, roundpipe_schedule, validate
 from ..schedule.actions import stage_map
+from ..schedule.memory import format_bytes
 from ..schedule.routes import Routes
 from .backend import Device
 from .executor import Executor
@@ -58,8 +60,29 @@ def split_batch(inputs, labels, microbatches: int, dtype: torch.dtype,
     if loss_weight is None:
         units = [float(trees.batch_size(x, "inputs")) for x in mbs]
     else:
-        units = [float(loss_weight(y)) for y in lbs]
+        units = [_units(loss_weight(y), m) for m, y in enumerate(lbs)]
     return mbs, lbs, units
+
+
+def _units(value, microbatch: int) -> float:
+    """A number ``loss_weight`` returned (a Python number or a one-element tensor)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and \
+            not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"loss_weight returned {_shown(value)} for microbatch "
+                         f"{microbatch}: return the number of items the loss averages "
+                         "over (an int, a float or a one-element tensor)")
+    if not math.isfinite(value):
+        raise InputError(f"loss_weight returned {value} for microbatch {microbatch}: "
+                         "return a finite number of items")
+    return float(value)
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{value!r}" if isinstance(value, (str, bool)) else f"a {type(value).__name__}"
 
 
 def check_stage_budget(plan: Plan, layerset: LayerSet, host: HostState,
@@ -73,8 +96,8 @@ def check_stage_budget(plan: Plan, layerset: LayerSet, host: HostState,
         need = sum(host.device_bytes(p) for p in layerset.stage_params(s.layers))
         if need > budget:
             raise ConfigError(
-                f"stage {s} needs {need / 2**20:.2f} MiB for its weights alone, over the "
-                f"worker memory budget of {budget / 2**20:.2f} MiB: use smaller stages "
+                f"stage {s} needs {format_bytes(need)} for its weights alone, over the "
+                f"worker memory budget of {format_bytes(budget)}: use smaller stages "
                 "(raise forward_stages / backward_stages, lower tail_layers) or raise "
                 "device_memory")
 

@@ -538,6 +538,10 @@ def _scalar(loss) -> torch.Tensor:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise InputError(f"the loss function returned {shape}, not a scalar tensor: reduce "
                          "it (e.g. .mean()) inside loss_fn")
+    if loss.is_complex():
+        raise InputError(f"the loss function returned a {loss.dtype} tensor: a loss to "
+                         "minimise is real (backward() refuses a complex one); return its "
+                         "real part or abs() from loss_fn")
     return loss.reshape(())
 
 

@@ -17,6 +17,10 @@ def batch_size(tree, what: str) -> int:
             if t.device.type != "cpu":
                 raise InputError(f"{what} leaf {i} is on {t.device}: pass CPU tensors; "
                                  "rotapipe moves each microbatch to its worker itself")
+            if t.layout is not torch.strided:
+                raise InputError(f"{what} leaf {i} is a {t.layout} tensor: pass dense "
+                                 "tensors (.to_dense()); a batch is split into "
+                                 "microbatches along dim 0")
             if t.dim() == 0:
                 raise InputError(f"{what} leaf {i} is a 0-dim tensor: every tensor needs "
                                  "a batch dimension 0")
