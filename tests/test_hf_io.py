@@ -117,6 +117,36 @@ def test_bad_inputs():
                              "labels": torch.zeros(1, 2, dtype=torch.long)})
 
 
+def test_bad_labels_are_named_and_change_nothing():
+    """Labels are checked in the caller's thread (out of the vocabulary, not integer
+    ids) or named by the loss (a shape other than the inputs'); nothing trains."""
+    model = tiny("qwen3")
+    wrapped = wrap_hf(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, mask, labels = batch()
+    cases = [(labels.masked_fill(labels == labels[1, 1], 102), rotapipe.InputError,
+              r"labels hold 102, outside the vocabulary \[0, 97\) and not ignore_index=-100"),
+             (labels.float(), rotapipe.InputError, "labels are torch.float32: pass integer"),
+             (labels[:, :-1], rotapipe.WorkerError,
+              r"labels have shape \(4, 6\) but the inputs are \(4, 7\) tokens")]
+    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated",
+                                          timeout_s=10)) as pipe:
+        pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        for bad, error, message in cases:
+            with pytest.raises(error, match=message):
+                pipe.train_step(wrapped.inputs(ids, mask), bad)
+            assert pipe.calls == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_model_without_decoder_blocks_is_refused():
+    from hf_models import COMMON
+    cfg = transformers.Qwen3Config(**{**COMMON, "num_hidden_layers": 0, "head_dim": 8})
+    with pytest.raises(AdapterError, match=r"has no decoder blocks \(num_hidden_layers=0\)"):
+        wrap_hf(transformers.Qwen3ForCausalLM(cfg))
+
+
 def test_finetune_example_runs():
     import pathlib
     import subprocess

@@ -108,7 +108,7 @@ class HFModel:
         self.layers = layers
         self.loss_fn = loss_fn
         self.side_inputs = side_inputs
-        self.loss_weight = TokenCount(loss_fn.ignore_index)
+        self.loss_weight = TokenCount(loss_fn.ignore_index, _out_features(layers[-1].lm_head))
         self.parts = parts
         """Where each piece was found, e.g. ``{"layers": "model.layers", ...}``."""
 
@@ -229,6 +229,11 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
                                                              layers_path)
     n = int(getattr(config, "num_hidden_layers", len(block_list)) or len(block_list))
     blocks = list(block_list)[:n]
+    if not blocks:
+        raise AdapterError(f"{type(base).__name__} has no decoder blocks "
+                           f"(num_hidden_layers={n}): rotapipe pipelines the blocks between "
+                           "the embedding and the head; build the model with at least one "
+                           "layer")
 
     multiplier = embedding_multiplier(config)
     transforms = logit_transforms(config, logits_fn)
@@ -479,6 +484,16 @@ def _lora_adapters(layers: list[nn.Module]) -> list[int] | None:
             n += p.numel()
         counts.append(n)
     return counts if any(counts) else None
+
+
+def _out_features(head: nn.Module) -> int | None:
+    """The LM head's vocabulary size: its weight's rows (a linear or tied head), else
+    its ``out_features``; ``None`` when neither says."""
+    w = getattr(head, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return int(w.shape[0])
+    out = getattr(head, "out_features", None)
+    return int(out) if isinstance(out, int) else None
 
 
 def _on_meta(model: nn.Module) -> bool:

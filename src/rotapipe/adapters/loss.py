@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..errors import InputError
+
 __all__ = ["LMHead", "TokenCount", "shift_labels", "chunked_cross_entropy", "lm_loss",
            "DEFAULT_LOGITS_BYTES"]
 
@@ -91,12 +93,32 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
 
 class TokenCount:
     """``loss_weight`` for :class:`rotapipe.RoundPipe`: the positions of a microbatch the
-    causal-LM loss averages over (shifted labels that are not ``ignore_index``)."""
+    causal-LM loss averages over (shifted labels that are not ``ignore_index``). Runs in
+    the caller's thread before the call starts, so it also checks the labels: integer
+    token ids, each in ``[0, vocab)`` (when ``vocab`` is given) or ``ignore_index``."""
 
-    def __init__(self, ignore_index: int = -100):
+    def __init__(self, ignore_index: int = -100, vocab: int | None = None):
         self.ignore_index = ignore_index
+        self.vocab = vocab
 
     def __call__(self, labels: torch.Tensor) -> int:
+        if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or \
+                labels.is_complex() or labels.dtype is torch.bool:
+            what = labels.dtype if isinstance(labels, torch.Tensor) else \
+                type(labels).__name__
+            raise InputError(f"labels are {what}: pass integer token ids (a LongTensor "
+                             f"shaped like input_ids, {self.ignore_index} where no loss "
+                             "counts)")
+        if labels.dim() == 0:
+            raise InputError("labels are a 0-dim tensor: pass one label per input token "
+                             "(shaped like input_ids)")
+        if self.vocab is not None and labels.numel():
+            bad = (labels != self.ignore_index) & ((labels < 0) | (labels >= self.vocab))
+            if bad.any():
+                raise InputError(f"labels hold {int(labels[bad][0])}, outside the "
+                                 f"vocabulary [0, {self.vocab}) and not ignore_index="
+                                 f"{self.ignore_index}: pass token ids of this model's "
+                                 "tokenizer")
         return int((labels[..., 1:] != self.ignore_index).sum())
 
 
@@ -258,6 +280,10 @@ def lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: LMHead | Callable,
     (its pipeline weight is 0 too), not NaN."""
     if not isinstance(head, LMHead):
         head = LMHead(head)
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise InputError(f"labels have shape {tuple(labels.shape)} but the inputs are "
+                         f"{tuple(hidden.shape[:-1])} tokens: pass one label per input "
+                         "token (the loss shifts them; unshifted, like input_ids)")
     targets = shift_labels(labels, ignore_index)
     total = chunked_cross_entropy(hidden, targets, head, chunk_tokens=chunk_tokens,
                                   ignore_index=ignore_index)
