@@ -678,3 +678,30 @@ def test_evaluation_joins_the_batch_and_lists_what_has_no_batch_dimension():
     for got, want in zip(aux, parts):
         torch.testing.assert_close(got, want[1], rtol=RTOL, atol=ATOL)
     assert isinstance(record, list) and [r.shape for r in record] == [(4, 2)] * 3
+
+
+class RaisesAfterUpdating(torch.optim.SGD):
+    def step(self, closure=None):
+        super().step(closure)
+        raise RuntimeError("boom after updating")
+
+
+def test_a_sync_optimizer_raising_after_updating_keeps_the_workers_on_the_masters():
+    """A synchronous step keeps no snapshot: the error says the update stays, and the
+    workers compute with the masters (not with the weights from before the step)."""
+    model, ref = linear_model(), linear_model()
+    x, y = batch()
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2)) as pipe:
+        pipe.attach_optimizer(RaisesAfterUpdating(pipe.parameters(), lr=0.1))
+        pipe.forward_backward(x, y)
+        with pytest.raises(RuntimeError, match="boom after updating") as info:
+            pipe.step()
+        assert any("keep their update" in n for n in getattr(info.value, "__notes__", []))
+        out = pipe(x)
+    nn.functional.mse_loss(ref(x), y).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+        torch.testing.assert_close(out, ref(x), rtol=RTOL, atol=ATOL)
+    for (k, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=k)

@@ -162,7 +162,21 @@ class HostOptimizer:
             {pid: params[pid].grad for pid in host.trainable if params[pid].grad is not None})
         if not overflow:
             self.last_norm = clip((params[pid] for pid in host.trainable), self.max_norm)
-            self.states.step(optimizer, [params[pid] for pid in host.trainable])
+            try:
+                self.states.step(optimizer, [params[pid] for pid in host.trainable])
+            except Exception as exc:
+                # No snapshot in a synchronous step: what the optimizer updated before
+                # it raised stays updated. Keep the workers' copies on the masters
+                # (consistent) and say so.
+                host.write_back(view=view)
+                if hasattr(exc, "add_note"):      # Python 3.11+
+                    exc.add_note(
+                        "rotapipe: the optimizer's step() raised; a synchronous step keeps "
+                        "no snapshot, so parameters it updated before raising keep their "
+                        "update (the workers' copies follow them; the gradients are kept, "
+                        "not cleared): restore a checkpoint (pipe.load_state_dict and the "
+                        "optimizer's load_state_dict) before stepping again")
+                raise
             host.write_back(view=view)
             if cost is not None:
                 cost(list(host.trainable))
