@@ -62,24 +62,27 @@ def fails(capsys, code, argv, *fragments, limit_s: float = 10.0) -> str:
 # -- simulate ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, fragments", [
-    (["--microbatches", "0"], ["--microbatches", "0: use an integer >= 1"]),
+    (["--microbatches", "0"], ["--microbatches", "0: use an integer in [1, 4,096]"]),
+    (["--microbatches", "99999999999999999999999"], ["--microbatches", "use an integer in [1, 4,096]"]),
     (["--microbatches", "four"], ["--microbatches", "'four' is not an integer"]),
     (["--fwd-ms", "nan"], ["--fwd-ms", "nan: use a finite number > 0"]),
     (["--bwd-ms", "inf"], ["--bwd-ms", "inf: use a finite number > 0"]),
     (["--head-fwd-ms", "0"], ["--head-fwd-ms", "> 0"]),
-    (["--devices", "0"], ["--devices", "0: use an integer >= 1"]),
+    (["--devices", "0"], ["--devices", "0: use an integer in [1, 1,024]"]),
     (["--devices", "-3"], ["--devices", "-3"]),
-    (["--global-batch", "0"], ["--global-batch", "0: use an integer >= 1"]),
+    (["--global-batch", "0"], ["--global-batch", "0: use an integer in [1, 1,048,576]"]),
     (["--global-batch", "24"], ["--global-batch 24 is not a multiple of --microbatches 16"]),
     (["--hop-ms", "nan"], ["--hop-ms", "nan: use a finite number >= 0"]),
     (["--upload-ms", "-1"], ["--upload-ms", ">= 0"]),
     (["--recompute-ms", "inf"], ["--recompute-ms", "inf"]),
-    (["--layers", "0"], ["--layers", "0: use an integer >= 1"]),
+    (["--layers", "0"], ["--layers", "0: use an integer in [1, 1,048,576]"]),
     (["--seq", "0"], ["--seq", "0"]),
     (["--virtual-stages", "0"], ["--virtual-stages", "0"]),
-    (["--calls", "1"], ["--calls", "1: use an integer >= 2"]),
+    (["--calls", "1"], ["--calls", "1: use an integer in [2, 64]"]),
     (["--memory-gib", "nan"], ["--memory-gib", "nan"]),
     (["--schedules", "zigzag"], ["unknown schedule 'zigzag'"]),
+    (["--schedules", ","], ["--schedules ',' names no schedule", "gpipe, 1f1b", "or all"]),
+    (["--memory-gib", "1e-12"], ["--memory-gib", "1e-12: use a finite number of GiB >= 0.001"]),
 ])
 def test_simulate_bad_flag(capsys, change, fragments):
     fails(capsys, 2, ["simulate", *EXPLICIT, *change], *fragments)
@@ -161,7 +164,9 @@ def test_plan_config_of_random_bytes(capsys, tmp_path):
     (["--memory-fraction", "nan"], ["--memory-fraction", "nan"]),
     (["--memory-fraction", "1.5"], ["--memory-fraction", "(0, 1]"]),
     (["--copy-chunk-mb", "inf"], ["--copy-chunk-mb", "inf"]),
-    (["--microbatches", "0"], ["--microbatches", "0: use an integer >= 1"]),
+    (["--microbatches", "0"], ["--microbatches", "0: use an integer in [1, 1,048,576]"]),
+    (["--seq", "1e23"], ["--seq", "'1e23' is not an integer"]),
+    (["--seq", str(10**23)], ["--seq", "use an integer in [1, 1,048,576]"]),
     (["--seq", "-1"], ["--seq", "-1"]),
     (["--global-batch", "0"], ["--global-batch", "0"]),
     (["--lora", "--lora-rank", "0"], ["--lora-rank", "0"]),
@@ -202,6 +207,11 @@ def data(tmp_path) -> pathlib.Path:
     ({"heads": "3"}, ["dim=32 is not a multiple of heads=3"]),
     ({"kv_heads": "3", "heads": "4"}, ["heads=4 is not a multiple of kv_heads=3"]),
     ({"batch": "5"}, ["batch=5 is not a multiple of microbatches=2"]),
+    # Past int64 these reached torch as "unexpected" overflows (exit 1).
+    ({"seed": str(10**23)}, [f"seed={10**23}: use an int in [0, 9,223,372,036,854,775,807]"]),
+    ({"seq": str(10**23)}, [f"seq={10**23}: use an int in [1, 1,048,576]"]),
+    ({"steps": str(2**63)}, [f"steps={2**63}: use an int in [1, 9,223,372,036,854,775,807]"]),
+    ({"epochs": str(10**7)}, ["epochs=10000000: use an int in [1, 1,048,576]"]),
 ])
 def test_train_bad_setting(capsys, tmp_path, data, setting, fragments):
     out = tmp_path / "o"
@@ -226,6 +236,10 @@ def test_train_flag_that_does_not_parse(capsys, tmp_path, argv, fragments):
     ("[1, 2]", ["holds a list, not a table"]),
     ('{"lr": NaN}', ["lr=nan"]),
     ('{"steps": "10"}', ["'steps'", "'10'"]),
+    ('{"train": {"lr": 1e-3}, "other": {"x": 1}}',
+     ["has a 'train' table and also 'other'", "name = value at the top level",
+      "all of them in one 'train' table"]),
+    ('{"lr": 1e-3, "optim": {"beta1": 0.9}}', ["'optim' is a table, not a setting"]),
 ])
 def test_train_config_file_refused(capsys, tmp_path, content, fragments):
     path = tmp_path / "run.json"
@@ -351,6 +365,53 @@ def test_damaged_latest_checkpoint_falls_back_with_a_warning(capsys, caplog, tmp
                                            export=False), "--resume")
     a, b = _masters(out, 6), _masters(clean, 6)
     assert rc == 0 and all((a[k] == b[k]).all() for k in a)
+
+
+def _nan_masters(ckpt: pathlib.Path) -> None:
+    """NaN in the last tensor of masters.safetensors, the file the same size (the
+    manifest still agrees: only reading the values finds it)."""
+    from safetensors.torch import load_file, save_file
+    f = ckpt / "masters.safetensors"
+    size, masters = f.stat().st_size, load_file(str(f))
+    masters[sorted(masters)[-1]].view(-1)[0] = float("nan")
+    save_file(masters, str(f))
+    assert f.stat().st_size == size
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("manifest [1]", "manifest.json is not a JSON object (it holds a list"),
+    ('manifest {"masters.safetensors": "big"}',
+     "manifest.json gives masters.safetensors a size of 'big', not a number of bytes"),
+    ('manifest {"../../d.jsonl": 1}', "manifest.json names '../../d.jsonl', which is not a "
+                                      "file inside the checkpoint"),
+    ("nan masters", "masters.safetensors holds non-finite values in "),
+    ('meta {"config": "x", "fingerprint": {}}', "meta.json['config'] is a str, not the dict"),
+    ('meta {"config": {"steps": "4"}, "fingerprint": {"params": {}}}',
+     "meta.json['config']['steps'] is a str, not the int"),
+    ("meta []", "meta.json holds a list, not the dict a save writes"),
+])
+def test_checkpoint_damaged_inside_is_skipped_like_a_truncated_one(caplog, tmp_path, trained,
+                                                                   damage, fragment):
+    """Damage that the sizes in the manifest do not show (a manifest of the wrong shape,
+    NaN masters, a meta.json field of the wrong type) is skipped with a warning naming
+    the checkpoint and what is wrong, and the resume falls back to the one before."""
+    from rotapipe.train.checkpoint import resume_from
+    out, _ = _copy(trained, tmp_path)
+    latest = out / "checkpoints" / "step-00000004"
+    what, _, text = damage.partition(" ")
+    if what == "nan":
+        _nan_masters(latest)
+    else:
+        f = latest / f"{what}.json"
+        f.write_text(text)
+        if what == "meta":       # the manifest's size of meta.json still holds
+            manifest = json.loads((latest / "manifest.json").read_text())
+            manifest["meta.json"] = f.stat().st_size
+            (latest / "manifest.json").write_text(json.dumps(manifest))
+    path, _, state, _ = resume_from(out / "checkpoints", True)
+    assert path.name == "step-00000002" and state["step"] == 2
+    assert f"checkpoint {latest}: {fragment}" in caplog.text, caplog.text
+    assert "damaged: step-00000004" in caplog.text
 
 
 def test_every_checkpoint_damaged_is_a_runtime_error(capsys, tmp_path, trained):

@@ -65,8 +65,17 @@ def test_chat_errors_name_the_record():
     t = Tokens(tok)
     with pytest.raises(InputError, match=r"x:3: no 'assistant' message"):
         t.record({"messages": [{"role": "user", "content": "hi"}]}, FIELDS, "x:3")
-    with pytest.raises(InputError, match=r"x:4: messages\[0\]"):
+    with pytest.raises(InputError, match=r"x:4: messages\[0\]\['content'\] is missing"):
         t.record({"messages": [{"role": "user"}]}, FIELDS, "x:4")
+    with pytest.raises(InputError, match=r"x:6: messages\[1\]\['content'\] is null: each "
+                                         r"message is an object with a string \"role\""):
+        t.record({"messages": [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": None}]}, FIELDS, "x:6")
+    with pytest.raises(InputError, match=r"x:7: messages\[0\]\['role'\] is an int \(1\)"):
+        t.record({"messages": [{"role": 1, "content": "hi"}]}, FIELDS, "x:7")
+    with pytest.raises(InputError, match=r"x:8: 'messages' is an empty list: a chat needs its "
+                                         r"messages, at least one of them the assistant's"):
+        t.record({"messages": []}, FIELDS, "x:8")
     tok.chat_template = None
     with pytest.raises(ConfigError, match="has none"):
         t.record({"messages": [{"role": "assistant", "content": "a"}]}, FIELDS, "x:5")

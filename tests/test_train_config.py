@@ -90,3 +90,30 @@ def test_docs_settings_table_lists_every_field_with_its_default():
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
         assert rows.get(f.name) == repr(getattr(value, "value", value)), f.name
+
+
+def test_int_settings_have_an_upper_bound_naming_the_field():
+    """Huge values failed deep in torch ("Overflow when unpacking long long")."""
+    from dataclasses import fields
+    from rotapipe.train.config import INT_LIMIT, LARGEST
+    ints = [f.name for f in fields(TrainConfig) if f.name in LARGEST or f.name in
+            ("steps", "seed", "warmup", "keep", "log_every", "eval_interval")]
+    for name in ints:
+        largest = LARGEST.get(name, INT_LIMIT)
+        with pytest.raises(ConfigError, match=rf"^{name}={largest + 1}: use an int in "
+                                              rf"\[[01], {largest:,}\]$"):
+            TrainConfig(**{name: largest + 1})
+    assert TrainConfig(seed=INT_LIMIT, steps=INT_LIMIT, seq=LARGEST["seq"]).seed == INT_LIMIT
+
+
+def test_a_config_file_is_one_flat_table_or_one_train_table(tmp_path):
+    (tmp_path / "a.toml").write_text("[train]\nlr = 1e-3\n[other]\nx = 1\n")
+    with pytest.raises(ConfigError, match=r"a\.toml has a 'train' table and also 'other': "
+                                          r"write the settings as name = value at the top "
+                                          r"level .*or all of them in one 'train' table"):
+        load_config(tmp_path / "a.toml")
+    (tmp_path / "b.toml").write_text("lr = 1e-3\n[optim]\nbeta1 = 0.9\n")
+    with pytest.raises(ConfigError, match=r"b\.toml: 'optim' is a table, not a setting"):
+        load_config(tmp_path / "b.toml")
+    (tmp_path / "c.toml").write_text("[train]\nlr = 1e-3\n")
+    assert load_config(tmp_path / "c.toml").lr == 1e-3

@@ -108,6 +108,36 @@ def test_bad_line_and_missing_fields_name_the_line(tmp_path):
         source_files(str(tmp_path / "nope.txt"))
 
 
+@pytest.mark.parametrize("record, fragment", [
+    ({"text": None}, "'text' is null: expected a string"),
+    ({"text": 5}, "'text' is an int (5): expected a string"),
+    ({"text": ["a", "b"]}, "'text' is a list (['a', 'b']): expected a string"),
+    ({"prompt": "What is 2+2?", "response": None}, "'response' is null: expected a string"),
+    ({"prompt": None, "completion": "4"}, "'prompt' is null: expected a string"),
+    ({"prompt": "q", "response": None, "text": "t"}, "'response' is null"),
+    ({"messages": None}, "'messages' is null: use a list of"),
+])
+def test_null_or_non_string_fields_are_refused_not_trained_on(tmp_path, record, fragment):
+    """str() of them trained on the words "None" or "['a', 'b']", silently."""
+    import json
+    from rotapipe.train.loop import check_data
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "ok"}\n' + json.dumps(record) + "\n")
+    with pytest.raises(InputError) as info:
+        check_data([p], FIELDS)
+    assert str(info.value).startswith(f"{p}:2: {fragment}"), str(info.value)
+
+
+def test_a_null_column_of_another_form_does_not_hide_the_record():
+    """Parquet and dataset rows hold every column: a text row of a table that also has
+    prompt and response columns has them null, and is a text record."""
+    from rotapipe.train.records import record_parts
+    row = {"prompt": None, "response": None, "text": "t", "messages": None}
+    assert record_parts(row, FIELDS, "x:1") == ("text", "t")
+    assert record_parts({"prompt": "q", "response": None, "completion": "c"}, FIELDS,
+                        "x:1") == ("pair", ("q", "c"))
+
+
 def test_the_run_summary_counts_files_and_saved_datasets(tmp_path):
     from rotapipe.train.records import describe_sources
     d = tmp_path / "d"

@@ -149,3 +149,37 @@ def test_resumed_summary_counts_this_runs_tokens(tmp_path):
     assert result.tokens == 6 * per_step                        # the run's total
     summary = next(line for line in lines if line.startswith("held-out loss"))
     assert f" {2 * per_step} tokens, " in summary and "over steps 0..6" in summary, summary
+
+
+def test_a_stop_after_resuming_names_the_checkpoint_it_resumed_from(tmp_path, monkeypatch):
+    """Until a resumed run saves, the checkpoint to go back to is the one it resumed
+    from (it said "None"); a fresh run with none says so."""
+    import rotapipe
+    from rotapipe.train import TrainConfig, loop, train
+    from train_util import TINY, deadline
+    data = text_jsonl(tmp_path / "d.jsonl", 100)
+    common = {**TINY, "data": str(data), "eval_interval": 0, "export": False}
+    with deadline(120):
+        train(TrainConfig(**common, out_dir=str(tmp_path / "o"), steps=2))
+    real = loop._Job.train_step
+
+    def poisoned(job):                 # a step that leaves a weight NaN
+        record = real(job)
+        job.pipe.flush()
+        with torch.no_grad():
+            next(iter(job.pipe.parameters())).view(-1)[0] = float("nan")
+        return record
+    monkeypatch.setattr(loop._Job, "train_step", poisoned)
+    resumed = tmp_path / "o" / "checkpoints" / "step-00000002"
+    with deadline(120), pytest.raises(rotapipe.NonFiniteError) as info:
+        train(TrainConfig(**common, out_dir=str(tmp_path / "o"), steps=4, save_interval=1,
+                          resume=True))
+    assert "not finite at step 3 " in str(info.value)
+    assert f"no checkpoint written; the last one is {resumed}. Lower --lr or check the " \
+           "data, and resume from it" in str(info.value)
+    with deadline(120), pytest.raises(rotapipe.NonFiniteError,
+                                      match=r"not finite at step 1 .*there is no checkpoint to "
+                                            r"go back to\. Lower --lr or check the data, and "
+                                            r"start again"):
+        train(TrainConfig(**common, out_dir=str(tmp_path / "fresh"), steps=2,
+                          save_interval=1))

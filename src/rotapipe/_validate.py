@@ -32,7 +32,7 @@ def integer(name: str, value, *, minimum: int = 1, maximum: int | None = None,
         return None
     wrong_type = isinstance(value, bool) or not isinstance(value, Integral)
     if wrong_type or value < minimum or (maximum is not None and value > maximum):
-        _fail(name, value, allowed or (f"an int in [{minimum}, {maximum}]"
+        _fail(name, value, allowed or (f"an int in [{minimum}, {maximum:,}]"
                                        if maximum is not None else "a positive int"
                                        if minimum == 1 else f"an int >= {minimum}"),
               optional, wrong_type and not isinstance(value, float))

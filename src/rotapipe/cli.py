@@ -34,18 +34,23 @@ EXIT_USAGE = 2
 EXIT_NO_FIT = 3
 """``rotapipe plan``: the run does not fit the machine."""
 EXIT_INTERRUPTED = 130
+MIN_MEMORY_GIB = 0.001
+"""``simulate --memory-gib`` below this (about 1 MiB) is a typo, not a device."""
 
 
 # -- flag types: argparse turns their errors into "argument --x: ..." and exit 2 -----------
-def _count(minimum: int = 1):
-    """An int flag of at least ``minimum``."""
+def _count(minimum: int = 1, maximum: int = 2**20):
+    """An int flag in ``[minimum, maximum]``: the default maximum (a million) is far
+    beyond any real run, so a typo fails here, not as an overflow or a simulation that
+    never ends."""
     def convert(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text}: use an integer >= {minimum}")
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{text}: use an integer in [{minimum}, "
+                                             f"{maximum:,}]")
         return value
     convert.__name__ = "int"
     return convert
@@ -172,9 +177,9 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     a("--schedules", default="all",
       help=f"comma-separated subset of {','.join(SCHEDULES)} (aliases: interleaved, "
            "bfs, exact, stale; default: all)")
-    a("--devices", type=_count(), default=None,
+    a("--devices", type=_count(maximum=1024), default=None,
       help="pipeline devices (default: the hardware's count, or 8)")
-    a("--microbatches", type=_count(), default=16,
+    a("--microbatches", type=_count(maximum=4096), default=16,
       help="microbatches per step (default: 16)")
     g = p.add_argument_group("explicit per-layer times (ms per microbatch)")
     g.add_argument("--layers", type=_count(),
@@ -200,8 +205,10 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of peak TFLOPS layers reach (default: 0.6)")
     g.add_argument("--fp16-accumulate", action="store_true",
                    help="fp16 math with fp16 accumulation (2x on GeForce cards)")
-    g.add_argument("--memory-gib", type=_real(), default=None,
-                   help="device memory to check peaks against (default: the hardware's)")
+    g.add_argument("--memory-gib", type=_real(MIN_MEMORY_GIB, low_open=False, unit="GiB"),
+                   default=None,
+                   help="device memory to check peaks against, at least 0.001 GiB "
+                        "(default: the hardware's)")
     g.add_argument("--lora", action="store_true",
                    help="LoRA on a frozen base, priced as LoRA (as plan --lora): a frozen "
                         "weight's backward computes only its input gradient, only the "
@@ -217,7 +224,7 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     a("--seq", type=_count(), default=2048, help="tokens per sequence (default: 2048)")
     a("--global-batch", type=_count(), default=None,
       help="sequences per step (default: one per microbatch)")
-    a("--virtual-stages", type=_count(), default=2,
+    a("--virtual-stages", type=_count(maximum=64), default=2,
       help="chunks per device of interleaved 1F1B and looped BFS (default: 2)")
     a("--recompute", nargs="?", const="ahead", default="off", metavar="MODE",
       choices=("off", "ahead", "after-grad"),
@@ -226,7 +233,7 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
            "may run before its gradient arrives) or 'after-grad' (the paper's "
            "baselines: it waits for the gradient); default off. RoundPipe always "
            "recomputes all but the fused tail")
-    a("--calls", type=_count(2), default=4,
+    a("--calls", type=_count(2, 64), default=4,
       help="overlapping calls simulated for roundpipe-stale (default: 4)")
     a("--out", default=None, help="write a timeline PNG and a Chrome trace per schedule here")
 
@@ -235,9 +242,12 @@ def simulate(args: argparse.Namespace) -> int:
     """Simulate the chosen schedules on explicit times or a model + hardware profile;
     print the table (and the picture and trace paths with ``--out``)."""
     from .plan import ModelCosts, hardware, lora_params, model_costs
-    from .sim import SimConfig, compare, schedule_names, table
+    from .sim import SCHEDULES, SimConfig, compare, schedule_names, table
 
     names = schedule_names(args.schedules)
+    if not names:
+        raise ConfigError(f"--schedules {args.schedules!r} names no schedule: use a "
+                          f"comma-separated subset of {', '.join(SCHEDULES)}, or all")
     M = args.microbatches
     batch = args.global_batch if args.global_batch is not None else M
     if batch % M:

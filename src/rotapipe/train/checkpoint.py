@@ -40,8 +40,8 @@ import torch
 from ..errors import CheckpointError, ConfigError
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoints",
-           "resume_from", "check_out_dir", "save_shard", "load_shards", "save_consolidated",
-           "save_sharded_checkpoint", "is_sharded"]
+           "resume_from", "check_resumable", "check_out_dir", "save_shard", "load_shards",
+           "save_consolidated", "save_sharded_checkpoint", "is_sharded"]
 
 log = logging.getLogger("rotapipe.train")
 
@@ -133,8 +133,9 @@ def _sizes(path: pathlib.Path) -> dict[str, int]:
 
 def verify_checkpoint(path: pathlib.Path) -> None:
     """Raise :class:`CheckpointError` naming the first file of ``path`` that is missing
-    or not the size its manifest says (checkpoints written before manifests existed
-    are only checked by reading them)."""
+    or not the size its manifest says, or the manifest when it is not the object of
+    ``{file: bytes}`` a save writes (checkpoints written before manifests existed are
+    only checked by reading them)."""
     manifest = path / MANIFEST
     if not manifest.is_file():
         return
@@ -143,7 +144,17 @@ def verify_checkpoint(path: pathlib.Path) -> None:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable "
                               f"({type(exc).__name__})") from None
+    if not isinstance(want, dict):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a JSON object (it holds "
+                              f"a {type(want).__name__}; a save writes {{file: bytes}})")
     for name, size in want.items():
+        rel = pathlib.PurePosixPath(name)
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} names {name!r}, which is "
+                                  "not a file inside the checkpoint")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} gives {name} a size of "
+                                  f"{size!r}, not a number of bytes")
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path}: {name} is missing")
@@ -170,10 +181,47 @@ def load_checkpoint(path: pathlib.Path, masters: bool = True
         first = first.split(". ")[0][:200]              # torch's reasons run on
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: "
                               f"{first})") from None
+    for name, value in (("meta.json", meta), ("state.pt", state)):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"checkpoint {path}: {name} holds a {type(value).__name__}, "
+                                  "not the dict a save writes")
     return masters, state, meta
 
 
-_STATE_KEYS = ("step", "tokens", "optimizer", "scheduler", "pipe", "rng", "data")
+_KINDS = (("state.pt", ("step",), int), ("state.pt", ("tokens",), int),
+          *(("state.pt", (k,), dict) for k in ("optimizer", "scheduler", "pipe", "rng",
+                                                "data")),
+          ("meta.json", ("config",), dict), ("meta.json", ("config", "steps"), int),
+          ("meta.json", ("fingerprint",), dict),
+          ("meta.json", ("fingerprint", "params"), dict))
+"""``(file, key path, type)`` of what a resume reads before the model is built."""
+
+
+def check_resumable(path: pathlib.Path, masters: dict[str, torch.Tensor], state: dict,
+                    meta: dict) -> None:
+    """Raise :class:`CheckpointError` when a loaded checkpoint cannot be resumed: a field
+    a resume reads is missing or of another type (:data:`_KINDS`), or a master weight is
+    not finite (a save never writes one: the file was changed after it was written)."""
+    top = [keys[0] for file, keys, _ in _KINDS if len(keys) == 1
+           and keys[0] not in (state if file == "state.pt" else meta)]
+    if top:
+        raise CheckpointError(f"checkpoint {path} lacks {', '.join(top)}: it was not "
+                              "written by rotapipe train")
+    for file, keys, kind in _KINDS:
+        value = state if file == "state.pt" else meta
+        for key in keys:                  # the parents were checked to be dicts before
+            value = value.get(key)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            field = "".join(f"[{k!r}]" for k in keys)
+            got = "missing" if value is None else f"a {type(value).__name__}"
+            raise CheckpointError(f"checkpoint {path}: {file}{field} is {got}, not the "
+                                  f"{kind.__name__} a save writes")
+    # One tensor at a time: a bool copy of one tensor, never of the whole set.
+    bad = [n for n, t in masters.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(f"checkpoint {path}: masters.safetensors holds non-finite "
+                              f"values in {bad[0]}" + (f" and {len(bad) - 1} more"
+                                                       if len(bad) > 1 else ""))
 
 
 def resume_from(ckpt_dir: pathlib.Path, resume: bool | str
@@ -195,11 +243,7 @@ def resume_from(ckpt_dir: pathlib.Path, resume: bool | str
     for path in reversed(found):
         try:
             masters, state, meta = load_checkpoint(path, masters=not is_sharded(path))
-            missing = [k for k in _STATE_KEYS if k not in state] + \
-                [k for k in ("config", "fingerprint") if k not in meta]
-            if missing:
-                raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: it was "
-                                      "not written by rotapipe train")
+            check_resumable(path, masters, state, meta)
         except CheckpointError as exc:
             log.warning("%s: skipping it", exc)
             damaged.append(path.name)

@@ -31,7 +31,7 @@ from .. import _validate as check
 from ..errors import ConfigError
 
 __all__ = ["TrainConfig", "load_config", "field_docs", "FROM_SCRATCH", "PRETRAINED",
-           "REPORT_TO", "CHOICES"]
+           "REPORT_TO", "CHOICES", "LARGEST", "INT_LIMIT"]
 
 FROM_SCRATCH = {"lr": 4e-3, "warmup": 20, "weight_decay": 0.1, "steps": 400,
                 "sample_prompt": "def "}
@@ -261,13 +261,13 @@ class TrainConfig:
         for n in ("layers", "dim", "heads", "vocab", "seq", "eval_sequences", "batch",
                   "microbatches", "keep", "lora_rank", "tokenizer_bytes", "log_every",
                   "max_skipped_steps"):
-            check.integer(n, getattr(self, n))
+            _integer(n, getattr(self, n))
         for n in ("kv_heads", "ffn", "epochs", "steps"):
-            check.integer(n, getattr(self, n), optional=True)
+            _integer(n, getattr(self, n), optional=True)
         for n in ("eval_interval", "save_interval", "sample_tokens", "sample_interval",
                   "seed"):
-            check.integer(n, getattr(self, n), minimum=0)
-        check.integer("warmup", self.warmup, minimum=0, optional=True)
+            _integer(n, getattr(self, n), minimum=0)
+        _integer("warmup", self.warmup, minimum=0, optional=True)
         check.text("model", self.model, optional=True,
                    allowed="a Hugging Face model directory or hub id")
         for n in ("resume_from_adapter", "eval_data", "sample_file", "data_config",
@@ -417,6 +417,26 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
+LARGEST = {"layers": 1024, "dim": 65536, "heads": 1024, "kv_heads": 1024, "ffn": 2**20,
+           "vocab": 2**22, "seq": 2**20, "batch": 2**20, "microbatches": 2**20,
+           "eval_sequences": 2**20, "lora_rank": 65536, "sample_tokens": 2**20,
+           "tokenizer_bytes": 2**40, "epochs": 2**20}
+"""The largest value of the int settings that are sizes: far beyond any real run (a
+1M-token sequence, a 4M-token vocabulary, a million epochs), so that a typo fails here,
+naming the field, and not in torch as an overflow or an allocation of exabytes. Every
+other int setting (``steps``, ``seed``, intervals) is at most :data:`INT_LIMIT`."""
+INT_LIMIT = 2**63 - 1
+"""The largest int torch takes as a 64-bit signed integer (a seed, a step count)."""
+
+
+def _integer(name: str, value, *, minimum: int = 1, optional: bool = False) -> None:
+    """An int setting from ``minimum`` up to its :data:`LARGEST` value."""
+    check.integer(name, value, minimum=minimum, optional=optional)
+    largest = LARGEST.get(name, INT_LIMIT)
+    if value is not None and value > largest:
+        raise ConfigError(f"{name}={value}: use an int in [{minimum}, {largest:,}]")
+
+
 def field_docs() -> dict[str, str]:
     """``{field name: its docstring}``, read from this module's source (for ``--help``
     and the docs)."""
@@ -466,8 +486,8 @@ def _coerce(name: str, value):
 
 
 def read_file(path: str | pathlib.Path) -> dict:
-    """The settings in a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file (a flat table,
-    or a ``[train]`` table)."""
+    """The settings in a ``.toml``, ``.yaml``/``.yml`` or ``.json`` file: a flat table of
+    ``name = value``, or one ``[train]`` table of them and nothing else."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist: check the path")
@@ -500,8 +520,19 @@ def read_file(path: str | pathlib.Path) -> dict:
     if not isinstance(values, dict):
         raise ConfigError(f"config file {p} holds a {type(values).__name__}, not a table "
                           "of settings (name = value)")
-    if set(values) == {"train"} and isinstance(values["train"], dict):
+    layout = ("write the settings as name = value at the top level (as the recipes in "
+              "rotapipe/recipes/ do), or all of them in one 'train' table ([train] in TOML)")
+    if isinstance(values.get("train"), dict):
+        others = [k for k in values if k != "train"]
+        if others:
+            raise ConfigError(f"config file {p} has a 'train' table and also "
+                              f"{', '.join(map(repr, others[:3]))}"
+                              f"{' and more' if len(others) > 3 else ''}: {layout}")
         values = values["train"]
+    tables = [k for k, v in values.items() if isinstance(v, dict)]
+    if tables:
+        raise ConfigError(f"config file {p}: {tables[0]!r} is a table, not a setting (no "
+                          f"setting takes a table): {layout}")
     return values
 
 

@@ -207,6 +207,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
                  + shard)
         job = _Job(cfg, out, pipe, wrapped, tokenizer, opt, sched, stream, held, start,
                    state, echo)
+        job.checkpoint = resume            # until this run saves one
         job.prompts = prompts
         result = _loop(job)
     finally:
@@ -516,8 +517,7 @@ class _Job:
             raise NonFiniteError(
                 f"the weights are not finite at step {self.step} ({bad[0]}"
                 + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "): no "
-                f"checkpoint written; the last one is {self.checkpoint}. Lower --lr or "
-                "check the data, and resume from it")
+                f"checkpoint written; {self.go_back()}")
         self.checkpoint = save_checkpoint(self.out / "checkpoints", self.step,
                                           masters=masters, state=state, meta=meta,
                                           tokenizer=self.tokenizer, keep=self.cfg.keep)
@@ -535,8 +535,7 @@ class _Job:
             raise NonFiniteError(
                 f"the weights are not finite at step {self.step}"
                 + (f" ({bad[0]} on this rank)" if bad else " (on another rank)") + ": no "
-                f"checkpoint written; the last one is {self.checkpoint}. Lower --lr or "
-                "check the data, and resume from it")
+                f"checkpoint written; {self.go_back()}")
         state = {"step": self.step, "tokens": self.tokens,
                  "optimizer": {"sharded": self.dist.world_size},
                  "scheduler": self.sched.state_dict(), "pipe": pipe.pipeline_state(),
@@ -575,6 +574,15 @@ class _Job:
                          f"{text}")
                 out.append(text)
         return out
+
+    def go_back(self, fix: str = "") -> str:
+        """Where a stopped run goes on from, for its error: the last checkpoint (this
+        run's, or the one it resumed from), or a new start when there is none."""
+        ways = ["Lower --lr", "check the data"] + ([fix] if fix else [])
+        fix = ", ".join(ways[:-1]) + " or " + ways[-1]
+        if self.checkpoint is None:
+            return f"there is no checkpoint to go back to. {fix}, and start again"
+        return f"the last one is {self.checkpoint}. {fix}, and resume from it"
 
     def saved_now(self) -> bool:
         return self.checkpoint is not None and \
@@ -661,9 +669,8 @@ def _loop(job: _Job) -> TrainResult:
         if job.skipped_in_row >= cfg.max_skipped_steps:
             raise NonFiniteError(
                 f"{job.skipped_in_row} optimizer steps in a row were skipped ({why}, "
-                f"steps {step - job.skipped_in_row + 1}..{step}): training stopped. The "
-                f"last checkpoint is {job.checkpoint}; lower --lr, check the data, or "
-                "raise --max-skipped-steps")
+                f"steps {step - job.skipped_in_row + 1}..{step}): training stopped; "
+                f"{job.go_back('raise --max-skipped-steps')}")
 
     with _Stop() as stop, open(metrics_path if main else os.devnull, "a") as metrics:
         if job.start == 0 and can_eval:

@@ -236,33 +236,74 @@ def _rows(data, start: int, batch: int = 1024) -> Iterator[tuple[int, dict]]:
 
 def record_parts(record, fields: TextFields, where: str) -> tuple[str, object]:
     """What a record holds: ``("text", str)``, ``("pair", (prompt, response))`` or
-    ``("chat", messages)``; an :class:`InputError` naming ``where`` otherwise."""
+    ``("chat", messages)``; an :class:`InputError` naming ``where`` and the field
+    otherwise (a field that is null or not a string is never made into text)."""
     if isinstance(record, str):
         return "text", record
-    if isinstance(record, dict):
-        if record.get(fields.messages) is not None:
-            return "chat", _check_messages(record[fields.messages], where, fields.messages)
-        if fields.prompt in record:
-            for name in (fields.response, COMPLETION):
-                if name in record:
-                    return "pair", (str(record[fields.prompt]), str(record[name]))
-        if fields.text in record:
-            return "text", str(record[fields.text])
-    raise InputError(f"{where}: a record needs a {fields.text!r} field, {fields.prompt!r} "
-                     f"and {fields.response!r} (or {COMPLETION!r}) fields, or a "
-                     f"{fields.messages!r} list: set text_field / prompt_field / "
-                     "response_field / messages_field")
+    form = _form(record, fields) if isinstance(record, dict) else None
+    if form is None:
+        raise InputError(f"{where}: a record needs a {fields.text!r} field, {fields.prompt!r} "
+                         f"and {fields.response!r} (or {COMPLETION!r}) fields, or a "
+                         f"{fields.messages!r} list: set text_field / prompt_field / "
+                         "response_field / messages_field")
+    kind, names = form
+    if kind == "chat":
+        return "chat", _check_messages(record[names[0]], where, names[0])
+    values = tuple(_string(record, name, where) for name in names)
+    return ("pair", values) if kind == "pair" else ("text", values[0])
+
+
+def _form(record: dict, fields: TextFields) -> tuple[str, tuple[str, ...]] | None:
+    """``(kind, its field names)`` of a dict record: the first of chat, pair and text
+    with a field holding a value; else (every such field null) the first whose fields
+    are there, so that the error names the null field. Parquet and dataset rows hold
+    every column, null where a row has none: such a null does not hide the row's form."""
+    answer = [n for n in (fields.response, COMPLETION) if n in record]
+    answer.sort(key=lambda n: record[n] is None)          # a non-null one first
+    forms = [("chat", (fields.messages,)), ("text", (fields.text,))]
+    if fields.prompt in record and answer:
+        forms.insert(1, ("pair", (fields.prompt, answer[0])))
+    for kind, names in forms:
+        if any(record.get(n) is not None for n in names):
+            return kind, names
+    return next(((kind, names) for kind, names in forms if all(n in record for n in names)),
+                None)
+
+
+def _string(record: dict, name: str, where: str) -> str:
+    """The string in field ``name``; an :class:`InputError` when it is null or another
+    type (``str()`` of it would train on "None" or "['a', 'b']")."""
+    value = record[name]
+    if isinstance(value, str):
+        return value
+    raise InputError(f"{where}: {name!r} is {_kind(value)}: expected a string; fix or "
+                     "remove the record")
+
+
+def _kind(value) -> str:
+    """``null``, ``an int (5)``, ``a list (['a', 'b'])``: what a JSON value is."""
+    if value is None:
+        return "null"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({str(value)[:40]})"
 
 
 def _check_messages(messages, where: str, name: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise InputError(f"{where}: {name!r} is a {type(messages).__name__}: use a list of "
+    if isinstance(messages, list) and not messages:
+        raise InputError(f"{where}: {name!r} is an empty list: a chat needs its messages, "
+                         "at least one of them the assistant's; fix or remove the record")
+    if not isinstance(messages, list):
+        raise InputError(f"{where}: {name!r} is {_kind(messages)}: use a list of "
                          '{"role": ..., "content": ...} objects')
     for k, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
-                not isinstance(m.get("content"), str):
+        if not isinstance(m, dict):
             raise InputError(f"{where}: {name}[{k}] = {str(m)[:80]!r}: each message is an "
                              'object with a string "role" and a string "content"')
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                got = "missing" if key not in m else _kind(m[key])
+                raise InputError(f"{where}: {name}[{k}][{key!r}] is {got}: each message is "
+                                 'an object with a string "role" and a string "content"')
     if not any(m["role"] == "assistant" for m in messages):
         raise InputError(f"{where}: no 'assistant' message: the loss is on the assistant's "
                          "turns, so a chat needs at least one")
