@@ -186,6 +186,21 @@ REFUSED = {
     "recurrent_gemma": (lambda: transformers.RecurrentGemmaForCausalLM(
         transformers.RecurrentGemmaConfig(**COMMON, head_dim=8)),
         "RecurrentGemmaModel.forward changes the input embeddings"),
+    # Every layer also gets a copy of the input embeddings (original_hidden_states).
+    "zamba2": (lambda: transformers.Zamba2ForCausalLM(transformers.Zamba2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        pad_token_id=0, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8,
+        mamba_ngroups=1, chunk_size=4, num_mem_blocks=1, hybrid_layer_ids=[1],
+        layers_block_type=["mamba", "hybrid", "mamba"], attn_implementation="eager")),
+        "Zamba2Model.forward passes decoder layer 0 an argument computed from the input "
+        "embeddings"),
+    # The forward reads each layer's block_type to pick its mask.
+    "nemotron_h": (lambda: transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+        **{**COMMON, "num_hidden_layers": 3}, hybrid_override_pattern="M*-",
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=4,
+        head_dim=8)),
+        "NemotronHModel.forward reads 'block_type' of its decoder layer objects"),
 }
 
 

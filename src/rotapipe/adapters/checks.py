@@ -53,6 +53,38 @@ def check_chain(side: SideInputs, multiplier: float | None, name: str) -> None:
             raise AdapterError(f"{name}.forward changes the hidden states between decoder "
                                f"layers {i - 1} and {i}: build the layers yourself and pass "
                                "them to rotapipe.RoundPipe")
+    # The side inputs are computed once per microbatch from a placeholder of the
+    # embeddings: an argument that depends on the embeddings' values (Zamba2's
+    # original_hidden_states) would be a constant, and its gradient lost.
+    other = side.run(ones * 2, torch.ones(1, 2, dtype=torch.long), None)
+    for i, ((_, args, kwargs), (_, args2, kwargs2)) in enumerate(zip(calls, other)):
+        for key, v, v2 in _arguments(args, kwargs, args2, kwargs2):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and \
+                    not (isinstance(v2, torch.Tensor) and v.shape == v2.shape
+                         and torch.equal(v, v2)):
+                raise AdapterError(
+                    f"{name}.forward passes decoder layer {i} an argument computed from "
+                    f"the input embeddings ({key}): rotapipe hands each layer only the "
+                    "previous layer's output, so that argument would be a constant and "
+                    "its gradient lost; build the layers yourself and pass them to "
+                    "rotapipe.RoundPipe")
+
+
+def _arguments(args, kwargs, args2, kwargs2):
+    """``(name, value in run 1, value in run 2)`` of every argument after the hidden
+    states, nested tuples and lists flattened (``args[1][0]``, ``kwargs['x']``)."""
+    def walk(name, v, v2):
+        if isinstance(v, (tuple, list)):
+            for j, item in enumerate(v):
+                other = v2[j] if isinstance(v2, (tuple, list)) and j < len(v2) else None
+                yield from walk(f"{name}[{j}]", item, other)
+        else:
+            yield name, v, v2
+    for j, v in enumerate(args):
+        yield from walk(f"positional argument {j + 1}", v,
+                        args2[j] if j < len(args2) else None)
+    for k, v in kwargs.items():
+        yield from walk(k, v, kwargs2.get(k))
 
 
 class TailRun:

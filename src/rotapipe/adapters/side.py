@@ -178,6 +178,12 @@ class SideInputs:
         except AdapterError:
             raise
         except Exception as exc:
+            if isinstance(exc, AttributeError) and "'_Stub'" in str(exc):
+                raise AdapterError(
+                    f"{self._name}.forward reads {str(exc).split('attribute ')[-1]} of "
+                    "its decoder layer objects (it decides per layer what to pass), which "
+                    "rotapipe's probe of the forward cannot provide: build the layers "
+                    "yourself and pass them to rotapipe.RoundPipe") from exc
             raise AdapterError(
                 f"{self._name}.forward: a decoder layer failed on the arguments the "
                 f"model gives it ({type(exc).__name__}: {exc}); rotapipe cannot run it "
