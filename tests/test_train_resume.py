@@ -183,3 +183,31 @@ def test_a_stop_after_resuming_names_the_checkpoint_it_resumed_from(tmp_path, mo
                                             r"start again"):
         train(TrainConfig(**common, out_dir=str(tmp_path / "fresh"), steps=2,
                           save_interval=1))
+
+
+def test_a_resume_trains_with_its_own_lr_weight_decay_and_betas(tmp_path):
+    """Loading the optimizer's and the scheduler's state brought back the checkpoint's
+    lr, weight decay and betas while the run printed the new ones; the new ones apply,
+    at the schedule's position, and an unchanged resume keeps its learning rate."""
+    from rotapipe.train import TrainConfig, train
+    from rotapipe.train.loop import lr_factor
+    from train_util import TINY, deadline
+    data = text_jsonl(tmp_path / "d.jsonl", 100)
+    common = {**TINY, "data": str(data), "eval_interval": 0, "export": False,
+              "save_interval": 2, "out_dir": str(tmp_path / "o")}
+    with deadline(120):
+        train(TrainConfig(**common, steps=2))
+    saved = torch.load(latest_checkpoint(tmp_path / "o" / "checkpoints") / "state.pt",
+                       weights_only=False)
+    cfg = TrainConfig(**{**common, "lr": 0.05}, steps=4, resume=True, weight_decay=0.3,
+                      beta2=0.5)
+    with deadline(120):
+        train(cfg, echo=lambda s: None)
+    state = torch.load(latest_checkpoint(tmp_path / "o" / "checkpoints") / "state.pt",
+                       weights_only=False)
+    group = state["optimizer"]["param_groups"][0]
+    assert state["scheduler"]["base_lrs"] == [0.05] and group["initial_lr"] == 0.05
+    assert group["weight_decay"] == 0.3 and tuple(group["betas"]) == (cfg.beta1, 0.5)
+    assert group["lr"] == pytest.approx(0.05 * lr_factor(cfg)(4), rel=1e-12)
+    old = saved["optimizer"]["param_groups"][0]
+    assert old["initial_lr"] == TINY["lr"] and old["weight_decay"] != 0.3

@@ -193,7 +193,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
                 _restore_sharded(pipe, model, opt, resume, masters, state)
             else:
                 _restore(pipe, model, opt, masters, state)
-            _restore_rest(pipe, sched, stream, state)
+            _restore_rest(pipe, sched, stream, state, cfg)
             start = int(state["step"])
             echo(f"resumed from {resume} (step {start})")
         _describe(cfg, given, pipe, wrapped, tokenizer, files, held,
@@ -362,13 +362,34 @@ def _restore_sharded(pipe, model, opt, path, masters, state) -> None:
     distributed.load_shard_state_dicts(pipe, opt, shards)
 
 
-def _restore_rest(pipe, sched, stream, state) -> None:
-    """Scheduler, pipeline counters, RNG states, data cursor (the same on every rank)."""
+def _restore_rest(pipe, sched, stream, state, cfg: TrainConfig) -> None:
+    """Scheduler, pipeline counters, RNG states, data cursor (the same on every rank);
+    then this run's optimizer settings (:func:`_apply_settings`)."""
     sched.load_state_dict(state["scheduler"])
+    _apply_settings(sched, cfg)
     pipe.load_pipeline_state(state["pipe"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(_tuples(state["rng"]["python"]))
     stream.load_state_dict(state["data"])
+
+
+def _apply_settings(sched, cfg: TrainConfig) -> None:
+    """The learning rate, weight decay and betas of this run, not the checkpoint's:
+    loading the optimizer's and the scheduler's state brings back the settings they
+    were saved with, and a resume may change them (e.g. a lower --lr after a loss
+    spike). The schedule's position is kept; its shape (warmup, decay) is this run's."""
+    opt = sched.optimizer
+    for group in opt.param_groups:
+        group["initial_lr"] = cfg.lr
+        group["weight_decay"] = cfg.weight_decay
+        if "betas" in group:
+            group["betas"] = (cfg.beta1, cfg.beta2)
+        elif "momentum" in group:
+            group["momentum"] = cfg.beta1
+    sched.base_lrs = [cfg.lr] * len(opt.param_groups)
+    for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * factor(sched.last_epoch)
+    sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
 def _tuples(x):
