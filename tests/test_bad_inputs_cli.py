@@ -172,6 +172,7 @@ def test_plan_config_of_random_bytes(capsys, tmp_path):
     (["--lora", "--lora-rank", "0"], ["--lora-rank", "0"]),
     (["--pin", "pinned"], ["--pin", "invalid choice"]),
     (["--hardware", "tpu"], ["unknown hardware 'tpu'"]),
+    (["--hardware", "rtx4090x0"], ["hardware 'rtx4090x0' has 0 devices: use DEVICExN with N >= 1"]),
 ])
 def test_plan_bad_flag(capsys, change, fragments):
     fails(capsys, 2, ["plan", "qwen3-1.7b", *change], *fragments)

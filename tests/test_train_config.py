@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from rotapipe.cli import main
@@ -117,3 +120,16 @@ def test_a_config_file_is_one_flat_table_or_one_train_table(tmp_path):
         load_config(tmp_path / "b.toml")
     (tmp_path / "c.toml").write_text("[train]\nlr = 1e-3\n")
     assert load_config(tmp_path / "c.toml").lr == 1e-3
+
+
+def test_a_resume_refusal_gives_the_flag_that_resumes():
+    """A boolean setting is fixed with --x / --no-x, an unset one by leaving it out."""
+    from rotapipe.train.loop import _check_resume_config
+    cfg = TrainConfig(lora=True, data="d.jsonl")
+    cases = [({**dataclasses.asdict(cfg), "lora": False}, "pass --no-lora to resume it"),
+             ({**dataclasses.asdict(cfg), "data": None}, "leave out --data to resume it"),
+             ({**dataclasses.asdict(cfg), "seq": 64}, "pass --seq 64 to resume it")]
+    for saved, fix in cases:
+        with pytest.raises(ConfigError, match=re.escape(fix)):
+            _check_resume_config("ckpt", saved, cfg)
+    _check_resume_config("ckpt", dataclasses.asdict(cfg), cfg)

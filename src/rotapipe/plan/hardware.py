@@ -109,6 +109,9 @@ def hardware(name: str, **overrides) -> Hardware:
         known = ", ".join(sorted(DEVICES) + sorted(_ALIASES))
         raise ConfigError(f"unknown hardware {name!r}: use DEVICExN with DEVICE one of "
                           f"{known} (e.g. rtx4090x8), or build a Hardware yourself")
+    if count < 1:
+        raise ConfigError(f"hardware {name!r} has {count} devices: use DEVICExN with N >= 1 "
+                          "(e.g. rtx4090x8), or the device name alone for one")
     return Hardware(DEVICES[dev], count, **overrides)
 
 

@@ -313,11 +313,15 @@ def _optimizer(cfg: TrainConfig, pipe) -> torch.optim.Optimizer:
 
 def _check_resume_config(path, saved: dict, cfg: TrainConfig) -> None:
     for name in RESUME_FIXED:
-        if saved.get(name, _SAVED_DEFAULTS.get(name)) != getattr(cfg, name):
+        value = saved.get(name, _SAVED_DEFAULTS.get(name))
+        if value != getattr(cfg, name):
             flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"checkpoint {path} was written with {name}={saved.get(name)!r}"
-                              f", this run has {getattr(cfg, name)!r}: pass {flag} "
-                              f"{saved.get(name)} to resume it, or use a new out_dir")
+            how = (f"pass {flag}" if value else f"pass --no-{flag[2:]}") \
+                if isinstance(value, bool) else f"leave out {flag}" if value is None \
+                else f"pass {flag} {value}"
+            raise ConfigError(f"checkpoint {path} was written with {name}={value!r}, this "
+                              f"run has {getattr(cfg, name)!r}: {how} to resume it, or use "
+                              "a new out_dir")
 
 
 def _restore(pipe, model, opt, masters, state) -> None:
