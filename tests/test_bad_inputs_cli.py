@@ -146,6 +146,11 @@ def test_plan_config_not_an_object(capsys, tmp_path, content, fragments):
     ({"num_hidden_layers": 0}, ["num_hidden_layers=0"]),
     ({"num_key_value_heads": 5}, ["num_attention_heads=16 is not a multiple of "
                                   "num_key_value_heads=5"]),
+    ({"num_experts": 4, "num_experts_per_tok": 8},
+     ["num_experts_per_tok=8 is more than num_experts=4"]),
+    ({"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 0},
+     ["decoder_sparse_step=0: use an int >= 1"]),
+    ({"num_experts": -1}, ["num_experts=-1: use an int >= 0"]),
 ])
 def test_plan_config_bad_sizes(capsys, tmp_path, changes, fragments):
     fails(capsys, 2, ["plan", _config(tmp_path, **changes)], *fragments)

@@ -196,6 +196,25 @@ def check_architecture(cfg: Mapping, where: str = "model config") -> None:
     if heads and kv and heads % kv:
         raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
                           f"num_key_value_heads={kv}")
+    _check_moe(merged, where)
+
+
+def _check_moe(cfg: Mapping, where: str) -> None:
+    """The MoE sizes agree where the model itself would fail: no more experts per token
+    than experts (``topk`` refuses it), a sparse step of at least 1 (``% 0``). A count
+    of 0 experts is a dense model (Qwen3-MoE builds dense blocks then)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
+    if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int)
+                                or experts < 0):
+        raise ConfigError(f"{where}: num_experts={experts!r}: use an int >= 0 (0: dense)")
+    if experts and isinstance(top_k, int) and top_k > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok={top_k} is more than num_experts="
+                          f"{experts}: a token is routed to at most every expert")
+    step = cfg.get("decoder_sparse_step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+        raise ConfigError(f"{where}: decoder_sparse_step={step!r}: use an int >= 1 (every "
+                          "that many layers is MoE)")
 
 
 def _get(cfg: Mapping, key: str, default=None):
