@@ -148,24 +148,25 @@ def _run_steps(config, steps=2):
             assert all(p.grad is not None for n, p in pipe.named_parameters()
                        if "unused" not in n)
             pipe.step()
-        return pipe, losses, {k: v.clone() for k, v in pipe.state_dict().items()}
+        return pipe, losses, {k: v.clone() for k, v in pipe.state_dict().items()}, \
+            pipe.schedule()
 
 
 def test_one_rank_group_runs_the_reduction_bit_identically(one_rank_group):
     dp = rotapipe.DataParallelConfig(enabled=True, bucket_mb=0.001, timeout_s=10)
-    pipe, losses, state = _run_steps(emulated(2, 2, data_parallel=dp))
-    _, ref_losses, ref_state = _run_steps(emulated(2, 2, data_parallel=False))
+    pipe, losses, state, schedule = _run_steps(emulated(2, 2, data_parallel=dp))
+    _, ref_losses, ref_state, _ = _run_steps(emulated(2, 2, data_parallel=False))
     assert losses == ref_losses
     for k, v in ref_state.items():
         assert torch.equal(state[k], v), k
     # Every trainable parameter is reduced exactly once per call, the tied weight
     # (handed off by the head and the embedding stages) with the later hand-off.
-    layout = pipe.data_parallel._layout(pipe.schedule())
+    layout = pipe.data_parallel._layout(schedule)
     pids = [pid for buckets in layout.values() for b in buckets for pid in b]
     assert sorted(pids) == sorted(pipe.host.trainable)
     assert pipe.data_parallel.last.buckets > len(layout)   # 1 KiB buckets: many
     tied = 0   # the embedding weight is shared by layer 0 and the head
-    handoffs = [a.key for a in pipe.schedule().actions
+    handoffs = [a.key for a in schedule.actions
                 if a.kind is rotapipe.schedule.ActionKind.OPTIMIZER]
     owner = [k for k, buckets in layout.items() if any(tied in b for b in buckets)]
     assert owner == [handoffs[-1]]

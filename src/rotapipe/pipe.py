@@ -414,6 +414,7 @@ class RoundPipe:
             raise
         if dp is not None:
             loss = dp.global_sum(loss, "sum of the weighted losses")
+        call.returned = True
         return loss
 
     def _keep_buffers(self, host_store) -> None:

@@ -311,6 +311,9 @@ class Call:
         self.committed = False
         self.result: StepResult | None = None     # of the step it ended
         self.loss: float | None = None
+        self.returned = False
+        """Whether the caller got the call's loss (``train_step`` returns while the
+        call drains): a failure after that must say the call was discarded anyway."""
         tails = [a.key for a in schedule.actions if a.kind is K.DOWNLOAD_GRAD
                  and stages[a.stage].kind is StageKind.TAIL]
         handoffs = [a.key for a in schedule.actions if a.kind is K.OPTIMIZER]
@@ -474,7 +477,7 @@ class CallStream:
         if kept or dropped:
             fates = [f"call {c.number}: completed, its update is kept" for c in kept] + \
                 [f"call {c.number}: discarded" + (" (train_step already returned its loss)"
-                                                  if c.loss is not None else "")
+                                                  if c.returned else "")
                  for c in dropped]
             state = f"that after call {self.committed - 1}" if self.committed else \
                 "the one before the first call"
