@@ -76,6 +76,8 @@ def train(info, clip: float | None, microbatches: int, fault: tuple[str, int] | 
                 f.write(repr(time.time()))
             if fault[0] == "kill":
                 os._exit(1)   # dies mid-step, in a worker thread, collectives in flight
+            if fault[0] == "raise":
+                raise ValueError("boom on rank 1")    # the call fails, the rank lives on
             time.sleep(3600)
         return token_loss(out, labels) if tokens else lm_loss(out, labels)
 
@@ -193,6 +195,8 @@ def main() -> int:
     p.add_argument("out")
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--hang-at", type=int, default=None)
+    p.add_argument("--raise-at", type=int, default=None,
+                   help="rank 1's loss raises at that step; the process then waits")
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--overlap", action="store_true",
                    help='the faulty run uses optimizer_mode="overlap" (train_step)')
@@ -212,7 +216,8 @@ def main() -> int:
     # One process runs the whole batch with the microbatches of every rank.
     mbs = MICROBATCHES if info.distributed else 2 * MICROBATCHES
     fault = ("kill", args.kill_at) if args.kill_at is not None else \
-        ("hang", args.hang_at) if args.hang_at is not None else None
+        ("hang", args.hang_at) if args.hang_at is not None else \
+        ("raise", args.raise_at) if args.raise_at is not None else None
     t0 = time.monotonic()
     if args.mismatch:
         try:
@@ -262,6 +267,11 @@ def main() -> int:
               f"{time.monotonic() - t0:.1f} s, "
               f"lost_ranks={list(exc.lost_ranks)}: {exc}", file=sys.stderr, flush=True)
         os._exit(3)   # the group is broken: do not wait for its teardown
+    except rotapipe.WorkerError as exc:
+        if fault is None or fault[0] != "raise":
+            raise
+        print(f"rank {info.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        time.sleep(3600)   # alive, heartbeat stopped with its pipeline: the test kills it
     torch.save(result, args.out)
     distributed.shutdown()
     return 0

@@ -180,14 +180,19 @@ class GradReducer:
             raise DistributedError(self.broken)
 
     def fail(self, why: str) -> None:
-        """Retire data parallelism for this pipeline: the ranks are out of step."""
+        """Retire data parallelism for this pipeline: the ranks are out of step. The
+        other ranks' diagnosis then reads why this one left (:meth:`_Heartbeat.mark`)."""
         if self.broken is None:
             self.broken = (f"a previous call failed on rank {dist.get_rank()} ({why}), so "
                            "the ranks' collectives are out of step: restart the job from "
                            "the last checkpoint")
+            if self._heartbeat is not None:
+                self._heartbeat.mark(f"its own call failed ({why})")
 
     def close(self) -> None:
         if self._heartbeat is not None:
+            if self.broken is None:
+                self._heartbeat.mark("its pipeline was closed")
             self._heartbeat.stop()
 
     # -- internals ----------------------------------------------------------------------
@@ -545,8 +550,23 @@ class _Heartbeat:
         if t is not None and t is not threading.current_thread():
             t.join(timeout=2.0 + 2 * self.interval)
 
-    def _key(self, rank: int) -> str:
-        return f"{self.prefix}/hb/{rank}"
+    def _key(self, rank: int, what: str = "hb") -> str:
+        return f"{self.prefix}/{what}/{rank}"
+
+    def mark(self, why: str) -> None:
+        """Tell the other ranks why this one leaves the collectives (bounded: a store
+        that does not answer is not waited for)."""
+        if self.prefix is None:
+            return
+
+        def write():
+            try:
+                self.store.set(self._key(self.rank, "left"), why)
+            except Exception:  # noqa: BLE001 - store gone: diagnose() says so
+                pass
+        t = threading.Thread(target=write, daemon=True)
+        t.start()
+        t.join(1.0)
 
     def _run(self) -> None:
         # The prefix is agreed on by a collective after the thread starts; the thread
@@ -586,6 +606,22 @@ class _Heartbeat:
         t.join(max(2.0, 4 * self.interval))
         return out if out.get("ok") else None
 
+    def _left(self, ranks: list[int]) -> dict[int, str]:
+        """``{rank: why}`` of the ranks that said why they left (:meth:`mark`)."""
+        out: dict[int, str] = {}
+
+        def read():
+            for r in ranks:
+                try:
+                    if self.store.check([self._key(r, "left")]):
+                        out[r] = self.store.get(self._key(r, "left")).decode()
+                except Exception:  # noqa: BLE001
+                    return
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(max(2.0, 4 * self.interval))
+        return dict(out)
+
     def diagnose(self, seq: int) -> tuple[list[int], str]:
         if self.prefix is None:
             return [], "the failure came before the ranks agreed on a heartbeat"
@@ -597,6 +633,10 @@ class _Heartbeat:
             return lost, ("the rendezvous store does not answer: the process hosting it "
                           "(rank 0, or the torchrun agent of the first node) is gone")
         others = [r for r in self.members if r != self.rank]
+        left = self._left(others)
+        if left:
+            return sorted(left), "; ".join(f"rank {r} left the collectives: {why}"
+                                           for r, why in sorted(left.items()))
         dead = [r for r in others if second.get(r) is None or first.get(r) == second.get(r)]
         hung = [r for r in others if r not in dead and second[r][1] <= seq]
         notes = []
