@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
+import argparse
 import pathlib
-import sys
 
 from rotapipe.train.metrics import plot_loss
 
@@ -18,4 +18,8 @@ def main(metrics: str, png: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("metrics", help="a run's metrics.jsonl (out_dir/metrics.jsonl)")
+    ap.add_argument("png", help="the picture to write")
+    args = ap.parse_args()
+    main(args.metrics, args.png)
