@@ -348,7 +348,11 @@ class Session:
                     stream = streams[lane]
                     if lane in copies:
                         a = copies[lane].action
-                        progressed |= self._next_chunk(stream, lane, copies)
+                        # Every chunk the gate lets go now (the previous one already
+                        # complete), without a pass over the lanes per chunk.
+                        while lane in copies and not self.abort.is_set() and \
+                                self._next_chunk(stream, lane, copies):
+                            progressed = True
                         continue
                     q = queues[lane]
                     a = q[0]
