@@ -513,9 +513,8 @@ class RoundPipe:
 
         Runs forward stages only (the layers' train/eval flags apply as set; buffer
         updates made during evaluation are not kept). The microbatches' outputs are
-        joined along dim 0; a further output tensor without the microbatch's samples in
-        dim 0 (a 0-dim mean, a per-token record) comes back as a list, one value per
-        microbatch."""
+        joined along dim 0; a further output tensor that cannot be (0-dim, e.g. an
+        auxiliary mean) comes back as a list, one value per microbatch."""
         self._check_open()
         with self._lock:
             self._flush()
@@ -533,7 +532,7 @@ class RoundPipe:
             self._calls.run(schedule, ctx, host_store)
             outs = [host_store.get(("act", self.plan.num_layers, m)) for m in range(M)]
             self._evals += 1
-        return trees.concat(outs, [trees.batch_size(mb, "inputs") for mb in mbs])
+        return trees.concat(outs)
 
     # -- reading state -----------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -47,11 +47,11 @@ def split(tree, parts: int) -> list:
     return [tree_unflatten([c[m] for c in chunks], spec) for m in range(parts)]
 
 
-def concat(trees: list, rows: list[int] | None = None):
-    """Join per-microbatch outputs along dim 0 (inverse of :func:`split`). With
-    ``rows`` (each microbatch's batch size), a tensor leaf that does not have those
-    rows in dim 0 in every microbatch (a 0-dim mean, a per-token record) cannot be
-    joined: it comes back as the list of its per-microbatch values."""
+def concat(trees: list):
+    """Join per-microbatch outputs along dim 0 (inverse of :func:`split`). A tensor leaf
+    that cannot be joined (0-dim in some microbatch, e.g. a mean, or other dimensions
+    that differ between microbatches) comes back as the list of its per-microbatch
+    values."""
     flat = [tree_flatten(t) for t in trees]
     spec = flat[0][1]
     cols = zip(*(leaves for leaves, _ in flat))
@@ -59,10 +59,10 @@ def concat(trees: list, rows: list[int] | None = None):
     def join(c):
         if not isinstance(c[0], torch.Tensor):
             return c[0]
-        if rows is not None and not all(isinstance(t, torch.Tensor) and t.dim() > 0
-                                        and t.shape[0] == n for t, n in zip(c, rows)):
-            return list(c)
-        return torch.cat(c)
+        if all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in c) and \
+                len({tuple(t.shape[1:]) for t in c}) == 1:
+            return torch.cat(c)
+        return list(c)
     return tree_unflatten([join(c) for c in cols], spec)
 
 
