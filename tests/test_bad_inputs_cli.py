@@ -82,6 +82,7 @@ def fails(capsys, code, argv, *fragments, limit_s: float = 10.0) -> str:
     (["--memory-gib", "nan"], ["--memory-gib", "nan"]),
     (["--schedules", "zigzag"], ["unknown schedule 'zigzag'"]),
     (["--schedules", ","], ["--schedules ',' names no schedule", "gpipe, 1f1b", "or all"]),
+    (["--lora-rank", "4"], ["--lora-rank needs --model"]),
     (["--memory-gib", "1e-12"], ["--memory-gib", "1e-12: use a finite number of GiB >= 0.001"]),
 ])
 def test_simulate_bad_flag(capsys, change, fragments):
@@ -178,6 +179,8 @@ def test_plan_config_of_random_bytes(capsys, tmp_path):
     (["--pin", "pinned"], ["--pin", "invalid choice"]),
     (["--hardware", "tpu"], ["unknown hardware 'tpu'"]),
     (["--hardware", "rtx4090x0"], ["hardware 'rtx4090x0' has 0 devices: use DEVICExN with N >= 1"]),
+    (["--lora-rank", "4"], ["--lora-rank 4 prices LoRA adapters, but the run is full "
+                            "fine-tuning: add --lora (or --qlora)"]),
 ])
 def test_plan_bad_flag(capsys, change, fragments):
     fails(capsys, 2, ["plan", "qwen3-1.7b", *change], *fragments)

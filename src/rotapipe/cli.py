@@ -38,6 +38,18 @@ MIN_MEMORY_GIB = 0.001
 """``simulate --memory-gib`` below this (about 1 MiB) is a typo, not a device."""
 
 
+def _lora(args) -> bool:
+    """Whether the run is LoRA (``--lora`` or ``--qlora``); sets ``args.lora_rank`` to its
+    default, and refuses a rank given without either (it would be ignored)."""
+    lora = args.lora or args.qlora
+    if args.lora_rank is not None and not lora:
+        raise ConfigError(f"--lora-rank {args.lora_rank} prices LoRA adapters, but the run "
+                          "is full fine-tuning: add --lora (or --qlora), or drop --lora-rank")
+    if args.lora_rank is None:
+        args.lora_rank = 8
+    return lora
+
+
 # -- flag types: argparse turns their errors into "argument --x: ..." and exit 2 -----------
 def _count(minimum: int = 1, maximum: int = 2**20):
     """An int flag in ``[minimum, maximum]``: the default maximum (a million) is far
@@ -213,8 +225,8 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="LoRA on a frozen base, priced as LoRA (as plan --lora): a frozen "
                         "weight's backward computes only its input gradient, only the "
                         "adapters' gradients go down")
-    g.add_argument("--lora-rank", type=_count(), default=8,
-                   help="LoRA rank (default: 8, as plan and train)")
+    g.add_argument("--lora-rank", type=_count(), default=None,
+                   help="LoRA rank, with --lora or --qlora (default: 8, as plan and train)")
     g.add_argument("--qlora", action="store_true",
                    help="QLoRA: --lora with the blocks uploaded as NF4")
     g.add_argument("--whole-embedding", action="store_true",
@@ -260,7 +272,7 @@ def simulate(args: argparse.Namespace) -> int:
         hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
                       **({"efficiency": args.efficiency} if args.efficiency is not None
                          else {}))
-        lora = args.lora or args.qlora
+        lora = _lora(args)
         costs = model_costs(args.model, hw, seq=args.seq, microbatch_size=batch // M,
                             call_tokens=None if args.whole_embedding else batch * args.seq,
                             adapters=lora_params(args.model, args.lora_rank) if lora
@@ -273,7 +285,8 @@ def simulate(args: argparse.Namespace) -> int:
                 + f" on {hw.name} ({hw.flops / 1e12:.0f} TFLOPS sustained, "
                 f"{hw.device.pcie_gbps:g} GB/s per link direction)")
     else:
-        given = [f for f in ("lora", "qlora", "whole_embedding") if getattr(args, f)]
+        given = [f for f in ("lora", "lora_rank", "qlora", "whole_embedding")
+                 if getattr(args, f)]
         if given:
             raise ConfigError(", ".join("--" + f.replace("_", "-") for f in given)
                               + " needs --model: explicit times already say what each "
@@ -348,7 +361,8 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="microbatches per step (default: the planner tries every divisor of the "
            "global batch up to 64)")
     a("--lora", action="store_true", help="LoRA fine-tuning instead of full fine-tuning")
-    a("--lora-rank", type=_count(), default=8, help="LoRA rank (default: 8, as train)")
+    a("--lora-rank", type=_count(), default=None,
+      help="LoRA rank, with --lora or --qlora (default: 8, as train)")
     a("--qlora", action="store_true",
       help="QLoRA: LoRA on a frozen base held and uploaded as NF4 (implies --lora)")
     a("--layout", choices=("sync", "overlap", "lean"), default=None,
@@ -405,6 +419,7 @@ def plan(args: argparse.Namespace) -> int:
         raise ConfigError("give the model once: rotapipe plan --model MODEL (or rotapipe "
                           "plan MODEL)" + (", not both" if args.model else ""))
     model = args.model or args.model_flag
+    _lora(args)
     hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
                   **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     result = analyze(model, hw, seq=args.seq, global_batch=args.global_batch,
