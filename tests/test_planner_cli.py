@@ -154,3 +154,12 @@ def test_plan_grad_dtype_reaches_the_per_server_table(capsys):
     none, opt = (out["servers"][i]["sent_bytes_per_step"] for i in (0, 1))
     assert none == f32["servers"][0]["sent_bytes_per_step"]
     assert opt < f32["servers"][1]["sent_bytes_per_step"]
+
+
+def test_plan_says_when_the_sequence_is_beyond_the_models_positions(capsys):
+    assert main(["plan", "qwen3-1.7b", "--seq", "65536", "--global-batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "suggestion: --seq 65,536 is beyond the model's max_position_embeddings " \
+           "(40,960)" in out, out
+    assert main(["plan", "qwen3-1.7b", "--seq", "40960", "--global-batch", "1"]) == 0
+    assert "max_position_embeddings" not in capsys.readouterr().out

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from .._enums import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import Hardware, ModelCosts, model_costs, model_work
+from ..plan.costs import load_config
 from ..plan.hostmem import (GB, SHARD_MODES, HostMemory, bytes_sent, host_memory,
                             lora_params, per_server)
 from ..plan.partitioner import Direction, Footprint, assemble_plan
@@ -494,4 +495,20 @@ def _with_suggestions(a: PlanAnalysis, model, hw, lora_rank, counts) -> PlanAnal
         if a.host.checkpoints > 0.2 * a.host.total:
             out.append("fewer tokens per step (shorter --seq or smaller --global-batch): "
                        f"activation checkpoints take {a.host.checkpoints / GB:.0f} GB")
+    positions = _max_positions(model)
+    if positions is not None and a.seq > positions:
+        out.append(f"--seq {a.seq:,} is beyond the model's max_position_embeddings "
+                   f"({positions:,}): memory and time hold, but the model never saw "
+                   f"positions that far; train at {positions:,} tokens or less, or extend "
+                   "its positions first (rope_scaling in its config.json)")
     return PlanAnalysis(**{**a.__dict__, "suggestions": tuple(out)})
+
+
+def _max_positions(model) -> int | None:
+    """The config's ``max_position_embeddings`` (its text config's for a multimodal
+    one), or ``None`` when it gives none."""
+    cfg = load_config(model)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"]}
+    n = cfg.get("max_position_embeddings")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
