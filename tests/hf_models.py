@@ -187,6 +187,14 @@ REFUSED = {
         transformers.RecurrentGemmaConfig(**COMMON, head_dim=8)),
         "RecurrentGemmaModel.forward changes the input embeddings"),
     # Every layer also gets a copy of the input embeddings (original_hidden_states).
+    "zamba": (lambda: transformers.ZambaForCausalLM(transformers.ZambaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        pad_token_id=0, attn_layer_period=3, attn_layer_offset=2, mamba_d_state=8,
+        mamba_dt_rank=4, n_mamba_heads=2, attention_head_dim=8,
+        attn_implementation="eager")),
+        "ZambaModel.forward passes decoder layer 0 an argument computed from the input "
+        "embeddings"),
     "zamba2": (lambda: transformers.Zamba2ForCausalLM(transformers.Zamba2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
