@@ -419,11 +419,11 @@ def plan(args: argparse.Namespace) -> int:
         raise ConfigError("give the model once: rotapipe plan --model MODEL (or rotapipe "
                           "plan MODEL)" + (", not both" if args.model else ""))
     model = args.model or args.model_flag
-    _lora(args)
+    lora = _lora(args)
     hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
                   **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
     result = analyze(model, hw, seq=args.seq, global_batch=args.global_batch,
-                     lora_rank=args.lora_rank if args.lora or args.qlora else None,
+                     lora_rank=args.lora_rank if lora else None,
                      qlora=args.qlora, layout=args.layout, prefetch=args.prefetch,
                      optimizer_state=args.optimizer_state,
                      host_ram=int(args.host_ram * GB) if args.host_ram is not None else None,

@@ -38,7 +38,7 @@ from .errors import AdapterError
 from .checks import check_chain, check_tail, find_tail, verify_full
 from .families import embedding_multiplier, logit_transforms
 from .layers import DecoderLayer, EmbedLayer, HeadLayer
-from .loss import TokenCount, lm_loss
+from .loss import TokenCount, head_vocab, lm_loss
 from .moe import (MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class,
                   warn_eager_experts)
 from .side import SideInputs, token_ids
@@ -108,7 +108,7 @@ class HFModel:
         self.layers = layers
         self.loss_fn = loss_fn
         self.side_inputs = side_inputs
-        self.loss_weight = TokenCount(loss_fn.ignore_index, _out_features(layers[-1].lm_head))
+        self.loss_weight = TokenCount(loss_fn.ignore_index, head_vocab(layers[-1].lm_head))
         self.parts = parts
         """Where each piece was found, e.g. ``{"layers": "model.layers", ...}``."""
 
@@ -484,16 +484,6 @@ def _lora_adapters(layers: list[nn.Module]) -> list[int] | None:
             n += p.numel()
         counts.append(n)
     return counts if any(counts) else None
-
-
-def _out_features(head: nn.Module) -> int | None:
-    """The LM head's vocabulary size: its weight's rows (a linear or tied head), else
-    its ``out_features``; ``None`` when neither says."""
-    w = getattr(head, "weight", None)
-    if isinstance(w, torch.Tensor) and w.dim() == 2:
-        return int(w.shape[0])
-    out = getattr(head, "out_features", None)
-    return int(out) if isinstance(out, int) else None
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -291,12 +291,18 @@ def lm_loss(hidden: torch.Tensor, labels: torch.Tensor, head: LMHead | Callable,
     return total / count.clamp(min=1).to(total.dtype)
 
 
+def head_vocab(module: nn.Module) -> int | None:
+    """An LM head's vocabulary size: its weight's rows (a linear or tied head), else its
+    ``out_features``; ``None`` when neither says."""
+    w = getattr(module, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return int(w.shape[0])
+    out = getattr(module, "out_features", None)
+    return int(out) if isinstance(out, int) else None
+
+
 def _vocab(head: LMHead) -> int:
-    lin = head.linear()
-    if lin is not None:
-        return lin[0].shape[0]
-    out = getattr(head.module, "out_features", None)
-    return int(out) if out is not None else 32_000
+    return head_vocab(head.module) or 32_000
 
 
 def unchunked_lm_loss(logits: torch.Tensor, labels: torch.Tensor,

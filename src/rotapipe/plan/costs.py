@@ -182,12 +182,18 @@ _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
           "num_experts_per_tok")
 
 
+def text_settings(cfg: Mapping) -> dict:
+    """A config's settings with its ``text_config`` (a multimodal model's language
+    model) merged over the top level."""
+    text = cfg.get("text_config")
+    return {**cfg, **text} if isinstance(text, Mapping) else dict(cfg)
+
+
 def check_architecture(cfg: Mapping, where: str = "model config") -> None:
     """Fail with :class:`ConfigError` when a size the cost model reads is not a positive
     int (``num_attention_heads: 0``, a string, ...) or the heads do not group (absent
     sizes are reported where they are needed)."""
-    merged = {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), Mapping) \
-        else cfg
+    merged = text_settings(cfg)
     for key in _SIZES:
         v = merged.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -240,9 +246,7 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
     weight's backward computes only the input gradient (as many FLOPs as its
     forward); an adapter of ``p`` parameters adds ``2 p`` FLOPs per token to the
     forward and ``4 p`` to the backward (input and weight gradients)."""
-    cfg = load_config(config)
-    if isinstance(cfg.get("text_config"), Mapping):
-        cfg = {**cfg, **cfg["text_config"]}
+    cfg = text_settings(load_config(config))
     h = _get(cfg, "hidden_size")
     layers = _get(cfg, "num_hidden_layers")
     nh = _get(cfg, "num_attention_heads")

@@ -64,12 +64,12 @@ pageable.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .._enums import PinMode
 from ..errors import ConfigError
-from .costs import ModelCosts, _get, load_config, nf4_bytes
+from .costs import ModelCosts, _get, load_config, nf4_bytes, text_settings
 from .partition import Plan
 
 __all__ = ["HostMemory", "host_memory", "lora_params", "GB", "LAYOUTS", "STATE_BYTES"]
@@ -165,9 +165,7 @@ def lora_params(config, rank: int = 16,
     router and experts keep their weights), the embedding and head are frozen."""
     if rank < 1:
         raise ConfigError(f"LoRA rank must be >= 1, got {rank}")
-    cfg = load_config(config)
-    if isinstance(cfg.get("text_config"), Mapping):
-        cfg = {**cfg, **cfg["text_config"]}
+    cfg = text_settings(load_config(config))
     h, nh = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
     hd = cfg.get("head_dim") or h // nh
     q, kv = nh * hd, (cfg.get("num_key_value_heads") or nh) * hd

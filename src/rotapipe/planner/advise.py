@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from .._enums import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import Hardware, ModelCosts, model_costs, model_work
-from ..plan.costs import load_config
+from ..plan.costs import load_config, text_settings
 from ..plan.hostmem import (GB, SHARD_MODES, HostMemory, bytes_sent, host_memory,
                             lora_params, per_server)
 from ..plan.partitioner import Direction, Footprint, assemble_plan
@@ -507,8 +507,5 @@ def _with_suggestions(a: PlanAnalysis, model, hw, lora_rank, counts) -> PlanAnal
 def _max_positions(model) -> int | None:
     """The config's ``max_position_embeddings`` (its text config's for a multimodal
     one), or ``None`` when it gives none."""
-    cfg = load_config(model)
-    if isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg, **cfg["text_config"]}
-    n = cfg.get("max_position_embeddings")
+    n = text_settings(load_config(model)).get("max_position_embeddings")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None

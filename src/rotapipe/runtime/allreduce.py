@@ -500,6 +500,14 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
+def _within(fn, seconds: float) -> None:
+    """Run ``fn`` (a rendezvous-store call) on a daemon thread for at most ``seconds``:
+    a store whose host is gone never answers, and the caller must not wait for it."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(seconds)
+
+
 @atexit.register
 def stop_heartbeats() -> None:
     """Stop every heartbeat thread of this process (before the process group goes away,
@@ -564,9 +572,7 @@ class _Heartbeat:
                 self.store.set(self._key(self.rank, "left"), why)
             except Exception:  # noqa: BLE001 - store gone: diagnose() says so
                 pass
-        t = threading.Thread(target=write, daemon=True)
-        t.start()
-        t.join(1.0)
+        _within(write, 1.0)
 
     def _run(self) -> None:
         # The prefix is agreed on by a collective after the thread starts; the thread
@@ -601,9 +607,7 @@ class _Heartbeat:
                     return
             out["ok"] = True
 
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(max(2.0, 4 * self.interval))
+        _within(read, max(2.0, 4 * self.interval))
         return out if out.get("ok") else None
 
     def _left(self, ranks: list[int]) -> dict[int, str]:
@@ -617,9 +621,7 @@ class _Heartbeat:
                         out[r] = self.store.get(self._key(r, "left")).decode()
                 except Exception:  # noqa: BLE001
                     return
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(max(2.0, 4 * self.interval))
+        _within(read, max(2.0, 4 * self.interval))
         return dict(out)
 
     def diagnose(self, seq: int) -> tuple[list[int], str]:
