@@ -288,3 +288,43 @@ def test_a_stale_pipeline_plans_for_overlapping_calls():
               for m, p in plans.items()}
     one = {m: simulate_plan(p, em.costs, 8, 16).step_ms for m, p in plans.items()}
     assert steady["stale"] < 0.98 * steady["sync"] and one["sync"] < one["stale"]
+
+
+def freeze_part(model: nn.Module, embedding: bool) -> nn.Module:
+    """A LoRA-like model: every block's ``qkv`` and ``up`` frozen (layers holding frozen
+    and trained weights), block 3 frozen whole, and with ``embedding`` the tied
+    embedding and head frozen too."""
+    for name, p in model.named_parameters():
+        if ".qkv." in name or ".up." in name or name.startswith("3.") or \
+                (embedding and name.startswith("0.")):
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["stale", "overlap"])
+@pytest.mark.parametrize("clip", ["off", "hit"])
+@pytest.mark.parametrize("workers,microbatches,embedding", [(2, 4, False), (3, 8, True)])
+def test_frozen_weights_upload_before_the_hand_off(mode, clip, workers, microbatches,
+                                                   embedding):
+    """A stage holding frozen weights uploads them without waiting for the optimizer
+    (``UW``) and its trained part after the hand-off (``UT``): still exact."""
+    model = freeze_part(tiny_transformer(tied=True, dropout=0.1), embedding)
+    data = batches(size=max(8, microbatches))
+    want_losses, want = reference(mode, model, data, microbatches, CLIP[clip])
+    config = emulated(workers, microbatches, optimizer_mode=mode, clip_grad_norm=CLIP[clip])
+    with rotapipe.RoundPipe(copy.deepcopy(model), lm_loss, config=config,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        losses = [pipe.train_step(x, y) for x, y in data]
+        got = {k: v.clone() for k, v in pipe.state_dict().items()}
+        ran = pipe.last_timeline(calls=STEPS).schedule
+        frozen = pipe._frozen
+        sim = roundpipe_stale_schedule(pipe.plan, workers, microbatches, calls=STEPS,
+                                       staleness=1 if mode == "stale" else 0,
+                                       whole_step=clip != "off", ties=pipe._ties,
+                                       frozen=frozen)
+    torch.testing.assert_close(losses, want_losses, rtol=RTOL, atol=ATOL)
+    assert_weights(got, want, f"{mode} clip={clip}")
+    assert frozen == ((0, 1, 2, 3, 4, 5) if embedding else (1, 2, 3, 4))
+    assert ran.to_text() == sim.to_text()
+    split = [a for a in ran.actions if a.kind is rotapipe.schedule.ActionKind.UPLOAD_TRAINED]
+    assert split and all(a.call > 0 for a in split)

@@ -162,6 +162,11 @@ class RoundPipe:
                 holders.setdefault(pid, set()).add(l)
         self._ties = sorted({frozenset(ls) for ls in holders.values() if len(ls) > 1},
                             key=sorted)
+        # Layers holding frozen weights (a LoRA base): overlapping calls upload them
+        # without waiting for the optimizer (rotapipe.schedule.roundpipe).
+        trained = set(self.host.trainable)
+        self._frozen = tuple(l for l, pids in enumerate(self.layerset.layer_params)
+                             if any(pid not in trained for pid in pids))
         stages = self._calls.stages
         self.data_parallel = None
         """The data-parallel gradient reducer (``None`` when off); ``.last`` holds the
@@ -366,7 +371,7 @@ class RoundPipe:
                 whole_step=opt.whole_step, ties=self._ties,
                 side_inputs=self.side_inputs is not None,
                 tail_barrier=self.tail_context is not None, prefetch=cfg.prefetch,
-                grad_window=grad_window(cfg.prefetch)),
+                grad_window=grad_window(cfg.prefetch), frozen=self._frozen),
                 "roundpipe-stale")
         # Without data parallelism (whose all-reduce works on fp32 staged gradients)
         # a call's gradients wait for its commit in the compute dtype (docs/memory.md).

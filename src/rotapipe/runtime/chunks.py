@@ -4,7 +4,10 @@ A stage's weights move layer by layer; layer ``l`` in ``layer_chunks(bytes_l,
 chunk_bytes)`` near-equal byte ranges over the concatenation of its tensors
 (``transfer.split_bytes``). The first chunk of a layer allocates its device tensors
 (and uploads its buffers, a few bytes); the last chunk of the stage hands the stage's
-weights to the worker's store. Under timed emulation the chunk count and each chunk's
+weights to the worker's store. A split upload (``UW`` then ``UT``,
+``rotapipe.schedule.roundpipe``) moves the frozen tensors and the buffers first and
+the trained tensors after the optimizer's hand-off; the ``UT``'s last chunk adds them
+to the stage's weights in the store. Under timed emulation the chunk count and each chunk's
 duration follow the emulated layer's bytes, exactly as the simulator's
 (``rotapipe.sim.ActionTimes``).
 
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 
 from ..plan import StageKind
-from ..schedule import Action
+from ..schedule import Action, ActionKind as K
 from .backend import Device
 from .executor import Chunk
 from .host import RowGrad
@@ -159,6 +162,9 @@ class ChunkedCopies:
 
     # -- weight uploads ---------------------------------------------------------------
     def upload(self, a: Action) -> list[Chunk]:
+        """The chunks of weight upload ``a``: a ``UW`` (of every tensor, or of the
+        frozen ones when the call's routes split the stage's upload) or a ``UT`` (the
+        trained tensors, added to what the stage's ``UW`` stored)."""
         r = self.r
         s, dev = r.stages[a.stage], r.devices[a.worker]
         grad = r.ctx.training and s.kind is not StageKind.FORWARD
@@ -166,8 +172,14 @@ class ChunkedCopies:
         buffers: dict[int, torch.Tensor] = {}
         dst: dict[int, torch.Tensor] = {}
         chunks: list[Chunk] = []
-        rows = self.rows(a)
-        layers = self._layers(a, lambda p: True, rows)
+        trained = a.kind is K.UPLOAD_TRAINED
+        if trained or (a.stage, a.call) in r.routes.split:
+            rows = {p: t for p, t in self.rows(a).items()
+                    if r.ls.params[p].requires_grad == trained}
+            layers = self._layers(a, lambda p: r.ls.params[p].requires_grad == trained, rows)
+        else:
+            rows = self.rows(a)
+            layers = self._layers(a, lambda p: True, rows)
         for l, pids, sizes in layers:
             for j, pieces in enumerate(self._parts(l, sizes)):
                 def body(l=l, pids=pids, pieces=pieces, first=j == 0, src=None):
@@ -181,7 +193,8 @@ class ChunkedCopies:
                             if p in rows:      # a transient beside the full table
                                 r.stores[a.worker].put(("rowbuf", s.name, p), dst[p],
                                                        f"looked-up rows of {s}")
-                        self._upload_buffers(dev, l, buffers)
+                        if not trained:         # the UW brings the buffers
+                            self._upload_buffers(dev, l, buffers)
                     for i, lo, hi in pieces:
                         target = _bytes(dst[pids[i]])[lo:hi]
                         if src is not None:        # staged in a pinned bounce buffer
@@ -215,8 +228,18 @@ class ChunkedCopies:
                     # is dropped, the stage holds the compute-dtype weight.
                     t = q.dequantize(t, r.host.dtype)
                 params[p] = nn.Parameter(t, requires_grad=grad and r.ls.params[p].requires_grad)
-            r.stores[a.worker].put(("w", s.name), (params, buffers), f"weights of stage {s}")
-            dst.clear()     # the chunks' closures outlive the copy: hold no tensor
+            store = r.stores[a.worker]
+            if trained:
+                # Popped first, so the device budget never counts the frozen part twice.
+                frozen, kept_buffers = store.pop(("w", s.name))
+                params.update(frozen)
+                buffers.update(kept_buffers)
+            store.put(("w", s.name), (dict(params), dict(buffers)), f"weights of stage {s}")
+            params.clear()  # the chunks' closures outlive the copy: hold no tensor
+            buffers.clear()
+            dst.clear()
+        if not chunks:
+            return [Chunk(finish)]
         last = chunks[-1].copy
         chunks[-1].copy = lambda: (last(), finish())
         return chunks

@@ -27,7 +27,8 @@ from .backend import Aborted, Device, HostStream
 from .store import Actor
 from .transfer import CHUNKED, CRITICAL, DOWN, UP, CopyGate, direction
 
-_VERBS = {K.UPLOAD_WEIGHTS: "weight upload", K.UPLOAD_SIDE: "side-input upload",
+_VERBS = {K.UPLOAD_WEIGHTS: "weight upload", K.UPLOAD_TRAINED: "trained-weight upload",
+          K.UPLOAD_SIDE: "side-input upload",
           K.UPLOAD_ACT: "activation upload", K.UPLOAD_GRAD: "gradient upload",
           K.FORWARD: "forward", K.FUSED: "fused forward+loss+backward",
           K.RECOMPUTE: "recompute", K.BACKWARD: "backward", K.FREE: "weight free",

@@ -160,12 +160,12 @@ class ActionRunner:
     def chunks(self, a: Action) -> list | None:
         """The chunks of a weight upload or weight-gradient download (``None`` for
         every other action: one piece, run by :meth:`run`)."""
-        if a.kind not in (K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD):
+        if a.kind not in (K.UPLOAD_WEIGHTS, K.UPLOAD_TRAINED, K.DOWNLOAD_WGRAD):
             return None
         state = self._tls.state = self.states[a.call]
         try:
-            chunks = self.copies.upload(a) if a.kind is K.UPLOAD_WEIGHTS else \
-                self.copies.download(a)
+            chunks = self.copies.download(a) if a.kind is K.DOWNLOAD_WGRAD else \
+                self.copies.upload(a)
         finally:
             self._tls.state = None      # see run()
         for c in chunks:

@@ -52,6 +52,7 @@ class ActionKind(str, enum.Enum):
     """What an action does. The value is its code in the text form."""
 
     UPLOAD_WEIGHTS = "UW"    # host weights + buffers of a stage -> device
+    UPLOAD_TRAINED = "UT"    # the trained part of a stage whose UW moved its frozen part
     UPLOAD_SIDE = "UZ"       # a microbatch's side inputs (masks, rotary tables) -> device
     UPLOAD_ACT = "UA"        # activation at a layer boundary (and labels, for the tail)
     UPLOAD_GRAD = "UG"       # gradient w.r.t. a stage's output -> device
@@ -75,7 +76,7 @@ class ActionKind(str, enum.Enum):
 
 
 _LANES = {
-    ActionKind.UPLOAD_WEIGHTS: Lane.WEIGHTS,
+    ActionKind.UPLOAD_WEIGHTS: Lane.WEIGHTS, ActionKind.UPLOAD_TRAINED: Lane.WEIGHTS,
     ActionKind.UPLOAD_SIDE: Lane.UPLOAD, ActionKind.UPLOAD_ACT: Lane.UPLOAD,
     ActionKind.UPLOAD_GRAD: Lane.UPLOAD,
     ActionKind.FORWARD: Lane.COMPUTE, ActionKind.FUSED: Lane.COMPUTE,
@@ -92,7 +93,8 @@ COMPUTE_PASSES = frozenset({ActionKind.FORWARD, ActionKind.FORWARD_KEEP, ActionK
 """Action kinds that do model math (a device's busy time; ``X`` is on the compute lane
 but takes none)."""
 
-CHUNKED = frozenset({ActionKind.UPLOAD_WEIGHTS, ActionKind.DOWNLOAD_WGRAD})
+CHUNKED = frozenset({ActionKind.UPLOAD_WEIGHTS, ActionKind.UPLOAD_TRAINED,
+                     ActionKind.DOWNLOAD_WGRAD})
 """Copies that move in gated chunks (``rotapipe.runtime.transfer``) and yield their link
 to the critical copies between chunks."""
 

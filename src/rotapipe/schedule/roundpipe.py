@@ -24,6 +24,13 @@ on the host at once (the runtime's per-stage step frees each at its hand-off).
 With the stale optimizer (:func:`roundpipe_stale_schedule`) calls overlap: the stage
 jobs of call ``c`` continue the round-robin where call ``c - 1`` stopped, so the next
 call's forward stages fill the workers while the previous call's backward drains.
+
+Frozen weights (a LoRA base, any parameter the optimizer never updates) never wait for
+an optimizer hand-off: when overlapping calls gate a stage's weights on an earlier
+call's update and the stage holds frozen weights, its ``UW`` moves only the frozen part
+(gated on memory alone, so it prefetches while the previous call drains) and a ``UT``
+after it moves the trained part once the hand-offs are done; the stage computes after
+the ``UT``.
 """
 
 from __future__ import annotations
@@ -74,7 +81,8 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
                    reads: int | None = None, whole_step: bool = False,
                    ties: Collection[Collection[int]] = (), side_inputs: bool = False,
                    buffer_layers: Collection[int] = (), tail_barrier: bool = False,
-                   prefetch: int = 1, grad_window: int | None = None) -> tuple[Action, ...]:
+                   prefetch: int = 1, grad_window: int | None = None,
+                   frozen: Collection[int] = ()) -> tuple[Action, ...]:
     """The actions of training call ``call`` in a sequence of overlapping calls.
 
     Call ``c``'s job ``j`` runs on worker ``(c * jobs + j) % workers``: the round-robin
@@ -87,8 +95,11 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
     sharing parameters, e.g. a tied embedding and head), or of every stage with
     ``whole_step`` (an update that needs the whole call's gradients, e.g. clipping to
     a global norm). ``grad_window``: gradient downloads wait for the hand-off that
-    many gradient jobs back (module docstring; ``None``: they do not wait). Call 0
-    without ``reads`` or ``grad_window`` is :func:`roundpipe_schedule`'s call.
+    many gradient jobs back (module docstring; ``None``: they do not wait).
+    ``frozen``: layers holding weights the optimizer never updates; a stage holding any
+    of them splits its gated upload into ``UW`` (frozen part, not gated on ``reads``)
+    and ``UT`` (trained part, gated). Call 0 without ``reads`` or ``grad_window`` is
+    :func:`roundpipe_schedule`'s call.
     """
     if workers < 1 or microbatches < 1 or call < 0:
         raise ScheduleError(f"workers={workers} and microbatches={microbatches} must be "
@@ -112,6 +123,7 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
     gen.start_call(call)
     gen.tail_barrier = tail_barrier and plan.tail.start > 0
     updaters = [s for s in gen.jobs if s.kind is not StageKind.FORWARD]
+    frozen_set = frozenset(frozen)
     tied: dict[int, set[int]] = {}
     for group in ties:
         for l in group:
@@ -122,7 +134,8 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
             touched = set(stage.layers).union(*(tied.get(l, ()) for l in stage.layers))
             reads_keys = [action_key(K.OPTIMIZER, u.name, call=reads) for u in updaters
                           if whole_step or touched & set(u.layers)]
-        gen.job(j, stage, weight_deps=reads_keys)
+        gen.job(j, stage, weight_deps=reads_keys,
+                split=bool(reads_keys) and not frozen_set.isdisjoint(stage.layers))
     return tuple(gen.out)
 
 
@@ -130,15 +143,17 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
                              calls: int = 4, staleness: int = 1,
                              side_inputs: bool = False, whole_step: bool = False,
                              ties: Collection[Collection[int]] = (),
-                             prefetch: int = 1, bound_grads: bool = True) -> Schedule:
+                             prefetch: int = 1, bound_grads: bool = True,
+                             frozen: Collection[int] = ()) -> Schedule:
     """``calls`` overlapping training calls (:func:`roundpipe_call`), each a step of an
     optimizer ``staleness`` steps stale: call ``c`` reads the update of call
     ``c - 1 - staleness`` (``staleness=0`` is the exact optimizer: the next call reads
     this call's update). The runtime runs exactly these calls for
     ``optimizer_mode="stale"`` (staleness 1) and ``"overlap"`` (staleness 0), with
     ``whole_step`` when it clips to a global norm, and with ``bound_grads``: a
-    gradient window of ``prefetch + 2`` jobs (:func:`grad_window`). A simulator reports
-    the steady state between the first and the last call.
+    gradient window of ``prefetch + 2`` jobs (:func:`grad_window`), and ``frozen``
+    (:func:`roundpipe_call`) the layers holding frozen weights. A simulator reports the
+    steady state between the first and the last call.
     """
     if calls < 1 or staleness < 0:
         raise ScheduleError(f"calls={calls} must be >= 1 and staleness={staleness} >= 0")
@@ -149,7 +164,8 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
                                   reads=older if older >= 0 else None,
                                   whole_step=whole_step, ties=ties,
                                   side_inputs=side_inputs, prefetch=prefetch,
-                                  grad_window=grad_window(prefetch) if bound_grads else None)
+                                  grad_window=grad_window(prefetch) if bound_grads else None,
+                                  frozen=frozen)
     return Schedule(plan, workers, microbatches, tuple(actions), "roundpipe-stale")
 
 
@@ -217,17 +233,25 @@ class _Generator:
         self.out.append(a)
         return a.key
 
-    def job(self, j: int, s: Stage, weight_deps=()) -> None:
+    def job(self, j: int, s: Stage, weight_deps=(), split: bool = False) -> None:
+        """Emit job ``j`` of the call: its weights' upload waits (on the host) for
+        ``weight_deps`` (hand-offs) and for room; with ``split`` only its trained part
+        (``UT``) waits for the hand-offs (module docstring)."""
         g = self.call * len(self.jobs) + j          # job index over all calls
         w = g % self.W
-        host_deps = list(weight_deps)
+        room = []
         back = (self.prefetch + 1) * self.W     # the job whose free makes room
         if g >= back:
             call2, j2 = divmod(g - back, len(self.jobs))
-            host_deps.append(self.key(K.FREE, self.jobs[j2].name, call=call2))
+            room.append(self.key(K.FREE, self.jobs[j2].name, call=call2))
         up_deps = sorted({self.buffer_dl[l] for l in s.layers if l in self.buffer_dl}) \
             if s.kind is StageKind.BACKWARD else []
-        uw = self.emit(K.UPLOAD_WEIGHTS, w, s, deps=up_deps, host_deps=host_deps)
+        if split:
+            uw = self.emit(K.UPLOAD_WEIGHTS, w, s, deps=up_deps, host_deps=room)
+            uw = self.emit(K.UPLOAD_TRAINED, w, s, deps=[uw], host_deps=weight_deps)
+        else:
+            uw = self.emit(K.UPLOAD_WEIGHTS, w, s, deps=up_deps,
+                           host_deps=list(weight_deps) + room)
         compute_keys: list[str] = []
         last_dg = None
         mbs = self.plan.tail_microbatches(s.index, self.M) if s.kind is StageKind.TAIL \

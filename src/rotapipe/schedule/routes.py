@@ -41,7 +41,9 @@ class Routes:
       recompute of the same layers); ``grad_to[key]`` the shallower stage that reads a
       backward's input gradient;
     - ``last_pass``: the keys of each stage's last forward and last backward (in list
-      order), which keep buffers and weight gradients.
+      order), which keep buffers and weight gradients;
+    - ``split``: ``(stage, call)`` of the weight uploads split in two (a ``UT`` moves
+      the trained part, so the ``UW`` moves the frozen part only).
     """
 
     downloads: dict
@@ -50,6 +52,7 @@ class Routes:
     also_input: dict
     grad_to: dict
     last_pass: frozenset
+    split: frozenset = frozenset()
 
     @classmethod
     def of(cls, schedule: Schedule, stages: dict) -> Routes:
@@ -79,5 +82,7 @@ class Routes:
                     if p.kind in (K.BACKWARD, K.BACKWARD_KEPT) and \
                             stages[p.stage].start == s.stop:
                         grad_to[p.key] = act.stage
+        split = frozenset((a.stage, a.call) for a in schedule.actions
+                          if a.kind is K.UPLOAD_TRAINED)
         return cls(downloads, weight_stages(schedule), act_to, also_input, grad_to,
-                   frozenset(last.values()))
+                   frozenset(last.values()), split)

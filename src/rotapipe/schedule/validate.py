@@ -30,13 +30,14 @@ def validate(schedule: Schedule, *, dataflow: bool = False,
       the forward producing its input, a backward the backward producing its output
       gradient, an upload depends on the download that brought its data to the host, a
       download on the compute that made it, a compute on the uploads of its stage and
-      microbatch. (Off by default: the runtime accepts edited schedules with a missing
+      microbatch (and on its stage's ``UT``, which follows the stage's ``UW``). (Off by default: the runtime accepts edited schedules with a missing
       transfer wait so that the emulated backend's race checker can catch it at run
       time; generators' output passes with it on.)
     - with ``memory_limit`` (bytes) and ``sizes``: no worker's device memory exceeds the
       limit in the unit-time dry run (every action takes one step; see ``memory.py``).
     """
     by_key = _unique(schedule)
+    _check_trained(schedule, by_key)
     eval_call = schedule.name.endswith("-eval")
     if not eval_call:
         _check_passes(schedule, by_key)
@@ -138,12 +139,37 @@ def _check_data(schedule: Schedule, by_key: dict[str, Action]) -> None:
                        and by_key[d].mb == a.mb for d in a.deps):
                 raise ScheduleError(f"download {a.key} does not depend on the compute of "
                                     f"stage {a.stage} microbatch {a.mb} that produces it")
+        if a.kind in computes + (K.RECOMPUTE,):
+            ut = action_key(K.UPLOAD_TRAINED, a.stage, call=a.call)
+            if ut in by_key and by_key[ut].worker == a.worker and not _reaches(
+                    by_key, a, ut):
+                raise ScheduleError(f"{a.key} does not wait for {ut}, the upload of its "
+                                    "stage's trained weights")
         if a.kind in consumers:
             for kind in consumers[a.kind]:
                 user = by_key.get(action_key(kind, a.stage, a.mb, call=a.call))
                 if user is not None and a.key not in user.deps:
                     raise ScheduleError(f"{user.key} does not depend on {a.key}, the upload "
                                         "of its input")
+
+
+def _check_trained(schedule: Schedule, by_key: dict[str, Action]) -> None:
+    """Each ``UT`` follows a ``UW`` of its stage on its worker in its call."""
+    for a in schedule.actions:
+        if a.kind is K.UPLOAD_TRAINED:
+            uw = action_key(K.UPLOAD_WEIGHTS, a.stage, call=a.call)
+            if uw not in a.deps or by_key[uw].worker != a.worker:
+                raise ScheduleError(f"{a.key} (the trained part of a split weight upload) "
+                                    f"does not depend on {uw} on worker {a.worker}: a "
+                                    "stage's UT completes the weights its UW uploaded")
+
+
+def _reaches(by_key: dict[str, Action], a: Action, key: str) -> bool:
+    """Whether ``a`` depends on ``key`` directly or through an action of its own stage
+    and call (a backward through its recompute)."""
+    return key in a.deps or any(
+        key in by_key[d].deps for d in a.deps
+        if d in by_key and (by_key[d].stage, by_key[d].call) == (a.stage, a.call))
 
 
 def _check_order(schedule: Schedule, by_key: dict[str, Action], before: dict,

@@ -29,7 +29,9 @@ class ActionTimes:
     model-input upload costs ``input_hop_ms``). A weight upload moves each layer in
     ``layer_chunks(weight_bytes, chunk_bytes)`` equal chunks (the runtime's gated
     chunks, ``rotapipe.runtime.transfer``); a weight-gradient download takes as long as
-    the upload (or the layer's ``grad_ms``: LoRA), in the same chunks. Frees, side
+    the upload (or the layer's ``grad_ms``: LoRA), in the same chunks; the trained
+    part of a split upload (``UT``) as long as its gradients' download (a layer whose
+    ``grad_ms`` is ``None`` is all trained: its upload). Frees, side
     inputs, buffer downloads and optimizer hand-offs take no time, unless
     ``optimizer_ms(stage)`` gives the host optimizer work an ``O`` action does
     (:meth:`rotapipe.runtime.emulation.TimedEmulation.optimizer_ms`).
@@ -66,12 +68,15 @@ class ActionTimes:
             return (sum(l.forward_ms + l.backward_ms for l in layers),)
         if a.kind in (K.UPLOAD_ACT, K.UPLOAD_GRAD, K.DOWNLOAD_ACT, K.DOWNLOAD_GRAD):
             return (c.boundary_hop_ms(a.at),)
-        if a.kind in (K.UPLOAD_WEIGHTS, K.DOWNLOAD_WGRAD):
+        if a.kind in (K.UPLOAD_WEIGHTS, K.UPLOAD_TRAINED, K.DOWNLOAD_WGRAD):
             out: list[float] = []
             for l in layers:
                 k = 1 if self.chunk_bytes is None else \
                     layer_chunks(l.weight_bytes, self.chunk_bytes)
-                ms = l.dw_ms if a.kind is K.DOWNLOAD_WGRAD else l.upload_ms
+                # The trained part (adapters) is the size of its gradients; the frozen
+                # part of a split upload is the whole upload (LayerCost leaves the
+                # adapters out of weight_bytes and upload_ms).
+                ms = l.upload_ms if a.kind is K.UPLOAD_WEIGHTS else l.dw_ms
                 out += [ms / k] * k
             return tuple(out)
         if a.kind is K.OPTIMIZER and self.optimizer_ms is not None:
