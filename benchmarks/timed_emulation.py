@@ -125,13 +125,13 @@ WARMUP = 2
 
 
 def pipelined_sim(em, plan, mode: str, microbatches: int, calls: int,
-                  chunk_bytes: int = DEFAULT_CHUNK):
+                  chunk_bytes: int = DEFAULT_CHUNK, frozen=()):
     """The simulator's timeline of ``calls`` overlapping calls as the runtime runs them
     in ``mode`` (the schedule of :func:`roundpipe_stale_schedule`, without clipping;
     each hand-off does its stage's optimizer work), weights moving in chunks of
-    ``chunk_bytes``."""
+    ``chunk_bytes``; ``frozen``: the layers holding frozen weights (LoRA)."""
     s = roundpipe_stale_schedule(plan, DEVICES, microbatches, calls=calls,
-                                 staleness=1 if mode == "stale" else 0)
+                                 staleness=1 if mode == "stale" else 0, frozen=frozen)
     return run(s, ActionTimes(plan, em.costs, chunk_bytes,
                               optimizer_ms=em.optimizer_ms(plan, False)))
 
@@ -149,13 +149,16 @@ def loss_period(tl, plan, measured: int) -> float:
 
 
 def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
-            gate=True, chunk_mb=32.0):
+            gate=True, chunk_mb=32.0, prepare=None):
     """Run ``steps`` training steps (after warm-up) and return the row. Tokens/s: the
     wall time between train_step returns (overlapping calls: the steady state). With
     overlapping calls, ``rt/sim`` and the bubble compare the steady-state step of the
-    runtime's timeline of the measured calls with the simulator's (``sim_tl``)."""
+    runtime's timeline of the measured calls with the simulator's (``sim_tl``).
+    ``prepare(model)``: applied to the stand-in first (e.g. freezing a LoRA-like base)."""
     torch.manual_seed(0)
     model = em.stand_in()
+    if prepare is not None:
+        prepare(model)
     cfg = rotapipe.PipeConfig(workers=DEVICES, microbatches=microbatches,
                               backend="emulated", emulation=em, optimizer_mode=mode,
                               grain=grain, check_races=False, gate_copies=gate,

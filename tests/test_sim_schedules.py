@@ -2,6 +2,7 @@
 new checks: passes exactly once, inputs before use, memory limit. Pure: no runtime."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
@@ -13,7 +14,7 @@ from rotapipe.schedule import (Action, ActionKind as K, Lane, MemorySizes, Sched
                                gpipe_schedule, interleaved_1f1b_schedule,
                                looped_bfs_schedule, one_f_one_b_schedule,
                                roundpipe_stale_schedule)
-from rotapipe.sim import SCHEDULES, SimConfig, build_schedule, simulate
+from rotapipe.sim import SCHEDULES, ActionTimes, SimConfig, build_schedule, simulate
 
 BOUND = {"gpipe": (gpipe_schedule, 1), "1f1b": (one_f_one_b_schedule, 1),
          "interleaved-1f1b": (interleaved_1f1b_schedule, 2), "looped-bfs": (looped_bfs_schedule, 2)}
@@ -259,3 +260,76 @@ def test_every_named_schedule_builds_and_validates_with_memory():
         validate(s, dataflow=True)
         assert s.name == name
     assert isinstance(Plan.from_text(s.plan.to_text()), Plan)
+
+
+@pytest.mark.parametrize("workers, mbs, staleness", [(1, 1, 0), (2, 3, 0), (3, 4, 1),
+                                                     (8, 16, 0)])
+def test_frozen_weights_upload_without_waiting_for_the_hand_off(workers, mbs, staleness):
+    """A stage holding frozen layers splits a gated upload: ``UW`` (frozen part) waits
+    for room only, ``UT`` (trained part) for the hand-offs; the stage computes after
+    the ``UT``. Stages without frozen layers and ungated uploads keep one ``UW``."""
+    plan = even_plan(9, 2, 5, tail_layers=2)
+    frozen = (1, 2, 3)
+    s = roundpipe_stale_schedule(plan, workers, mbs, calls=3, staleness=staleness,
+                                 frozen=frozen)
+    validate(s, dataflow=True)
+    assert Schedule.from_text(s.to_text()) == s
+    plain = roundpipe_stale_schedule(plan, workers, mbs, calls=3, staleness=staleness)
+    by_key, plain_keys = s.by_key(), plain.by_key()
+    split = {(a.stage, a.call) for a in s.actions if a.kind is K.UPLOAD_TRAINED}
+    for a in plain.actions:
+        if a.kind is not K.UPLOAD_WEIGHTS:
+            continue
+        reads = [d for d in a.host_deps if d.startswith("O:")]
+        holds = not set(plan.stage(a.stage).layers).isdisjoint(frozen)
+        assert ((a.stage, a.call) in split) == bool(reads and holds), a.key
+        if (a.stage, a.call) not in split:
+            assert by_key[a.key].host_deps == a.host_deps
+            continue
+        ut = by_key[a.key.replace("UW:", "UT:")]
+        assert ut.lane is Lane.TRAINED and ut.deps == (a.key,) and tuple(ut.host_deps) == \
+            tuple(reads)
+        assert set(by_key[a.key].host_deps) == set(a.host_deps) - set(reads)
+        for c in s.actions:      # every compute of the stage waits for its UT
+            if c.lane is Lane.COMPUTE and c.kind is not K.FREE and \
+                    (c.stage, c.call) == (a.stage, a.call):
+                assert ut.key in c.deps or any(ut.key in by_key[d].deps for d in c.deps)
+    assert split == {k for k in split if k[1] >= 1 + staleness}
+    assert len(plain_keys) + len(split) == len(by_key)
+
+
+def test_validator_refuses_a_compute_that_skips_its_trained_upload():
+    plan = even_plan(6, 2, 3, tail_layers=1)
+    s = roundpipe_stale_schedule(plan, 2, 2, calls=2, staleness=0, frozen=(0, 1, 2))
+    ut = next(a for a in s.actions if a.kind is K.UPLOAD_TRAINED)
+    broken = tuple(Action(a.kind, a.worker, a.stage, a.mb, a.at,
+                          tuple(d for d in a.deps if d != ut.key) + (
+                              (ut.deps[0],) if ut.key in a.deps else ()),
+                          a.host_deps, a.call) for a in s.actions)
+    with pytest.raises(ScheduleError, match=f"does not wait for {ut.key}"):
+        validate(Schedule(plan, 2, 2, broken, s.name), dataflow=True)
+    orphan = tuple(Action(a.kind, a.worker, a.stage, a.mb, a.at, (), a.host_deps, a.call)
+                   if a.key == ut.key else a for a in s.actions)
+    with pytest.raises(ScheduleError, match="does not depend on UW"):
+        validate(Schedule(plan, 2, 2, orphan, s.name), dataflow=True)
+
+
+def test_frozen_first_shortens_an_upload_bound_lora_step():
+    """LoRA-like costs (uploads longer than the forward, tiny adapters): uploading the
+    frozen base before the hand-off shortens the exact mode's steady step, and a ``UT``
+    takes its layers' adapter (gradient) time."""
+    block = LayerCost("block", 1.0, 2.0, 1.0, upload_ms=6.0, hop_ms=0.1,
+                      weight_bytes=64 << 20, grad_ms=0.05)
+    costs = ModelCosts(tuple(replace(block, name=f"b{i}") for i in range(12)), 1)
+    assert costs.frozen == tuple(range(12))
+    plan = even_plan(12, 6, 12, tail_layers=1)
+
+    def period(frozen):
+        s = roundpipe_stale_schedule(plan, 3, 4, calls=5, staleness=0, frozen=frozen)
+        tl = simulate(s, costs).timeline
+        loss = [max(tl.end[a.key] for a in s.actions if a.kind is K.DOWNLOAD_GRAD and
+                    a.call == c and a.stage == "T") for c in (1, 4)]
+        return (loss[1] - loss[0]) / 3
+    assert period(costs.frozen) < 0.95 * period(())     # 78.6 vs 84.3 ms
+    ut = Action(K.UPLOAD_TRAINED, 0, "B3")
+    assert sum(ActionTimes(plan, costs)(ut)) == pytest.approx(0.05)

@@ -84,6 +84,14 @@ class ModelCosts:
     rows (``model_costs(call_tokens=)``; 0: it moves whole). They are gathered into
     the workers' bounce buffers (:func:`rotapipe.plan.host_memory`)."""
 
+    @property
+    def frozen(self) -> tuple[int, ...]:
+        """Layers holding weights the optimizer never updates: with LoRA costs (a
+        layer's ``grad_ms`` set) every layer's base is frozen; none otherwise. What a
+        schedule of overlapping calls uploads without waiting for the optimizer
+        (:func:`rotapipe.schedule.roundpipe_call`'s ``frozen``)."""
+        return tuple(i for i, l in enumerate(self.layers) if l.grad_ms is not None)
+
     def __post_init__(self):
         if not self.layers:
             raise ConfigError("ModelCosts needs at least one layer")

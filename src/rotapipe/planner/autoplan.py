@@ -161,7 +161,8 @@ def device_need(plan: Plan, fp: Footprint) -> int:
 def simulate_plan(plan: Plan, costs: ModelCosts, workers: int, microbatches: int, *,
                   stale: bool = False, calls: int = 4) -> Report:
     """Simulate one RoundPipe step of ``plan`` (steady state with ``stale``)."""
-    s = roundpipe_stale_schedule(plan, workers, microbatches, calls=calls) if stale \
+    s = roundpipe_stale_schedule(plan, workers, microbatches, calls=calls,
+                                 frozen=costs.frozen) if stale \
         else roundpipe_schedule(plan, workers, microbatches)
     return report(run(s, ActionTimes(plan, costs)), costs.tokens * microbatches)
 

@@ -68,8 +68,8 @@ class CudaDevice(Device):
         # cuStreamCreateWithPriority): copies get theirs from the gated chunks
         # (transfer.py), so every stream has the default priority.
         self._streams = {lane: CudaStream(self.torch_device, f"cuda{index}.{lane.value}")
-                         for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.UPLOAD, Lane.DOWNLOAD,
-                                      Lane.GRADS)}
+                         for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.TRAINED, Lane.UPLOAD,
+                                      Lane.DOWNLOAD, Lane.GRADS)}
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0

@@ -175,7 +175,8 @@ class EmulatedDevice(Device):
         self.budget = budget
         self.engines = {d: CopyEngine(f"w{index} {d}", record_copies) for d in (UP, DOWN)}
         self._streams = {}
-        for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.UPLOAD, Lane.DOWNLOAD, Lane.GRADS):
+        for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.TRAINED, Lane.UPLOAD, Lane.DOWNLOAD,
+                     Lane.GRADS):
             d = direction(lane)
             self._streams[lane] = EmulatedStream(f"w{index}.{lane.value}",
                                                  self.engines[d] if d else None)

@@ -138,8 +138,8 @@ class _Copy:
 
 
 # Lanes in the order a dispatcher looks at them: critical copies first.
-_LANE_ORDER = {Lane.UPLOAD: 0, Lane.DOWNLOAD: 1, Lane.COMPUTE: 2, Lane.WEIGHTS: 3,
-               Lane.GRADS: 4, Lane.HOST: 5}
+_LANE_ORDER = {Lane.UPLOAD: 0, Lane.DOWNLOAD: 1, Lane.COMPUTE: 2, Lane.TRAINED: 3,
+               Lane.WEIGHTS: 4, Lane.GRADS: 5, Lane.HOST: 6}
 
 
 class Session:
@@ -411,14 +411,17 @@ class Session:
     def _next_chunk(self, stream, lane: Lane, copies: dict) -> bool:
         """Issue the next chunk of the copy on ``lane`` if it may go now; True if it did.
         Gated: only after the previous chunk completed, and behind every pending
-        critical copy on the same engine (``transfer.py``)."""
+        critical copy on the same engine (``transfer.py``). A critical chunked copy
+        (``UT``) issues its chunks back to back, each one pending in the gate, so no
+        weight chunk gets between them."""
         c = copies[lane]
         chunk = c.chunks[c.next]
-        if self.gate and c.last is not None and not c.last.query():
+        critical = c.action.kind in CRITICAL
+        if self.gate and not critical and c.last is not None and not c.last.query():
             return False
         if chunk.ready is not None and not chunk.ready():
             return False
-        if self.gate:
+        if self.gate and not critical:
             for ev in c.gate.pending():
                 stream.wait(ev)
         if chunk.stage is not None:
@@ -429,6 +432,8 @@ class Session:
         c.last = ev = stream.record(self._notifier(a))
         if chunk.issued is not None:
             chunk.issued(ev)
+        if critical:
+            c.gate.add(lane, ev, [self.events[d] for d in a.deps] if c.next == 0 else [])
         c.next += 1
         if c.next == len(c.chunks):
             del copies[lane]

@@ -36,12 +36,16 @@ class Lane(str, enum.Enum):
     PCIe link runs in both directions at once; weights get their own upload stream so
     a prefetch never sits in front of a critical activation upload; weight-gradient
     downloads get their own download stream so that they never sit in front of a
-    critical activation or input-gradient download. Lanes of one direction share a copy
-    engine, which serves copies in arrival order; the runtime's gated weight chunks let
-    the critical lanes' copies go first (``rotapipe.runtime.transfer``)."""
+    critical activation or input-gradient download. The trained part of a split weight
+    upload (``UT``, waiting for the optimizer) has a stream of its own, so the frozen
+    prefetches behind it on the weights stream never wait for the optimizer. Lanes of
+    one direction share a copy engine, which serves copies in arrival order; the
+    runtime's gated weight chunks let the critical lanes' copies go first
+    (``rotapipe.runtime.transfer``)."""
 
     COMPUTE = "compute"
     WEIGHTS = "weights"
+    TRAINED = "trained"
     UPLOAD = "upload"
     DOWNLOAD = "download"
     GRADS = "grads"
@@ -76,7 +80,7 @@ class ActionKind(str, enum.Enum):
 
 
 _LANES = {
-    ActionKind.UPLOAD_WEIGHTS: Lane.WEIGHTS, ActionKind.UPLOAD_TRAINED: Lane.WEIGHTS,
+    ActionKind.UPLOAD_WEIGHTS: Lane.WEIGHTS, ActionKind.UPLOAD_TRAINED: Lane.TRAINED,
     ActionKind.UPLOAD_SIDE: Lane.UPLOAD, ActionKind.UPLOAD_ACT: Lane.UPLOAD,
     ActionKind.UPLOAD_GRAD: Lane.UPLOAD,
     ActionKind.FORWARD: Lane.COMPUTE, ActionKind.FUSED: Lane.COMPUTE,
@@ -100,12 +104,16 @@ to the critical copies between chunks."""
 
 CRITICAL = frozenset({ActionKind.UPLOAD_ACT, ActionKind.UPLOAD_GRAD, ActionKind.UPLOAD_SIDE,
                       ActionKind.DOWNLOAD_ACT, ActionKind.DOWNLOAD_GRAD,
-                      ActionKind.DOWNLOAD_BUFFERS})
-"""Copies on the critical path: chunked copies yield the link to them."""
+                      ActionKind.DOWNLOAD_BUFFERS, ActionKind.UPLOAD_TRAINED})
+"""Copies on the critical path: chunked copies yield the link to them. ``UT`` is both:
+its stage's compute waits for it once the optimizer is done, so its chunks go back to
+back and weight chunks yield to them."""
 
-LINK_PRIORITY = {Lane.UPLOAD: 0, Lane.WEIGHTS: 1, Lane.DOWNLOAD: 0, Lane.GRADS: 1}
-"""Order of the lanes that share a link (lower first): activations and gradients
-before weights, activations and input gradients before weight gradients."""
+LINK_PRIORITY = {Lane.UPLOAD: 0, Lane.TRAINED: 0, Lane.WEIGHTS: 1, Lane.DOWNLOAD: 0,
+                 Lane.GRADS: 1}
+"""Order of the lanes that share a link (lower first): activations, gradients and the
+trained part of a split weight upload before weights, activations and input gradients
+before weight gradients."""
 
 
 def stage_map(plan: Plan) -> dict:

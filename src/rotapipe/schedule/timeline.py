@@ -21,7 +21,7 @@ class Resource:
     HOST = "host"
 
 
-RESOURCE = {Lane.COMPUTE: Resource.COMPUTE, Lane.WEIGHTS: Resource.UP,
+RESOURCE = {Lane.COMPUTE: Resource.COMPUTE, Lane.WEIGHTS: Resource.UP, Lane.TRAINED: Resource.UP,
             Lane.UPLOAD: Resource.UP, Lane.DOWNLOAD: Resource.DOWN,
             Lane.GRADS: Resource.DOWN, Lane.HOST: Resource.HOST}
 """The resource each lane runs on: uploads share the host-to-device link (its copy

@@ -124,7 +124,8 @@ def build_schedule(name: str, costs: ModelCosts, config: SimConfig,
 
     def make(plan: Plan) -> Schedule:
         if stale:
-            return roundpipe_stale_schedule(plan, p, M, calls=config.calls)
+            return roundpipe_stale_schedule(plan, p, M, calls=config.calls,
+                                            frozen=costs.frozen)
         return roundpipe_schedule(plan, p, M)
 
     if plan is not None:
