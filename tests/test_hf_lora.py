@@ -43,6 +43,38 @@ def test_adapter_grads_equal_peft(workers, microbatches):
     assert all(p.grad is None for p in m.parameters() if not p.requires_grad)
 
 
+@pytest.mark.parametrize("pin", ["register", "off"])
+def test_pipelined_lora_steps_equal_peft(pin):
+    """``overlap`` over four pipelined steps: the frozen base (and the embedding, moved by
+    rows) uploads without waiting for the optimizer, the adapters after it (``UT``);
+    losses and adapter weights equal PEFT's own steps with AdamW."""
+    torch.manual_seed(0)
+    model = lora(tiny("qwen3"))
+    ref, m = clone(model), clone(model)
+    data = [batch(seed=s) for s in range(1, 5)]
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    want = []
+    for ids, mask, labels in data:
+        want.append(hf_backward(ref, ids, mask, labels))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+    cfg = rotapipe.PipeConfig(workers=3, microbatches=4, backend="emulated", pin=pin,
+                              optimizer_mode="overlap")
+    with wrapped.pipe(cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)) as pipe:
+        got = [pipe.train_step(wrapped.inputs(ids, mask), labels) for ids, mask, labels in data]
+        pipe.flush()
+        ran = pipe.last_timeline(calls=len(data)).schedule
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert any(a.kind is rotapipe.schedule.ActionKind.UPLOAD_TRAINED for a in ran.actions)
+    w = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p, w[name], rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(p, w[name]), name
+
+
 @pytest.mark.parametrize("pin", ["copy", "register", "off"])
 def test_frozen_base_is_one_copy_in_compute_dtype(pin):
     model = lora(tiny("qwen3").to(torch.bfloat16))

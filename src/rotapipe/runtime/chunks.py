@@ -142,7 +142,15 @@ class ChunkedCopies:
             out.append((l, pids, sizes))
         return out
 
-    def _parts(self, l: int, sizes: list[int]) -> list[list[tuple[int, int, int]]]:
+    def _parts(self, l: int, sizes: list[int], trained: bool = False
+               ) -> list[list[tuple[int, int, int]]]:
+        """Layer ``l``'s chunks. Under timed emulation their count follows the emulated
+        layer's bytes, as the simulator's; the trained part of a split upload moves in
+        chunks of its own bytes (one per layer under timed emulation, as simulated)."""
+        if trained:
+            parts = 1 if self.layer_bytes is not None else \
+                layer_chunks(sum(sizes), self.chunk_bytes)
+            return split_bytes(sizes, parts)
         nbytes = self.layer_bytes[l] if self.layer_bytes is not None else sum(sizes)
         return split_bytes(sizes, layer_chunks(nbytes, self.chunk_bytes))
 
@@ -181,7 +189,7 @@ class ChunkedCopies:
             rows = self.rows(a)
             layers = self._layers(a, lambda p: True, rows)
         for l, pids, sizes in layers:
-            for j, pieces in enumerate(self._parts(l, sizes)):
+            for j, pieces in enumerate(self._parts(l, sizes, trained)):
                 def body(l=l, pids=pids, pieces=pieces, first=j == 0, src=None):
                     if first:
                         for p in pids:

@@ -37,7 +37,8 @@ UP, DOWN = "host->device", "device->host"
 """The two copy-engine directions of a device."""
 
 
-_DIRECTION = {Lane.WEIGHTS: UP, Lane.TRAINED: UP, Lane.UPLOAD: UP, Lane.DOWNLOAD: DOWN, Lane.GRADS: DOWN}
+_DIRECTION = {Lane.WEIGHTS: UP, Lane.TRAINED: UP, Lane.UPLOAD: UP, Lane.DOWNLOAD: DOWN,
+              Lane.GRADS: DOWN}
 
 
 def direction(lane: Lane) -> str | None:

@@ -30,9 +30,10 @@ def validate(schedule: Schedule, *, dataflow: bool = False,
       the forward producing its input, a backward the backward producing its output
       gradient, an upload depends on the download that brought its data to the host, a
       download on the compute that made it, a compute on the uploads of its stage and
-      microbatch (and on its stage's ``UT``, which follows the stage's ``UW``). (Off by default: the runtime accepts edited schedules with a missing
-      transfer wait so that the emulated backend's race checker can catch it at run
-      time; generators' output passes with it on.)
+      microbatch, and on its stage's ``UT`` if it has one. (Off by default: the runtime
+      accepts edited schedules with a missing transfer wait so that the emulated
+      backend's race checker can catch it at run time; generators' output passes with
+      it on.) A ``UT`` always depends on its stage's ``UW`` on its worker.
     - with ``memory_limit`` (bytes) and ``sizes``: no worker's device memory exceeds the
       limit in the unit-time dry run (every action takes one step; see ``memory.py``).
     """
