@@ -179,3 +179,31 @@ def test_lora_costs_download_only_the_adapters_gradients():
         assert len(down) == len(up) > n         # chunked as the weights
         assert sum(down) == pytest.approx(sum(l.dw_ms for l in costs.layers[:-1]))
         assert sum(up) == pytest.approx(sum(l.upload_ms for l in costs.layers[:-1]))
+
+
+def test_lora_memory_model_sizes_gradients_as_the_adapters():
+    """With LoRA costs a stage's weight gradients on the device are the adapters' (2
+    bytes per adapter parameter), not the frozen weights': the simulator's peak of a
+    LoRA plan is lower than the same plan priced as full fine-tuning by about a stage's
+    weights' gradients (115 vs 157 GB on this two-worker plan), and ``ModelCosts.frozen``
+    names every layer (each holds a frozen base)."""
+    from rotapipe.plan import Plan
+    from rotapipe.plan.hostmem import lora_params
+    from rotapipe.schedule import roundpipe_schedule
+    from rotapipe.sim import simulate
+    from rotapipe.sim.timing import memory_sizes
+    hw = hardware("rtx4090x8")
+    adapters = lora_params("qwen3-32b", 16)
+    full = model_costs("qwen3-32b", hw, seq=2048)
+    lora = model_costs("qwen3-32b", hw, seq=2048, adapters=adapters)
+    sizes = memory_sizes(lora)
+    assert memory_sizes(full).grads is None and full.frozen == ()
+    assert sizes.grads == tuple(2 * p for p in adapters)
+    assert lora.frozen == tuple(range(len(lora.layers)))
+    n = len(lora.layers)
+    plan = Plan.from_text(f"F0[0:8] F1[8:{n - 1}] T[{n - 1}:{n}] B0[0:4] B1[4:{n - 1}]")
+    s = roundpipe_schedule(plan, 2, 2)
+    peak = {"full": simulate(s, full).report.peak_bytes,
+            "lora": simulate(s, lora).report.peak_bytes}
+    assert sizes.stage_grads(plan.backward[1]) == sum(2 * p for p in adapters[4:n - 1])
+    assert peak["lora"] < 0.8 * peak["full"]

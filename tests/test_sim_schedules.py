@@ -333,3 +333,21 @@ def test_frozen_first_shortens_an_upload_bound_lora_step():
     assert period(costs.frozen) < 0.95 * period(())     # 78.6 vs 84.3 ms
     ut = Action(K.UPLOAD_TRAINED, 0, "B3")
     assert sum(ActionTimes(plan, costs)(ut)) == pytest.approx(0.05)
+
+
+def test_roundpipe_candidates_that_fit_beat_faster_ones_that_do_not():
+    """``build_schedule`` picks the fastest RoundPipe candidate that fits the memory
+    limit; a faster one that does not fit (the compute-only search knows no memory) is
+    taken only when nothing fits."""
+    block = LayerCost("b", 1.0, 2.0, 1.0, upload_ms=0.5, hop_ms=0.05, weight_bytes=100,
+                      saved_bytes=10, output_bytes=5)
+    costs = ModelCosts(tuple(replace(block, name=f"b{i}") for i in range(16))
+                       + (replace(block, name="head", forward_ms=3.0, backward_ms=6.0),), 1)
+    free = simulate(build_schedule("roundpipe-stale", costs, SimConfig(4, 8)), costs,
+                    memory_limit=2000).report
+    assert free.fits is False            # the fastest overall needs 2,210 bytes
+    s = build_schedule("roundpipe-stale", costs, SimConfig(4, 8, memory_limit=2000))
+    bounded = simulate(s, costs, memory_limit=2000).report
+    assert bounded.fits and bounded.step_ms > free.step_ms
+    tight = build_schedule("roundpipe-stale", costs, SimConfig(4, 8, memory_limit=300))
+    assert simulate(tight, costs, memory_limit=300).report.fits is False

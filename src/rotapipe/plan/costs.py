@@ -54,6 +54,9 @@ class LayerCost:
     """Device-to-host download of the layer's weight gradients when it differs from
     ``upload_ms`` (LoRA: only the adapters' gradients; ``None``: every weight is
     trained and its gradient takes as long as its upload)."""
+    grad_bytes: int | None = None
+    """Device bytes of the layer's weight gradients when not every weight is trained
+    (LoRA: the adapters'); ``None``: as ``weight_bytes``."""
 
     @property
     def dw_ms(self) -> float:
@@ -401,7 +404,8 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
         layers.append(LayerCost(w.name, fwd, w.backward_flops * tokens * ms_per_flop, fwd,
                                 moved * ms_per_byte, out_bytes * ms_per_byte,
                                 weight_bytes, int(w.saved_bytes * tokens), out_bytes,
-                                grad_ms))
+                                grad_ms, None if adapters is None else
+                                int(adapters[i] * dtype_bytes)))
     input_bytes = 8 * tokens
     return ModelCosts(tuple(layers), tokens, input_bytes * ms_per_byte, input_bytes,
                       rows_bytes)

@@ -42,19 +42,24 @@ class MemorySizes:
     """
 
     weights: tuple[int, ...]
-    """Compute-dtype parameter bytes of each layer (weight gradients are as large)."""
+    """Compute-dtype parameter bytes of each layer."""
     saved: tuple[int, ...]
     """Bytes autograd keeps for each layer's backward (its saved activations)."""
     outputs: tuple[int, ...]
     """Bytes of each layer's output: the activation (or gradient) at its stop boundary."""
     inputs: int = 0
     """Bytes of the model input (token ids) of one microbatch."""
+    grads: tuple[int, ...] | None = None
+    """Bytes of each layer's weight gradients on the device (LoRA: the adapters');
+    ``None``: every weight is trained, its gradients as large as ``weights``."""
 
     def __post_init__(self):
         n = len(self.weights)
-        if not (len(self.saved) == len(self.outputs) == n) or n == 0:
+        if not (len(self.saved) == len(self.outputs) == n) or n == 0 or \
+                (self.grads is not None and len(self.grads) != n):
             raise ScheduleError(f"memory sizes need one entry per layer: weights has {n}, "
-                                f"saved {len(self.saved)}, outputs {len(self.outputs)}")
+                                f"saved {len(self.saved)}, outputs {len(self.outputs)}"
+                                + ("" if self.grads is None else f", grads {len(self.grads)}"))
 
     @classmethod
     def uniform(cls, num_layers: int, weights: int, saved: int, outputs: int) -> MemorySizes:
@@ -70,6 +75,9 @@ class MemorySizes:
 
     def stage_saved(self, s: Stage) -> int:
         return sum(self.saved[s.start:s.stop])
+
+    def stage_grads(self, s: Stage) -> int:
+        return sum((self.weights if self.grads is None else self.grads)[s.start:s.stop])
 
 
 @dataclass(frozen=True)
@@ -156,11 +164,12 @@ def buffers(schedule: Schedule, sizes: MemorySizes) -> list[Buffer]:
             out.append(Buffer(a.worker, sizes.stage_weights(s), a.key, free, True))
             if where in first_bwd:
                 free = (dw_key[where],) if where in dw_key else ()
-                out.append(Buffer(a.worker, sizes.stage_weights(s), first_bwd[where],
+                out.append(Buffer(a.worker, sizes.stage_grads(s), first_bwd[where],
                                   free, True))
+    grads = sizes.weights if sizes.grads is None else sizes.grads
     for w, layers in resident.items():
         nbytes = sum(sizes.weights[l] for l in layers)
-        nbytes += sum(sizes.weights[l] for l in trained[w])
+        nbytes += sum(grads[l] for l in trained[w])
         out.append(Buffer(w, nbytes, None, (), True))
     return out
 

@@ -100,8 +100,9 @@ def build_schedule(name: str, costs: ModelCosts, config: SimConfig,
     the fastest in simulation of the ``config.refine`` best candidates of the
     memory-aware partitioner (:func:`~rotapipe.plan.partitioner.candidate_plans`,
     under ``config.memory_limit``) and of the compute-only search
-    (:func:`~rotapipe.plan.balance.roundpipe_plans`); ``refine=1`` takes the
-    partitioner's best as is."""
+    (:func:`~rotapipe.plan.balance.roundpipe_plans`) that fits ``config.memory_limit``
+    (the fastest of all when none fits); ``refine=1`` takes the partitioner's best as
+    is."""
     p, M, L = config.devices, config.microbatches, len(costs.layers)
     if name in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "mobius"):
         chunks = p if name in ("gpipe", "1f1b") else p * config.virtual_stages
@@ -145,8 +146,14 @@ def build_schedule(name: str, costs: ModelCosts, config: SimConfig,
     if len(candidates) == 1:
         return candidates[0]
     tokens = costs.tokens * M
-    return min(candidates, key=lambda s: report(run(s, ActionTimes(s.plan, costs)),
-                                                tokens).step_ms)
+    sizes = memory_sizes(costs) if config.memory_limit else None
+
+    def rank(s: Schedule) -> tuple[bool, float]:
+        # A candidate that fits the memory limit beats any that does not (the
+        # compute-only plans know no memory).
+        rep = report(run(s, ActionTimes(s.plan, costs)), tokens, sizes, config.memory_limit)
+        return rep.fits is False, rep.step_ms
+    return min(candidates, key=rank)
 
 
 def simulate(schedule: Schedule, costs: ModelCosts, *,

@@ -86,7 +86,11 @@ class ActionTimes:
 
 
 def memory_sizes(costs: ModelCosts) -> MemorySizes:
-    """The per-layer byte sizes of ``costs`` in the schedule's memory model."""
+    """The per-layer byte sizes of ``costs`` in the schedule's memory model (LoRA
+    costs: weight gradients of the adapters' size)."""
+    lora = any(l.grad_bytes is not None for l in costs.layers)
     return MemorySizes(tuple(l.weight_bytes for l in costs.layers),
                        tuple(l.saved_bytes for l in costs.layers),
-                       tuple(l.output_bytes for l in costs.layers), costs.input_bytes)
+                       tuple(l.output_bytes for l in costs.layers), costs.input_bytes,
+                       tuple(l.weight_bytes if l.grad_bytes is None else l.grad_bytes
+                             for l in costs.layers) if lora else None)
