@@ -9,6 +9,12 @@ saved with save_pretrained and loaded back with plain transformers (full) or PEF
 
     python examples/finetune_hf.py                 # both modes, ~30 s on 2 CPU cores
     python examples/finetune_hf.py --mode lora --steps 40
+    python examples/finetune_hf.py --mode lora --optimizer-mode overlap
+
+With ``--optimizer-mode overlap`` (exact) or ``stale`` the calls are pipelined: each
+step's call returns with its loss while its backward drains, and with LoRA the next
+call uploads the frozen base without waiting for the optimizer (only the adapters
+wait: the ``UT`` actions counted at the end; docs/optimizer.md).
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ def train(model, args, lr: float):
     # verify="full": before training, the whole model's logits on a few tokens must
     # equal its own forward's (the tail is always checked; this also runs the blocks).
     wrapped = rotapipe.adapters.wrap_hf(model, verify="full")
-    config = rotapipe.PipeConfig(workers=args.workers, microbatches=4, backend=args.backend)
+    config = rotapipe.PipeConfig(workers=args.workers, microbatches=4, backend=args.backend,
+                                 optimizer_mode=args.optimizer_mode)
     g = torch.Generator().manual_seed(1)
     losses = []
     with wrapped.pipe(config) as pipe:
@@ -60,10 +67,20 @@ def train(model, args, lr: float):
               f"head), {sum(p.numel() for p in pipe.parameters()):,} trainable parameters")
         for step in range(args.steps):
             ids, mask, labels = batch(16, 24, g)
-            losses.append(pipe.forward_backward(wrapped.inputs(ids, mask), labels))
-            pipe.step()
+            if args.optimizer_mode == "sync":
+                losses.append(pipe.forward_backward(wrapped.inputs(ids, mask), labels))
+                pipe.step()
+            else:       # pipelined: returns once the loss is known
+                losses.append(pipe.train_step(wrapped.inputs(ids, mask), labels))
             if step % 15 == 0 or step == args.steps - 1:
                 print(f"  step {step:3d}  loss {losses[-1]:.4f}")
+        if args.optimizer_mode != "sync":
+            pipe.flush()
+            ran = pipe.last_timeline(calls=min(args.steps, 8)).schedule
+            split = sum(a.kind is rotapipe.schedule.ActionKind.UPLOAD_TRAINED
+                        for a in ran.actions)
+            print(f"  last {min(args.steps, 8)} calls: {split} stage uploads split into a "
+                  "frozen part (not waiting for the optimizer) and a trained part")
         ids, mask, _ = batch(4, 24, g)
         evaluated = (ids, mask, pipe(wrapped.inputs(ids, mask)))   # logits, no grad
     return wrapped, losses, evaluated
@@ -112,6 +129,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--backend", default="emulated", choices=["emulated", "auto", "cuda"])
+    p.add_argument("--optimizer-mode", default="sync", choices=["sync", "overlap", "stale"])
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.mode in ("full", "both"):
