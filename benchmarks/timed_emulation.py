@@ -296,9 +296,9 @@ def lora_costs(model: str, seq: int, quantize: str | None, rank: int = 16,
 def lora_bench(model: str, args) -> list[dict]:
     """LoRA and QLoRA rows of ``model``: the planner's plan for each (which fits the
     device with the adapters' gradients), one timed run each (``sync`` optimizer;
-    adapters' optimizer time left out: ``trainable=False``). No memory column: the
-    simulator's memory model sizes weight gradients like the weights (full
-    fine-tuning)."""
+    adapters' optimizer time left out: ``trainable=False``). No memory column (the
+    planner checked the fit; ``rotapipe simulate --lora`` prints the simulator's peak,
+    with the adapters' gradients at their own size)."""
     M, rows = args.microbatches, []
     for quantize in (None, "nf4"):
         costs, trainable = lora_costs(model, args.seq, quantize,
