@@ -328,3 +328,50 @@ def test_frozen_weights_upload_before_the_hand_off(mode, clip, workers, microbat
     assert ran.to_text() == sim.to_text()
     split = [a for a in ran.actions if a.kind is rotapipe.schedule.ActionKind.UPLOAD_TRAINED]
     assert split and all(a.call > 0 for a in split)
+
+
+@pytest.mark.parametrize("mode", ["stale", "overlap"])
+def test_a_failed_trained_upload_leaves_the_last_step_boundary(mode):
+    """A ``UT`` (the adapters' upload after the hand-off) failing in call 3: the error
+    names it, the state is the step boundary it reports, and training continues exactly
+    from there."""
+    model = freeze_part(tiny_transformer(tied=True), embedding=False)
+    data = batches()
+    _, want = reference(mode, model, data, 4, None)
+    fired = []
+    config = emulated(3, 4, optimizer_mode=mode, timeout_s=60.0)
+    with rotapipe.RoundPipe(copy.deepcopy(model), lm_loss, config=config,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        copies = pipe._calls.runner.copies
+        upload = copies.upload
+
+        def failing(a):
+            chunks = upload(a)
+            if a.kind is rotapipe.schedule.ActionKind.UPLOAD_TRAINED and a.call == 3 \
+                    and not fired:
+                fired.append(a.key)
+
+                def boom():
+                    raise Fault("injected: trained upload")
+                chunks[0].copy = boom
+            return chunks
+        copies.upload = failing
+        with pytest.raises(rotapipe.WorkerError) as info:
+            for x, y in data:
+                pipe.train_step(x, y)
+            pipe.flush()
+        copies.upload = upload
+        err, msg = info.value, str(info.value)
+        assert fired and isinstance(err.cause, Fault), msg
+        assert "trained-weight upload" in msg and f">>{err.action}<<" in msg, msg
+        assert err.action.startswith("UT:") and "call 3" in msg, msg
+        k = err.calls_committed
+        assert 2 <= k <= 3 and k == pipe.calls and 3 in err.calls_discarded, msg
+        assert all(d.memory_in_use() == 0 for d in pipe.devices)
+        if mode == "overlap":
+            _, stopped = reference(mode, model, data[:k], 4, None)
+            assert_weights(pipe._container.state_dict(), stopped, f"after the fault ({k})")
+        for x, y in data[k:]:
+            pipe.train_step(x, y)
+        got = {n: v.clone() for n, v in pipe.state_dict().items()}
+    assert_weights(got, want, "after resuming")
