@@ -301,9 +301,12 @@ def freeze_part(model: nn.Module, embedding: bool) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("mode", ["stale", "overlap"])
-@pytest.mark.parametrize("clip", ["off", "hit"])
-@pytest.mark.parametrize("workers,microbatches,embedding", [(2, 4, False), (3, 8, True)])
+FROZEN_CASES = [("stale", "off", 2, 4, False), ("stale", "hit", 3, 8, True),
+                ("overlap", "off", 3, 8, True), ("overlap", "hit", 2, 4, False)]
+
+
+@pytest.mark.parametrize("mode,clip,workers,microbatches,embedding", FROZEN_CASES,
+                         ids=["-".join(map(str, c)) for c in FROZEN_CASES])
 def test_frozen_weights_upload_before_the_hand_off(mode, clip, workers, microbatches,
                                                    embedding):
     """A stage holding frozen weights uploads them without waiting for the optimizer
