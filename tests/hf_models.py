@@ -161,7 +161,8 @@ FEATURES = {
     "biases": (("qwen2", "gpt_neox", "starcoder2", "glm4", "gpt_oss", "falcon",
                 "stablelm"), lambda m, w: _any_param(
         m, lambda n: n.endswith(".bias") and "norm" not in n)),
-    "blocks returning tuples": (("gpt_neox_japanese", "codegen"), lambda m, w: isinstance(
+    # CodeGen's blocks return a tensor since transformers 5.24 (tuples before).
+    "blocks returning tuples": (("gpt_neox_japanese",), lambda m, w: isinstance(
         w.side_inputs.stubs[0].state.returns.get(type(_block0(m, w))), int)),
     "multi-head latent attention": (("deepseek_v3",), lambda m, w: m.config.kv_lora_rank),
     "layers without rotary (NoPE)": (("smollm3",), lambda m, w: 0 in
