@@ -70,6 +70,9 @@ class LayerCost:
             if getattr(self, f) < 0 or (self.grad_ms is not None and self.grad_ms < 0):
                 raise ConfigError(f"layer {self.name}: {f} must be >= 0, got "
                                   f"{getattr(self, f)}")
+        if self.grad_bytes is not None and self.grad_bytes < 0:
+            raise ConfigError(f"layer {self.name}: grad_bytes must be >= 0 or None, got "
+                              f"{self.grad_bytes}")
 
 
 @dataclass(frozen=True)
