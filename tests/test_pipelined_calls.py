@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import rotapipe
-from rotapipe.schedule import one_f_one_b_schedule, roundpipe_stale_schedule
+from rotapipe.schedule import ActionKind as K, one_f_one_b_schedule, roundpipe_stale_schedule
 from rotapipe.plan import bound_plan
 
 from models import emulated, lm_loss, reference_forward_backward, tiny_transformer, token_batch
@@ -90,7 +90,16 @@ def assert_weights(got: dict, want: dict, what: str = "") -> None:
 @pytest.mark.parametrize("workers,microbatches", SHAPES,
                          ids=[f"w{w}-m{m}" for w, m in SHAPES])
 def test_pipelined_calls_match_plain_pytorch(mode, clip, workers, microbatches):
-    model = tiny_transformer(tied=True, dropout=0.1)
+    ran, frozen = run_and_compare(tiny_transformer(tied=True, dropout=0.1), mode, clip,
+                                  workers, microbatches)
+    assert frozen == () and K.UPLOAD_TRAINED not in {a.kind for a in ran.actions}
+
+
+def run_and_compare(model: nn.Module, mode: str, clip: str, workers: int,
+                    microbatches: int):
+    """``STEPS`` pipelined calls of ``model`` against plain PyTorch (losses and weights
+    element by element); what ran must be the simulator's overlapping schedule, call for
+    call. Returns that schedule and the pipeline's layers holding frozen weights."""
     data = batches(size=max(8, microbatches))
     want_losses, want = reference(mode, model, data, microbatches, CLIP[clip])
     config = emulated(workers, microbatches, optimizer_mode=mode, clip_grad_norm=CLIP[clip])
@@ -98,15 +107,16 @@ def test_pipelined_calls_match_plain_pytorch(mode, clip, workers, microbatches):
                             optimizer=OPTIMIZERS["adamw"]) as pipe:
         losses = [pipe.train_step(x, y) for x, y in data]
         got = {k: v.clone() for k, v in pipe.state_dict().items()}
-        ran = pipe.last_timeline(calls=STEPS)
-        # What ran is the simulator's overlapping schedule, call for call.
+        ran = pipe.last_timeline(calls=STEPS).schedule
+        frozen = pipe._frozen
         sim = roundpipe_stale_schedule(pipe.plan, workers, microbatches, calls=STEPS,
                                        staleness=1 if mode == "stale" else 0,
-                                       whole_step=clip != "off",
-                                       ties=pipe._ties)
+                                       whole_step=clip != "off", ties=pipe._ties,
+                                       frozen=frozen)
     torch.testing.assert_close(losses, want_losses, rtol=RTOL, atol=ATOL)
     assert_weights(got, want, f"{mode} clip={clip}")
-    assert ran.schedule.to_text() == sim.to_text()
+    assert ran.to_text() == sim.to_text()
+    return ran, frozen
 
 
 class Hold(torch.autograd.Function):
@@ -312,24 +322,9 @@ def test_frozen_weights_upload_before_the_hand_off(mode, clip, workers, microbat
     """A stage holding frozen weights uploads them without waiting for the optimizer
     (``UW``) and its trained part after the hand-off (``UT``): still exact."""
     model = freeze_part(tiny_transformer(tied=True, dropout=0.1), embedding)
-    data = batches(size=max(8, microbatches))
-    want_losses, want = reference(mode, model, data, microbatches, CLIP[clip])
-    config = emulated(workers, microbatches, optimizer_mode=mode, clip_grad_norm=CLIP[clip])
-    with rotapipe.RoundPipe(copy.deepcopy(model), lm_loss, config=config,
-                            optimizer=OPTIMIZERS["adamw"]) as pipe:
-        losses = [pipe.train_step(x, y) for x, y in data]
-        got = {k: v.clone() for k, v in pipe.state_dict().items()}
-        ran = pipe.last_timeline(calls=STEPS).schedule
-        frozen = pipe._frozen
-        sim = roundpipe_stale_schedule(pipe.plan, workers, microbatches, calls=STEPS,
-                                       staleness=1 if mode == "stale" else 0,
-                                       whole_step=clip != "off", ties=pipe._ties,
-                                       frozen=frozen)
-    torch.testing.assert_close(losses, want_losses, rtol=RTOL, atol=ATOL)
-    assert_weights(got, want, f"{mode} clip={clip}")
+    ran, frozen = run_and_compare(model, mode, clip, workers, microbatches)
     assert frozen == ((0, 1, 2, 3, 4, 5) if embedding else (1, 2, 3, 4))
-    assert ran.to_text() == sim.to_text()
-    split = [a for a in ran.actions if a.kind is rotapipe.schedule.ActionKind.UPLOAD_TRAINED]
+    split = [a for a in ran.actions if a.kind is K.UPLOAD_TRAINED]
     assert split and all(a.call > 0 for a in split)
 
 
@@ -350,7 +345,7 @@ def test_a_failed_trained_upload_leaves_the_last_step_boundary(mode):
 
         def failing(a):
             chunks = upload(a)
-            if a.kind is rotapipe.schedule.ActionKind.UPLOAD_TRAINED and a.call == 3 \
+            if a.kind is K.UPLOAD_TRAINED and a.call == 3 \
                     and not fired:
                 fired.append(a.key)
 
