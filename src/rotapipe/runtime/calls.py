@@ -125,8 +125,10 @@ class CallRunner:
             (lambda n: pinning.empty((n,), torch.uint8)))
         self.lookups = self.runner.lookups = lookups
         if config.emulation is not None:
-            self.runner.copies.layer_bytes = [l.weight_bytes
-                                              for l in config.emulation.costs.layers]
+            layers = config.emulation.costs.layers
+            self.runner.copies.layer_bytes = [l.weight_bytes for l in layers]
+            self.runner.copies.trained_bytes = [
+                l.weight_bytes if l.grad_bytes is None else l.grad_bytes for l in layers]
         self.executor = Executor(devices, config.timeout_s)
         self._plan = plan
         self.schedules: dict[tuple[bool, int], Schedule] = {}

@@ -96,8 +96,9 @@ class ChunkedCopies:
     """Builds the :class:`~rotapipe.runtime.executor.Chunk` lists of one pipeline's
     weight uploads and weight-gradient downloads (the :class:`ActionRunner` owns it).
 
-    ``layer_bytes``: under timed emulation, the emulated layers' weight bytes (the
-    chunk counts follow them; the chunk durations come from the runner's ``timing``);
+    ``layer_bytes`` / ``trained_bytes``: under timed emulation, the emulated layers'
+    weight bytes and trained bytes (the chunk counts of uploads and of split uploads'
+    trained parts follow them; the chunk durations come from the runner's ``timing``);
     ``pinned(pid)``: whether parameter ``pid``'s compute copy is page-locked;
     ``pinned_empty(nbytes)``: new page-locked bytes for the bounce buffers."""
 
@@ -107,6 +108,7 @@ class ChunkedCopies:
         self.chunk_bytes = chunk_bytes
         self.pinned = pinned
         self.layer_bytes: Sequence[int] | None = None
+        self.trained_bytes: Sequence[int] | None = None
         self.bounce = [BouncePool(pinned_empty) for _ in runner.devices]
 
     # -- planning -------------------------------------------------------------------
@@ -144,14 +146,11 @@ class ChunkedCopies:
 
     def _parts(self, l: int, sizes: list[int], trained: bool = False
                ) -> list[list[tuple[int, int, int]]]:
-        """Layer ``l``'s chunks. Under timed emulation their count follows the emulated
-        layer's bytes, as the simulator's; the trained part of a split upload moves in
-        chunks of its own bytes (one per layer under timed emulation, as simulated)."""
-        if trained:
-            parts = 1 if self.layer_bytes is not None else \
-                layer_chunks(sum(sizes), self.chunk_bytes)
-            return split_bytes(sizes, parts)
-        nbytes = self.layer_bytes[l] if self.layer_bytes is not None else sum(sizes)
+        """Layer ``l``'s chunks: under timed emulation their count follows the emulated
+        layer's bytes (its trained bytes for the trained part of a split upload), as
+        the simulator's."""
+        emulated = self.trained_bytes if trained else self.layer_bytes
+        nbytes = emulated[l] if emulated is not None else sum(sizes)
         return split_bytes(sizes, layer_chunks(nbytes, self.chunk_bytes))
 
     def _timed(self, a: Action, index: int, body: Callable[[], None]) -> Callable[[], None]:

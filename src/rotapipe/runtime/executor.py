@@ -411,17 +411,19 @@ class Session:
     def _next_chunk(self, stream, lane: Lane, copies: dict) -> bool:
         """Issue the next chunk of the copy on ``lane`` if it may go now; True if it did.
         Gated: only after the previous chunk completed, and behind every pending
-        critical copy on the same engine (``transfer.py``). A critical chunked copy
-        (``UT``) issues its chunks back to back, each one pending in the gate, so no
-        weight chunk gets between them."""
+        critical copy on the same engine (``transfer.py``). A weight chunk also waits
+        while a trained-weight upload (``UT``) of the device is runnable and not yet
+        issued whole: its stage waits for it, so it goes before the prefetches (the
+        simulator's ``LINK_PRIORITY``)."""
         c = copies[lane]
         chunk = c.chunks[c.next]
-        critical = c.action.kind in CRITICAL
-        if self.gate and not critical and c.last is not None and not c.last.query():
+        if self.gate and c.last is not None and not c.last.query():
+            return False
+        if self.gate and lane is Lane.WEIGHTS and self._trained_runnable(copies):
             return False
         if chunk.ready is not None and not chunk.ready():
             return False
-        if self.gate and not critical:
+        if self.gate:
             for ev in c.gate.pending():
                 stream.wait(ev)
         if chunk.stage is not None:
@@ -432,13 +434,18 @@ class Session:
         c.last = ev = stream.record(self._notifier(a))
         if chunk.issued is not None:
             chunk.issued(ev)
-        if critical:
-            c.gate.add(lane, ev, [self.events[d] for d in a.deps] if c.next == 0 else [])
         c.next += 1
         if c.next == len(c.chunks):
             del copies[lane]
             self._recorded(a, ev)
         return True
+
+    def _trained_runnable(self, copies: dict) -> bool:
+        """Whether a ``UT`` is being issued on this device and everything it waits on
+        has completed (its ``UW`` included: a weight upload it still waits for is never
+        held back by it)."""
+        t = copies.get(Lane.TRAINED)
+        return t is not None and all(self.events[d].query() for d in t.action.deps)
 
     def _recorded(self, a: Action, ev) -> None:
         self.events[a.key] = ev

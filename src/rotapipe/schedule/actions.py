@@ -104,16 +104,15 @@ to the critical copies between chunks."""
 
 CRITICAL = frozenset({ActionKind.UPLOAD_ACT, ActionKind.UPLOAD_GRAD, ActionKind.UPLOAD_SIDE,
                       ActionKind.DOWNLOAD_ACT, ActionKind.DOWNLOAD_GRAD,
-                      ActionKind.DOWNLOAD_BUFFERS, ActionKind.UPLOAD_TRAINED})
-"""Copies on the critical path: chunked copies yield the link to them. ``UT`` is both:
-its stage's compute waits for it once the optimizer is done, so its chunks go back to
-back and weight chunks yield to them."""
+                      ActionKind.DOWNLOAD_BUFFERS})
+"""Copies on the critical path: chunked copies yield the link to them."""
 
-LINK_PRIORITY = {Lane.UPLOAD: 0, Lane.TRAINED: 0, Lane.WEIGHTS: 1, Lane.DOWNLOAD: 0,
+LINK_PRIORITY = {Lane.UPLOAD: 0, Lane.TRAINED: 1, Lane.WEIGHTS: 2, Lane.DOWNLOAD: 0,
                  Lane.GRADS: 1}
-"""Order of the lanes that share a link (lower first): activations, gradients and the
-trained part of a split weight upload before weights, activations and input gradients
-before weight gradients."""
+"""Order of the lanes that share a link (lower first): activations and gradients, then
+the trained part of a split weight upload (``UT``: its stage waits for it once the
+optimizer is done), then weights; activations and input gradients before weight
+gradients."""
 
 
 def stage_map(plan: Plan) -> dict:

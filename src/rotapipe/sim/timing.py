@@ -31,8 +31,8 @@ class ActionTimes:
     chunks, ``rotapipe.runtime.transfer``); a weight-gradient download takes as long as
     the upload (or the layer's ``grad_ms``: LoRA), in the same chunks; the trained
     part of a split upload (``UT``) as long as its gradients' download (a layer whose
-    ``grad_ms`` is ``None`` is all trained: its upload), one chunk per layer (the
-    adapters are small, and a ``UT``'s chunks go back to back anyway). Frees, side
+    ``grad_ms`` is ``None`` is all trained: its upload), in chunks of its own bytes
+    (``grad_bytes``: one for LoRA's adapters). Frees, side
     inputs, buffer downloads and optimizer hand-offs take no time, unless
     ``optimizer_ms(stage)`` gives the host optimizer work an ``O`` action does
     (:meth:`rotapipe.runtime.emulation.TimedEmulation.optimizer_ms`).
@@ -72,8 +72,9 @@ class ActionTimes:
         if a.kind in (K.UPLOAD_WEIGHTS, K.UPLOAD_TRAINED, K.DOWNLOAD_WGRAD):
             out: list[float] = []
             for l in layers:
-                k = 1 if self.chunk_bytes is None or a.kind is K.UPLOAD_TRAINED else \
-                    layer_chunks(l.weight_bytes, self.chunk_bytes)
+                nbytes = l.weight_bytes if a.kind is not K.UPLOAD_TRAINED or \
+                    l.grad_bytes is None else l.grad_bytes
+                k = 1 if self.chunk_bytes is None else layer_chunks(nbytes, self.chunk_bytes)
                 # The trained part (adapters) is the size of its gradients; the frozen
                 # part of a split upload is the whole upload (LayerCost leaves the
                 # adapters out of weight_bytes and upload_ms).
