@@ -35,9 +35,9 @@ import argparse
 
 from rotapipe.plan import StageKind, hardware, lora_params
 from rotapipe.planner import analyze
-from rotapipe.schedule import ActionKind as K, roundpipe_stale_schedule
-from rotapipe.schedule.actions import stage_map
+from rotapipe.schedule import roundpipe_stale_schedule
 from rotapipe.sim import ActionTimes, run
+from _steady import steady_bubble
 
 MODELS = [("Qwen3-235B-A22B LoRA", "qwen3-235b-a22b", False),
           ("Qwen3-32B LoRA", "qwen3-32b", False),
@@ -57,17 +57,8 @@ def steady(choice, staleness: int, frozen, rate: float, adapters) -> tuple[float
                          if stepper.get(l) == stage.name) / rate
     s = roundpipe_stale_schedule(plan, W, M, calls=CALLS, staleness=staleness,
                                  frozen=frozen)
-    tl = run(s, ActionTimes(plan, costs, optimizer_ms=optimizer_ms))
-    stages = stage_map(plan)
-    loss_at: dict[int, float] = {}
-    for a in s.actions:
-        if a.kind is K.DOWNLOAD_GRAD and stages[a.stage].kind is StageKind.TAIL:
-            loss_at[a.call] = max(loss_at.get(a.call, 0.0), tl.end[a.key])
-    calls = sorted(loss_at)[-(MEASURED + 1):]
-    period = (loss_at[calls[-1]] - loss_at[calls[0]]) / MEASURED
-    work = sum(tl.end[a.key] - tl.start[a.key] for a in s.actions
-               if a.lane.value == "compute" and a.call == CALLS // 2)
-    return period, 1 - work / W / period
+    return steady_bubble(run(s, ActionTimes(plan, costs, optimizer_ms=optimizer_ms)),
+                         plan, MEASURED)
 
 
 def main(argv=None) -> None:

@@ -32,9 +32,9 @@ from rotapipe.plan import hardware
 from rotapipe.planner import analyze
 from rotapipe.planner.advise import _costs, _trainable
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
-from rotapipe.plan import StageKind
-from rotapipe.schedule import ActionKind as K, roundpipe_stale_schedule
+from rotapipe.schedule import roundpipe_stale_schedule
 from rotapipe.sim import ActionTimes, run
+from _steady import steady_bubble
 
 # (name, config, LoRA rank, the paper's simulated exact-mode bubble, the goal)
 MODELS = [("Qwen3-1.7B", "qwen3-1.7b", None, 19.1, 14.0),
@@ -51,16 +51,7 @@ def pipelined_bubble(choice) -> float:
     calls of ``choice``'s plan (per call: the period between consecutive losses)."""
     plan, costs = choice.plan, choice.costs
     s = roundpipe_stale_schedule(plan, 8, M, calls=CALLS, staleness=0, frozen=costs.frozen)
-    tl = run(s, ActionTimes(plan, costs))
-    tail = {st.name for st in plan.jobs() if st.kind is StageKind.TAIL}
-    loss = {}
-    for a in s.actions:
-        if a.kind is K.DOWNLOAD_GRAD and a.stage in tail:
-            loss[a.call] = max(loss.get(a.call, 0.0), tl.end[a.key])
-    period = (loss[CALLS - 1] - loss[1]) / (CALLS - 2)
-    work = sum(tl.end[a.key] - tl.start[a.key] for a in s.actions
-               if a.lane.value == "compute" and a.call == CALLS // 2)
-    return 1 - work / 8 / period
+    return steady_bubble(run(s, ActionTimes(plan, costs)), plan, CALLS - 2)[1]
 
 
 def main(argv=None) -> None:

@@ -76,9 +76,7 @@ from rotapipe.sim.timing import DEFAULT_CHUNK
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 from rotapipe.plan.hostmem import lora_params
 from rotapipe.sim import Timeline
-from rotapipe.plan import StageKind
-from rotapipe.schedule import ActionKind as K
-from rotapipe.schedule.actions import stage_map
+from _steady import loss_period
 
 DEVICES = 8
 GIB = 2**30
@@ -134,18 +132,6 @@ def pipelined_sim(em, plan, mode: str, microbatches: int, calls: int,
                                  staleness=1 if mode == "stale" else 0, frozen=frozen)
     return run(s, ActionTimes(plan, em.costs, chunk_bytes,
                               optimizer_ms=em.optimizer_ms(plan, False)))
-
-
-def loss_period(tl, plan, measured: int) -> float:
-    """Emulated ms per call between the moments the losses of the last ``measured + 1``
-    calls reached the host (when ``train_step`` returns): the steady step time."""
-    stages = stage_map(plan)
-    known: dict[int, float] = {}
-    for a in tl.schedule.actions:
-        if a.kind is K.DOWNLOAD_GRAD and stages[a.stage].kind is StageKind.TAIL:
-            known[a.call] = max(known.get(a.call, 0.0), tl.end[a.key])
-    calls = sorted(known)[-(measured + 1):]
-    return (known[calls[-1]] - known[calls[0]]) / measured
 
 
 def measure(label, em, plan, schedule, mode, grain, microbatches, steps, sim_tl,
