@@ -167,6 +167,11 @@ class RoundPipe:
         trained = set(self.host.trainable)
         self._frozen = tuple(l for l, pids in enumerate(self.layerset.layer_params)
                              if any(pid not in trained for pid in pids))
+        # Layers looking up a trained embedding table by rows: in exact overlapping
+        # calls the rows the next call looks up are stepped first (OR actions).
+        self._rows_first = tuple(l for l in range(len(self.layerset))
+                                 if self.lookups.stage_pids(range(l, l + 1)) & trained) \
+            if self._host_opt.rows_first else ()
         stages = self._calls.stages
         self.data_parallel = None
         """The data-parallel gradient reducer (``None`` when off); ``.last`` holds the
@@ -371,8 +376,8 @@ class RoundPipe:
                 whole_step=opt.whole_step, ties=self._ties,
                 side_inputs=self.side_inputs is not None,
                 tail_barrier=self.tail_context is not None, prefetch=cfg.prefetch,
-                grad_window=grad_window(cfg.prefetch), frozen=self._frozen),
-                "roundpipe-stale")
+                grad_window=grad_window(cfg.prefetch), frozen=self._frozen,
+                rows_first=self._rows_first), "roundpipe-stale")
         # Without data parallelism (whose all-reduce works on fp32 staged gradients)
         # a call's gradients wait for its commit in the compute dtype (docs/memory.md).
         grads = CallGrads(1.0 / self.scaler.scale, keep_dtype=dp is None)
@@ -390,7 +395,8 @@ class RoundPipe:
         call = Call(stream.next_number, index, schedule, state, hook, step, total, stages,
                     self._keep_buffers, on_host=overlap, reduce=reduce,
                     after_step=self._after_step)
-        ctx.handoff = call.handoff
+        ctx.handoff, ctx.rows_first = call.handoff, call.rows_first
+        call.next_store = lambda: self._calls.host_store_of(index + 1)
         gate = getattr(reduce if reduce is not None else hook, "gate", None)
         if gate is not None:            # data parallel: backpressure (allreduce.InFlight)
             ctx.grad_gate = gate.enter

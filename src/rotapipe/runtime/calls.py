@@ -219,6 +219,11 @@ class CallRunner:
                 self.ls.set_training(shells)
         runner.states[call] = state
 
+    def host_store_of(self, call: int) -> Store | None:
+        """The host store of the running call numbered ``call`` (``None``: none)."""
+        state = self.runner.states.get(call)
+        return None if state is None else state.host_store
+
     def end(self, call: int) -> None:
         """Forget a finished (or abandoned) call's data; free what its stores hold."""
         state = self.runner.states.pop(call, None)
@@ -267,8 +272,8 @@ class CallRunner:
             for pid in pids:
                 owner.setdefault(pid, l)
 
-        def cost(pids) -> None:
-            time.sleep(em.optimizer_seconds({owner[p] for p in pids}))
+        def cost(pids, rows: bool = False) -> None:
+            time.sleep(em.optimizer_seconds({owner[p] for p in pids}, rows))
         return cost
 
     def _timing(self, plan: Plan):
@@ -323,6 +328,16 @@ class Call:
         """The actions after which the call's loss is in host memory (empty: the end
         of the call)."""
         self.last_handoff = handoffs[-1] if handoffs and on_host else None
+        self.next_store: Callable[[], Store | None] | None = None
+        """The host store of the call after this one in the stream, once issued."""
+
+    def rows_first(self, key: str) -> None:
+        """An ``OR`` action, before the hand-off ``key`` (host lane): the hook steps
+        first the embedding rows the next call of the stream looks up, when that call
+        is issued (:meth:`OverlapStep.step_rows`)."""
+        step_rows = getattr(self.hook, "step_rows", None)
+        if step_rows is not None:
+            step_rows(key, self.next_store() if self.next_store is not None else None)
 
     def handoff(self, key: str) -> None:
         """After an ``O`` action added its gradients (host lane)."""
@@ -431,7 +446,7 @@ class CallStream:
             # The call's context points back at it (ctx.handoff): break the cycle so
             # the call's host store (activation checkpoints, input gradients) is freed
             # when the caller drops the call, not at some later garbage collection.
-            c.state.ctx.handoff = None
+            c.state.ctx.handoff = c.state.ctx.rows_first = c.next_store = None
             done.append(c)
         return done
 

@@ -292,7 +292,13 @@ class ChunkedCopies:
             return _bytes(c.contiguous())[lo:hi]
         row = _row_bytes(c)
         first, last = lo // row, -(-hi // row)
-        part = c.index_select(0, rows[p][first:last])
+        store = self.r.host_store
+        if store.contains(("fresh", p)):
+            # The previous call's OR stepped these rows first (their whole table is
+            # being stepped in place meanwhile): OverlapStep.step_rows.
+            part = store.get(("fresh", p))[first:last]
+        else:
+            part = c.index_select(0, rows[p][first:last])
         return _bytes(part)[lo - first * row:hi - first * row]
 
     def _upload_buffers(self, dev: Device, l: int, buffers: dict) -> None:

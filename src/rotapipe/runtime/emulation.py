@@ -111,18 +111,22 @@ class TimedEmulation:
         # last job steps the head once).
         stepper = {l: st.name for st in updaters for l in st.layers}
 
-        def ms(stage: Stage) -> float:
+        def ms(stage: Stage, rows: bool = False) -> float:
             layers = (every if stage.name == last else ()) if whole_step else \
                 [l for l in stage.layers if stepper[l] == stage.name]
-            return self.optimizer_seconds(layers) / self.dilation * 1e3
+            return self.optimizer_seconds(layers, rows) / self.dilation * 1e3
         return ms
 
-    def optimizer_seconds(self, layers) -> float:
-        """Real seconds the host optimizer takes over the weights of ``layers``."""
+    def optimizer_seconds(self, layers, rows: bool = False) -> float:
+        """Real seconds the host optimizer takes over the weights of ``layers``;
+        ``rows``: over the rows of the embedding table one call looks up (an ``OR``
+        action), the rest of the layers whole."""
         if not self.trainable:
             return 0.0
-        params = sum(self.costs.layers[l].weight_bytes for l in layers) / self.dtype_bytes
-        return params / self.optimizer_params_per_s * self.dilation
+        c = self.costs
+        nbytes = sum(c.rows_bytes if rows and l == 0 and c.rows_bytes else
+                     c.layers[l].weight_bytes for l in layers)
+        return nbytes / self.dtype_bytes / self.optimizer_params_per_s * self.dilation
 
     def stand_in(self, dim: int = 8, vocab: int = 32, seq: int = 16):
         """A tiny GPT-like ``nn.Sequential`` with as many layers as :attr:`costs`

@@ -36,7 +36,8 @@ _VERBS = {K.UPLOAD_WEIGHTS: "weight upload", K.UPLOAD_TRAINED: "trained-weight u
           K.BACKWARD_KEPT: "backward (through the kept graph)",
           K.DOWNLOAD_ACT: "activation download", K.DOWNLOAD_GRAD: "gradient download",
           K.DOWNLOAD_BUFFERS: "buffer download", K.DOWNLOAD_WGRAD: "weight-gradient download",
-          K.OPTIMIZER: "gradient hand-off to the optimizer"}
+          K.OPTIMIZER: "gradient hand-off to the optimizer",
+          K.OPTIMIZER_ROWS: "optimizer step of the next call's embedding rows"}
 
 
 class Executor:

@@ -33,7 +33,7 @@ from ..config import RecomputeGrain
 from ..errors import InputError
 from ..model import LayerSet, call_layer
 from ..plan import Stage, StageKind
-from ..schedule import Action, ActionKind as K
+from ..schedule import Action, ActionKind as K, action_key
 from ..schedule.routes import Routes
 from .backend import Device
 from .host import CallGrads, HostState
@@ -62,6 +62,7 @@ class CallContext:
     tail_context: object = None   # fn(tail inputs, labels) -> context for loss_fn
     tail_value: object = None     # its result, computed once per call by the tail
     handoff: Callable[[str], None] | None = None   # data parallel: after each O action
+    rows_first: Callable[[str], None] | None = None   # an OR action (its O's key)
     mb_offset: int = 0         # data parallel: rank * microbatches, for random streams
     extra_weight: float = 1.0  # data parallel: this rank's share of the global units
     grad_gate: Callable[[str], None] | None = None   # data parallel: backpressure, before
@@ -485,11 +486,20 @@ class ActionRunner:
             self.host_store.put(("buf", bid), self._down(a, t))
 
     def _optimizer(self, a: Action) -> None:
-        for pid, g in self.host_store.pop(("wgrad", a.stage)).items():
-            self.ctx.grads.add(pid, g)
+        key = ("wgrad", a.stage)
+        if self.host_store.contains(key):      # else its OR took them
+            for pid, g in self.host_store.pop(key).items():
+                self.ctx.grads.add(pid, g)
         if self.ctx.handoff is not None:
             # Data parallel: all-reduce what is complete now, overlapping shallower stages.
             self.ctx.handoff(a.key)
+
+    def _optimizer_rows(self, a: Action) -> None:
+        # The stage's gradients go in here; its O then finds none left to add.
+        for pid, g in self.host_store.pop(("wgrad", a.stage)).items():
+            self.ctx.grads.add(pid, g)
+        if self.ctx.rows_first is not None:
+            self.ctx.rows_first(action_key(K.OPTIMIZER, a.stage, call=a.call))
 
 
 class _SavedBytes:

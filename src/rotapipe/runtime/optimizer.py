@@ -115,6 +115,15 @@ class HostOptimizer:
         return None
 
     @property
+    def rows_first(self) -> bool:
+        """Whether this mode steps first the embedding rows the next call looks up
+        (``OR`` actions): ``overlap`` with per-stage steps, a non-finite gradient
+        failing the call (``nonfinite="raise"``: a skipped step would have to undo
+        rows the next call already read)."""
+        return self.mode is OptimizerMode.OVERLAP and not self.whole_step \
+            and self.nonfinite is NonFinite.RAISE
+
+    @property
     def whole_step(self) -> bool:
         """Whether a step needs the whole call's gradients before it updates any
         weight (``sync``; clipping to a global norm or dynamic loss scaling, whose
@@ -260,6 +269,13 @@ def _merged(prev: torch.Tensor | None, g: torch.Tensor | None, keep: float,
     return torch.mul(prev, keep).add_(g, alpha=new)
 
 
+def _per_element(optimizer) -> bool:
+    """Whether ``optimizer`` updates each element from that element's gradient and
+    state alone (rows of a table can then be stepped apart exactly): torch's Adam,
+    AdamW and SGD themselves, not subclasses, which may change ``step``."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
 def clip(params: Iterable[nn.Parameter], max_norm: float | None) -> float | None:
     """Scale gradients to a global L2 norm of at most ``max_norm`` (``None``: no-op),
     exactly as ``torch.nn.utils.clip_grad_norm_``, which it calls; return the norm
@@ -376,6 +392,9 @@ class OverlapStep(CallHook):
         self.undo = owner.undo if owner is not None else True
         self.stepped: list[int] = []     # without undo: what a failure leaves stepped
         self.overflow = False
+        self.early: dict[str, list[int]] = {}
+        """Hand-off key -> the parameters its ``O`` still steps, for keys whose ``OR``
+        (:meth:`step_rows`) did the rest."""
 
     def _begin(self) -> None:
         """At the first hand-off (earlier calls have committed by then): set aside the
@@ -390,27 +409,97 @@ class OverlapStep(CallHook):
 
     # -- during the call (host lane) -----------------------------------------------------
     def handoff(self, key: str) -> None:
+        if key in self.early:           # its OR stepped the rest
+            pids = self.early.pop(key)
+            if pids:
+                self._step(pids)
+            return
         if self.prev is None:
             self._begin()
         # The reducer's buckets at ``key`` hold exactly the parameters completed here.
         buckets = self.reduce.handoff(key) if self.reduce is not None else []
+        done = self._complete(key)
+        if done or buckets:
+            self._step(done, buckets)
+
+    def _complete(self, key: str) -> list[int]:
+        """Count the hand-off ``key``; return the parameters it completes."""
         done = []
         for pid in self.by_key.get(key, ()):
             self.left[pid] -= 1
             if self.left[pid] == 0:
                 done.append(pid)
-        if done or buckets:
-            self._step(done, buckets)
+        return done
+
+    def step_rows(self, key: str, nxt) -> None:
+        """An ``OR`` action before the hand-off ``key`` (host lane): the next call
+        (``nxt``: its host store, ``None`` when it is not issued yet) uploads only the
+        rows it looks up of the embedding tables this hand-off completes, so those
+        rows' new values are computed first, from the same gradient and optimizer
+        state, into ``("fresh", pid)`` of its store, which its row upload reads; the
+        whole tables are stepped in place at the ``O`` that follows. Everything else
+        the hand-off completes (and every table when the next call's rows are not
+        known) is stepped here, so the next call's uploads that wait for this ``OR``
+        read stepped weights."""
+        if self.reduce is not None or nxt is None or not _per_element(self.opt):
+            self.handoff(key)
+            self.early[key] = []
+            return
+        if self.prev is None:
+            self._begin()
+        done = self._complete(key)
+        # A non-finite gradient fails the call at the O (nonfinite="raise": the only
+        # setting with OR actions), and the next call, which read these rows, with it.
+        tables = [pid for pid in done
+                  if nxt.contains(("rows", pid)) and self._gradient(pid) is not None]
+        rest = [pid for pid in done if pid not in tables]
+        if rest:
+            self._step(rest)
+        for pid in tables:
+            nxt.put(("fresh", pid), self._preview(pid, nxt.get(("rows", pid))))
+        if tables and self.cost is not None:
+            self.cost(tables, rows=True)
+        self.early[key] = tables
+
+    def _gradient(self, pid: int) -> torch.Tensor | None:
+        """The gradient ``pid`` is stepped on: merged once with the accumulated one
+        (:func:`_merged`), kept in :attr:`final` until its step."""
+        g = self.final.get(pid)
+        if g is None:
+            g = _merged(self.prev.get(pid), self.grads.get(pid), self.keep, self.new)
+            if g is not None:
+                self.final[pid] = g
+        return g
+
+    def _preview(self, pid: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` of parameter ``pid`` after the step on :meth:`_gradient`, in
+        the compute dtype, computed by the user's optimizer class with the parameter's
+        group settings on a gathered copy of those rows and of their state (an
+        optimizer whose update is element by element computes exactly these values
+        when it steps the whole table); nothing of the model or optimizer changes."""
+        p, opt = self.params[pid], self.opt
+        part = nn.Parameter(p.detach().index_select(0, rows))
+        part.grad = self._gradient(pid).index_select(0, rows)
+        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        shadow = type(opt)([{**{k: v for k, v in group.items() if k != "params"},
+                             "params": [part]}])
+        state = opt.state.get(p)
+        if state:
+            shadow.state[part] = {
+                k: v.index_select(0, rows) if isinstance(v, torch.Tensor) and v.dim() and
+                v.shape == p.shape else v.clone() if isinstance(v, torch.Tensor)
+                else copy.deepcopy(v) for k, v in state.items()}
+        self.owner.states.step(shadow, [part])
+        return part.detach().to(self.host.dtype)
 
     def _step(self, pids: list[int], buckets=()) -> None:
         if buckets:
             self.reduce.apply(buckets)      # the reduced gradients replace the staged
         stepped = []
         for pid in pids:
-            g = _merged(self.prev.get(pid), self.grads.get(pid), self.keep, self.new)
+            g = self._gradient(pid)
             if g is None:
                 continue        # no loss depends on it: torch would skip it too
-            self.final[pid] = g
             if self.max_norm is not None:
                 self.norms[pid] = torch.linalg.vector_norm(g)
             stepped.append(pid)

@@ -73,6 +73,7 @@ class ActionKind(str, enum.Enum):
     DOWNLOAD_BUFFERS = "DB"  # buffers updated in forward -> host
     DOWNLOAD_WGRAD = "DW"    # a stage's weight gradients -> host
     OPTIMIZER = "O"          # hand a stage's layer gradients to the optimizer (host)
+    OPTIMIZER_ROWS = "OR"    # step first the embedding rows the next call looks up (host)
 
     @property
     def lane(self) -> Lane:
@@ -89,7 +90,7 @@ _LANES = {
     ActionKind.FREE: Lane.COMPUTE,
     ActionKind.DOWNLOAD_ACT: Lane.DOWNLOAD, ActionKind.DOWNLOAD_GRAD: Lane.DOWNLOAD,
     ActionKind.DOWNLOAD_BUFFERS: Lane.DOWNLOAD, ActionKind.DOWNLOAD_WGRAD: Lane.GRADS,
-    ActionKind.OPTIMIZER: Lane.HOST,
+    ActionKind.OPTIMIZER: Lane.HOST, ActionKind.OPTIMIZER_ROWS: Lane.HOST,
 }
 COMPUTE_PASSES = frozenset({ActionKind.FORWARD, ActionKind.FORWARD_KEEP, ActionKind.FUSED,
                             ActionKind.RECOMPUTE, ActionKind.BACKWARD,

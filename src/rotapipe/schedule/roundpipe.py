@@ -82,7 +82,8 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
                    ties: Collection[Collection[int]] = (), side_inputs: bool = False,
                    buffer_layers: Collection[int] = (), tail_barrier: bool = False,
                    prefetch: int = 1, grad_window: int | None = None,
-                   frozen: Collection[int] = ()) -> tuple[Action, ...]:
+                   frozen: Collection[int] = (),
+                   rows_first: Collection[int] = ()) -> tuple[Action, ...]:
     """The actions of training call ``call`` in a sequence of overlapping calls.
 
     Call ``c``'s job ``j`` runs on worker ``(c * jobs + j) % workers``: the round-robin
@@ -98,7 +99,12 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
     many gradient jobs back (module docstring; ``None``: they do not wait).
     ``frozen``: layers holding weights the optimizer never updates; a stage holding any
     of them splits its gated upload into ``UW`` (frozen part, not gated on ``reads``)
-    and ``UT`` (trained part, gated). Call 0 without ``reads`` or ``grad_window`` is
+    and ``UT`` (trained part, gated). ``rows_first``: layers holding an embedding table
+    that forward stages move by the rows a call looks up (per-stage steps only, not
+    with ``whole_step``): a backward stage holding nothing else first steps the rows
+    the next call looks up (``OR``, host lane, before its ``O``), and a forward stage
+    that reads such a stage's update only through those tables waits for its ``OR``
+    instead of its ``O``. Call 0 without ``reads`` or ``grad_window`` is
     :func:`roundpipe_schedule`'s call.
     """
     if workers < 1 or microbatches < 1 or call < 0:
@@ -117,9 +123,15 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
                             "update): use a plan with tail_jobs=1")
     if grad_window is not None and (not isinstance(grad_window, int) or grad_window < 1):
         raise ScheduleError(f"grad_window={grad_window!r} must be an int >= 1 or None")
+    rows = frozenset(rows_first)
+    if rows and whole_step:
+        raise ScheduleError(f"rows_first={sorted(rows)} needs per-stage steps, but "
+                            "whole_step=True steps the whole model at the last hand-off: "
+                            "pass one of them")
     gen = _Generator(plan, workers, microbatches, side_inputs, frozenset(buffer_layers),
                      prefetch)
     gen.grad_window = grad_window
+    gen.rows_first = rows
     gen.start_call(call)
     gen.tail_barrier = tail_barrier and plan.tail.start > 0
     updaters = [s for s in gen.jobs if s.kind is not StageKind.FORWARD]
@@ -132,8 +144,11 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
         reads_keys = []
         if reads is not None:
             touched = set(stage.layers).union(*(tied.get(l, ()) for l in stage.layers))
-            reads_keys = [action_key(K.OPTIMIZER, u.name, call=reads) for u in updaters
-                          if whole_step or touched & set(u.layers)]
+            forward = stage.kind is StageKind.FORWARD
+            reads_keys = [action_key(K.OPTIMIZER_ROWS if forward and gen.steps_rows(u)
+                                     and touched & set(u.layers) <= rows
+                                     else K.OPTIMIZER, u.name, call=reads)
+                          for u in updaters if whole_step or touched & set(u.layers)]
         gen.job(j, stage, weight_deps=reads_keys,
                 split=bool(reads_keys) and not frozen_set.isdisjoint(stage.layers))
     return tuple(gen.out)
@@ -144,7 +159,8 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
                              side_inputs: bool = False, whole_step: bool = False,
                              ties: Collection[Collection[int]] = (),
                              prefetch: int = 1, bound_grads: bool = True,
-                             frozen: Collection[int] = ()) -> Schedule:
+                             frozen: Collection[int] = (),
+                             rows_first: Collection[int] = ()) -> Schedule:
     """``calls`` overlapping training calls (:func:`roundpipe_call`), each a step of an
     optimizer ``staleness`` steps stale: call ``c`` reads the update of call
     ``c - 1 - staleness`` (``staleness=0`` is the exact optimizer: the next call reads
@@ -152,11 +168,14 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
     ``optimizer_mode="stale"`` (staleness 1) and ``"overlap"`` (staleness 0), with
     ``whole_step`` when it clips to a global norm, and with ``bound_grads``: a
     gradient window of ``prefetch + 2`` jobs (:func:`grad_window`), and ``frozen``
-    (:func:`roundpipe_call`) the layers holding frozen weights. A simulator reports the
-    steady state between the first and the last call.
+    (:func:`roundpipe_call`) the layers holding frozen weights; ``rows_first``
+    (:func:`roundpipe_call`: embedding tables moved by rows) applies to the exact
+    optimizer's per-stage steps (``staleness=0`` without ``whole_step``) and is ignored
+    otherwise. A simulator reports the steady state between the first and the last call.
     """
     if calls < 1 or staleness < 0:
         raise ScheduleError(f"calls={calls} must be >= 1 and staleness={staleness} >= 0")
+    rows = rows_first if staleness == 0 and not whole_step else ()
     actions: list[Action] = []
     for c in range(calls):
         older = c - 1 - staleness
@@ -165,7 +184,7 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
                                   whole_step=whole_step, ties=ties,
                                   side_inputs=side_inputs, prefetch=prefetch,
                                   grad_window=grad_window(prefetch) if bound_grads else None,
-                                  frozen=frozen)
+                                  frozen=frozen, rows_first=rows)
     return Schedule(plan, workers, microbatches, tuple(actions), "roundpipe-stale")
 
 
@@ -214,6 +233,7 @@ class _Generator:
         self.out: list[Action] = []
         self.updaters = [s for s in self.jobs if s.kind is not StageKind.FORWARD]
         self.grad_window: int | None = None
+        self.rows_first: frozenset[int] = frozenset()
         self.call = 0
         self.start_call(0)
 
@@ -290,7 +310,15 @@ class _Generator:
             # critical one goes first (the links would let a started chunk finish).
             dw = self.emit(K.DOWNLOAD_WGRAD, w, s, deps=[last] + ([last_dg] if last_dg else []),
                            host_deps=self.grad_gate(j))
+            if self.steps_rows(s):
+                dw = self.emit(K.OPTIMIZER_ROWS, HOST, s, host_deps=[dw])
             self.emit(K.OPTIMIZER, HOST, s, host_deps=[dw])
+
+    def steps_rows(self, s: Stage) -> bool:
+        """Whether stage ``s`` steps the rows the next call looks up first (``OR``):
+        a gradient job holding only embedding tables that move by rows."""
+        return s.kind is not StageKind.FORWARD and bool(self.rows_first) and \
+            set(s.layers) <= self.rows_first
 
     def grad_hold(self, g: int, w: int) -> list[str]:
         """The weight-gradient download the first backward of job ``g`` (over calls) on

@@ -35,7 +35,8 @@ class ActionTimes:
     (``grad_bytes``: one for LoRA's adapters). Frees, side
     inputs, buffer downloads and optimizer hand-offs take no time, unless
     ``optimizer_ms(stage)`` gives the host optimizer work an ``O`` action does
-    (:meth:`rotapipe.runtime.emulation.TimedEmulation.optimizer_ms`).
+    (:meth:`rotapipe.runtime.emulation.TimedEmulation.optimizer_ms`), and
+    ``optimizer_ms(stage, rows=True)`` the work of an ``OR`` (the looked-up rows' step).
     ``chunk_bytes=None``: one chunk per layer.
     """
 
@@ -83,6 +84,8 @@ class ActionTimes:
             return tuple(out)
         if a.kind is K.OPTIMIZER and self.optimizer_ms is not None:
             return (self.optimizer_ms(s),)
+        if a.kind is K.OPTIMIZER_ROWS and self.optimizer_ms is not None:
+            return (self.optimizer_ms(s, rows=True),)
         return (0.0,)
 
 
