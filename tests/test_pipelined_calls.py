@@ -43,12 +43,13 @@ def batches(n: int = STEPS, size: int = 8, seed: int = 0):
     return [token_batch(size, 6, seed=seed + s) for s in range(n)]
 
 
-def reference(mode: str, model: nn.Module, data, M: int, clip) -> tuple[list, dict]:
+def reference(mode: str, model: nn.Module, data, M: int, clip,
+              optimizer: str = "adamw") -> tuple[list, dict]:
     """Plain PyTorch: losses and final weights of ``len(data)`` steps; ``stale`` computes
     step t's gradient on the weights before step t - 1 (w_{-1} = w_0)."""
     ref = copy.deepcopy(model)
     shadow = copy.deepcopy(model)
-    opt = OPTIMIZERS["adamw"](ref.parameters())
+    opt = OPTIMIZERS[optimizer](ref.parameters())
 
     def apply(grads):
         for name, q in ref.named_parameters():
@@ -372,4 +373,118 @@ def test_a_failed_trained_upload_leaves_the_last_step_boundary(mode):
         for x, y in data[k:]:
             pipe.train_step(x, y)
         got = {n: v.clone() for n, v in pipe.state_dict().items()}
+    assert_weights(got, want, "after resuming")
+
+
+ROWS_PLAN = "F0[0:1] F1[1:3] F2[3:5] T[5:6] B0[0:1] B1[1:3] B2[3:5]"
+ROWS_CASES = [(True, 2, 4, "adamw", "fp32"), (False, 3, 8, "adamw", "bf16"),
+              (True, 1, 1, "sgd", "fp32"), (False, 4, 3, "sgd", "fp32")]
+
+
+def rows_run(model: nn.Module, workers: int, microbatches: int, optimizer: str,
+             states: str = "fp32", between=None, fail_at: int | None = None):
+    """``overlap`` calls of ``model`` with its embedding moved by rows on a plan whose
+    backward gives the table a stage of its own; each call's ``OR`` waits (test side)
+    until the next call is issued, so that it has the next call's rows to step first.
+    ``fail_at``: the ``fail_at``-th rows step raises. Returns the pipeline (open), the
+    data, the losses, one entry per table whose rows were stepped first, and the
+    failure (``None``)."""
+    from rotapipe.runtime.calls import Call
+    from rotapipe.runtime.optimizer import OverlapStep
+    data = batches(size=max(8, microbatches))
+    previews = []
+    real_rows_first, real_preview = Call.rows_first, OverlapStep._preview
+
+    def rows_first(call, key):
+        if between is None and call.index < STEPS - 1:
+            for _ in range(30_000):
+                if call.next_store() is not None:
+                    break
+                threading.Event().wait(0.001)
+        real_rows_first(call, key)
+
+    def preview(step, pid, rows):
+        previews.append(len(previews))
+        if fail_at is not None and len(previews) == fail_at:
+            raise Fault("injected: rows stepped first")
+        return real_preview(step, pid, rows)
+    model = copy.deepcopy(model)
+    config = emulated(workers, microbatches, optimizer_mode="overlap",
+                      optimizer_state_dtype=states, timeout_s=60.0)
+    pipe = rotapipe.RoundPipe(model, lm_loss, config=config,
+                              optimizer=OPTIMIZERS[optimizer],
+                              plan=rotapipe.Plan.from_text(ROWS_PLAN),
+                              lookups={model[0].emb: lambda ids: ids})
+    Call.rows_first, OverlapStep._preview = rows_first, preview
+    losses, error = [], None
+    try:
+        for x, y in data:
+            losses.append(pipe.train_step(x, y))
+            if between is not None:
+                between(pipe)
+        pipe.flush()
+    except rotapipe.WorkerError as exc:
+        error = exc
+    finally:
+        Call.rows_first, OverlapStep._preview = real_rows_first, real_preview
+    if error is not None and fail_at is None:
+        pipe.close()
+        raise error
+    return pipe, data, losses, previews, error
+
+
+@pytest.mark.parametrize("tied,workers,microbatches,optimizer,states", ROWS_CASES,
+                         ids=["-".join(map(str, c)) for c in ROWS_CASES])
+def test_the_next_calls_rows_are_stepped_first(tied, workers, microbatches, optimizer,
+                                              states):
+    """``overlap`` with an embedding moved by rows: each call steps first the rows the
+    next call looks up (``OR``), which the next call's first forward stage uploads while
+    the whole table is stepped. The run equals plain PyTorch element by element (bf16
+    optimizer state rounds its moments, so there: the same pipeline flushed after every
+    call, whose ``OR`` has no next call and steps the whole table), and what ran is the
+    simulator's schedule with ``rows_first``."""
+    model = tiny_transformer(tied=tied)
+    pipe, data, losses, previews, _ = rows_run(model, workers, microbatches, optimizer,
+                                               states)
+    with pipe:
+        got = {k: v.clone() for k, v in pipe.state_dict().items()}
+        ran = pipe.last_timeline(calls=STEPS).schedule
+        sim = roundpipe_stale_schedule(pipe.plan, workers, microbatches, calls=STEPS,
+                                       staleness=0, ties=pipe._ties, rows_first=(0,))
+        assert pipe._rows_first == (0,)
+    assert len(previews) == STEPS - 1      # every call but the last had a next call
+    assert ran.to_text() == sim.to_text()
+    if states == "fp32":
+        want_losses, want = reference("overlap", model, data, microbatches, None, optimizer)
+    else:
+        flushed, _, want_losses, none, _ = rows_run(model, workers, microbatches,
+                                                    optimizer, states,
+                                                    between=lambda p: p.flush())
+        with flushed:
+            want = {k: v.clone() for k, v in flushed.state_dict().items()}
+        assert none == []
+    torch.testing.assert_close(losses, want_losses, rtol=RTOL, atol=ATOL)
+    assert_weights(got, want, f"rows first, {optimizer}, {states} state")
+
+
+def test_a_failed_rows_step_leaves_the_last_step_boundary():
+    """The ``OR`` of call 3 fails (its optimizer raises while stepping the next call's
+    rows): the error names it and its call, the state is the step boundary it reports,
+    and training continues exactly from there."""
+    model = tiny_transformer(tied=True)
+    pipe, data, _, _, err = rows_run(model, 3, 4, "adamw", fail_at=4)
+    msg = str(err)
+    with pipe:
+        assert isinstance(err, rotapipe.WorkerError) and isinstance(err.cause, Fault), msg
+        assert "next call's embedding rows" in msg and f">>{err.action}<<" in msg, msg
+        assert err.action.startswith("OR:") and "call 3" in msg, msg
+        k = err.calls_committed
+        assert k == 3 == pipe.calls and err.calls_discarded[0] == 3, msg
+        assert all(d.memory_in_use() == 0 for d in pipe.devices)
+        _, stopped = reference("overlap", model, data[:k], 4, None)
+        assert_weights(pipe._container.state_dict(), stopped, f"after the fault ({k})")
+        for x, y in data[k:]:
+            pipe.train_step(x, y)
+        got = {n: v.clone() for n, v in pipe.state_dict().items()}
+    _, want = reference("overlap", model, data, 4, None)
     assert_weights(got, want, "after resuming")

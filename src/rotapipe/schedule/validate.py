@@ -39,6 +39,7 @@ def validate(schedule: Schedule, *, dataflow: bool = False,
     """
     by_key = _unique(schedule)
     _check_trained(schedule, by_key)
+    _check_rows(schedule, by_key)
     eval_call = schedule.name.endswith("-eval")
     if not eval_call:
         _check_passes(schedule, by_key)
@@ -163,6 +164,18 @@ def _check_trained(schedule: Schedule, by_key: dict[str, Action]) -> None:
                 raise ScheduleError(f"{a.key} (the trained part of a split weight upload) "
                                     f"does not depend on {uw} on worker {a.worker}: a "
                                     "stage's UT completes the weights its UW uploaded")
+
+
+def _check_rows(schedule: Schedule, by_key: dict[str, Action]) -> None:
+    """Each ``OR`` (the next call's rows stepped first) is followed by the ``O`` of its
+    stage and call, which waits for it: the ``O`` steps the rest of the tables."""
+    for a in schedule.actions:
+        if a.kind is K.OPTIMIZER_ROWS:
+            o = action_key(K.OPTIMIZER, a.stage, call=a.call)
+            if o not in by_key or a.key not in by_key[o].host_deps:
+                raise ScheduleError(f"{a.key} (the next call's embedding rows stepped "
+                                    f"first) has no {o} waiting for it: the whole "
+                                    "tables are stepped by the stage's O after its OR")
 
 
 def _reaches(by_key: dict[str, Action], a: Action, key: str) -> bool:
