@@ -126,10 +126,15 @@ def pipelined_sim(em, plan, mode: str, microbatches: int, calls: int,
                   chunk_bytes: int = DEFAULT_CHUNK, frozen=()):
     """The simulator's timeline of ``calls`` overlapping calls as the runtime runs them
     in ``mode`` (the schedule of :func:`roundpipe_stale_schedule`, without clipping;
-    each hand-off does its stage's optimizer work), weights moving in chunks of
+    each hand-off does its stage's optimizer work, ``overlap`` steps the next call's
+    embedding rows first), weights moving in chunks of
     ``chunk_bytes``; ``frozen``: the layers holding frozen weights (LoRA)."""
+    # The runtime steps first the embedding rows the next call looks up (OR) when the
+    # exact mode moves a trained table by rows, as the stand-in's does here.
+    rows = (0,) if em.costs.rows_bytes and 0 not in frozen else ()
     s = roundpipe_stale_schedule(plan, DEVICES, microbatches, calls=calls,
-                                 staleness=1 if mode == "stale" else 0, frozen=frozen)
+                                 staleness=1 if mode == "stale" else 0, frozen=frozen,
+                                 rows_first=rows)
     return run(s, ActionTimes(plan, em.costs, chunk_bytes,
                               optimizer_ms=em.optimizer_ms(plan, False)))
 

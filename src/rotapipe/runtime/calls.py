@@ -267,13 +267,20 @@ class CallRunner:
         if any(d.torch_device.type != "cpu" for d in self.devices):
             raise ConfigError("timed emulation needs emulated workers: pass "
                               "backend='emulated' and no CUDA devices")
+        # A parameter's step is charged as its layer's. In a layer holding an embedding
+        # table moved by rows, the modelled layer is the table: its other parameters (a
+        # stand-in's position embedding) cost nothing, so that stepping them apart from
+        # the table (an OR) does not charge the layer twice.
+        tables = set(self.lookups.ids) if self.lookups else set()
         owner: dict[int, int] = {}
         for l, pids in enumerate(self.ls.layer_params):
+            has_table = bool(tables & set(pids))
             for pid in pids:
-                owner.setdefault(pid, l)
+                if pid in tables or not has_table:
+                    owner.setdefault(pid, l)
 
         def cost(pids, rows: bool = False) -> None:
-            time.sleep(em.optimizer_seconds({owner[p] for p in pids}, rows))
+            time.sleep(em.optimizer_seconds({owner[p] for p in pids if p in owner}, rows))
         return cost
 
     def _timing(self, plan: Plan):
