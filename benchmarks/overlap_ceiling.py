@@ -16,6 +16,12 @@ picks for overlapping calls (``rotapipe plan --stale``), and the last column wha
 ``overlap`` keeps of that (each mode at its best).
 
     python benchmarks/overlap_ceiling.py
+    python benchmarks/overlap_ceiling.py --rows 8192    # calls looking up fewer rows
+
+The token embedding moves by the rows a call looks up, and ``overlap`` steps the next
+call's rows first (``OR``, charged ``ROWS_FIRST_COST`` rows of the whole step each):
+``--rows`` sets how many distinct rows that is (default 32,768, every token distinct:
+the worst case; natural text repeats tokens).
 """
 
 from __future__ import annotations
@@ -37,13 +43,17 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="qwen3-1.7b,llama-3.1-8b,qwen3-32b")
     ap.add_argument("--microbatches", type=int, default=16)
     ap.add_argument("--optimizer-rate", type=float, default=5e9)
+    ap.add_argument("--rows", type=int, default=None,
+                    help="distinct embedding rows a call looks up (default: one per "
+                         "token, the most there can be)")
     args = ap.parse_args(argv)
     m = args.microbatches
     print(f"{'model':14s} {'call, no step':>13s} {'call + steps':>12s} {'overlap':>9s} "
           f"{'stale':>9s} {'overlap/stale':>13s} {'ceiling':>8s} {'free last step':>14s} "
           f"{'stale, own plan':>15s} {'overlap/it':>10s}")
     for model in args.models.split(","):
-        em = TimedEmulation.of(model.strip(), "rtx4090x8", seq=2048, call_tokens=2048 * m,
+        em = TimedEmulation.of(model.strip(), "rtx4090x8", seq=2048,
+                               call_tokens=args.rows or 2048 * m,
                                optimizer_params_per_s=args.optimizer_rate)
         choice = planned(em.costs, m)
         base, em = em, replace(em, costs=choice.costs)

@@ -381,17 +381,29 @@ ROWS_CASES = [(True, 2, 4, "adamw", "fp32"), (False, 3, 8, "adamw", "bf16"),
               (True, 1, 1, "sgd", "fp32"), (False, 4, 3, "sgd", "fp32")]
 
 
+def few_rows(size: int = 8):
+    """``STEPS`` batches, each looking up at most 12 of the embedding's 61 rows (a
+    different 12 each call): few enough that stepping them first is cheaper than the
+    whole table (``ROWS_FIRST_COST``)."""
+    out = []
+    for s, (x, _) in enumerate(batches(size=size)):
+        x = x % 12 + 3 * s
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
 def rows_run(model: nn.Module, workers: int, microbatches: int, optimizer: str,
-             states: str = "fp32", between=None, fail_at: int | None = None):
+             states: str = "fp32", between=None, fail_at: int | None = None, data=None):
     """``overlap`` calls of ``model`` with its embedding moved by rows on a plan whose
     backward gives the table a stage of its own; each call's ``OR`` waits (test side)
     until the next call is issued, so that it has the next call's rows to step first.
-    ``fail_at``: the ``fail_at``-th rows step raises. Returns the pipeline (open), the
+    ``fail_at``: the ``fail_at``-th rows step raises; ``data``: the batches (default
+    :func:`few_rows`). Returns the pipeline (open), the
     data, the losses, one entry per table whose rows were stepped first, and the
     failure (``None``)."""
     from rotapipe.runtime.calls import Call
     from rotapipe.runtime.optimizer import OverlapStep
-    data = batches(size=max(8, microbatches))
+    data = data or few_rows(size=max(8, microbatches))
     previews = []
     real_rows_first, real_preview = Call.rows_first, OverlapStep._preview
 
@@ -473,6 +485,7 @@ def test_a_failed_rows_step_leaves_the_last_step_boundary():
     and training continues exactly from there."""
     model = tiny_transformer(tied=True)
     pipe, data, _, _, err = rows_run(model, 3, 4, "adamw", fail_at=4)
+    assert err is not None
     msg = str(err)
     with pipe:
         assert isinstance(err, rotapipe.WorkerError) and isinstance(err.cause, Fault), msg
@@ -488,3 +501,21 @@ def test_a_failed_rows_step_leaves_the_last_step_boundary():
         got = {n: v.clone() for n, v in pipe.state_dict().items()}
     _, want = reference("overlap", model, data, 4, None)
     assert_weights(got, want, "after resuming")
+
+
+def test_rows_are_stepped_first_only_where_that_is_cheaper():
+    """A call looking up more than 1 / ``ROWS_FIRST_COST`` of the table's rows: its
+    rows cost more to step apart than the whole table, so the ``OR`` steps the whole
+    table (no rows stepped first) and the next call reads it; still exact."""
+    from rotapipe.runtime.emulation import ROWS_FIRST_COST
+    model = tiny_transformer(tied=False)
+    data = batches()
+    assert all(x.unique().numel() * ROWS_FIRST_COST >= 61 for x, _ in data)
+    pipe, _, losses, previews, _ = rows_run(model, 2, 4, "adamw", data=data)
+    with pipe:
+        got = {k: v.clone() for k, v in pipe.state_dict().items()}
+        ran = pipe.last_timeline(calls=STEPS).schedule
+    assert previews == [] and K.OPTIMIZER_ROWS in {a.kind for a in ran.actions}
+    want_losses, want = reference("overlap", model, data, 4, None)
+    torch.testing.assert_close(losses, want_losses, rtol=RTOL, atol=ATOL)
+    assert_weights(got, want, "rows not stepped first")

@@ -11,7 +11,16 @@ from ..plan import ModelCosts, Plan, Stage, StageKind
 from ..schedule import Action
 from ..sim.timing import DEFAULT_CHUNK, ActionTimes
 
-__all__ = ["TimedEmulation", "MIN_ACTION_MS"]
+ROWS_FIRST_COST = 3.5
+"""Host work of stepping a table's row first (``OR``: gathering its weight, gradient
+and two Adam moments, stepping the gathered rows, writing them in the compute dtype),
+in rows of the whole table's step: 111 ms for 32,768 of Qwen3-1.7B's 151,936 rows
+against 149 ms for the whole table (fused ``torch.optim.AdamW``, fp32, 2 cores, median
+of 6; ``docs/optimizer.md``). A table's rows are stepped first only when that is
+cheaper than its whole step; the simulator charges an ``OR`` the same
+(:meth:`TimedEmulation.optimizer_seconds`)."""
+
+__all__ = ["TimedEmulation", "MIN_ACTION_MS", "ROWS_FIRST_COST"]
 
 MIN_ACTION_MS = 20.0
 """Real milliseconds the shortest compute action should last under
@@ -119,14 +128,22 @@ class TimedEmulation:
 
     def optimizer_seconds(self, layers, rows: bool = False) -> float:
         """Real seconds the host optimizer takes over the weights of ``layers``;
-        ``rows``: over the rows of the embedding table one call looks up (an ``OR``
-        action), the rest of the layers whole."""
+        ``rows``: an ``OR`` action, which steps first the rows of the embedding table
+        (layer 0) the next call looks up, each at
+        :data:`~rotapipe.runtime.optimizer.ROWS_FIRST_COST` rows of the whole step
+        (never more than the whole table: the runtime then steps it whole), and the
+        rest of the layers whole."""
         if not self.trainable:
             return 0.0
         c = self.costs
-        nbytes = sum(c.rows_bytes if rows and l == 0 and c.rows_bytes else
-                     c.layers[l].weight_bytes for l in layers)
-        return nbytes / self.dtype_bytes / self.optimizer_params_per_s * self.dilation
+
+        def nbytes(l: int) -> float:
+            whole = c.layers[l].weight_bytes
+            if rows and l == 0 and c.rows_bytes:
+                return min(whole, c.rows_bytes * ROWS_FIRST_COST)
+            return whole
+        params = sum(nbytes(l) for l in layers) / self.dtype_bytes
+        return params / self.optimizer_params_per_s * self.dilation
 
     def stand_in(self, dim: int = 8, vocab: int = 32, seq: int = 16):
         """A tiny GPT-like ``nn.Sequential`` with as many layers as :attr:`costs`

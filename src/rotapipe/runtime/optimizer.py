@@ -27,6 +27,7 @@ from torch import nn
 from ..config import NonFinite, OptimizerMode
 from ..errors import CheckpointError, NonFiniteError
 from ..schedule import ActionKind as K, Schedule
+from .emulation import ROWS_FIRST_COST
 from .host import CallGrads, HostState, LossScaler
 from .optstate import StatePrecision
 
@@ -66,6 +67,10 @@ class HostOptimizer:
         non-finite gradient with ``nonfinite="skip"``)."""
         self.nonfinite_skips = 0
         """Steps skipped for a non-finite gradient (``nonfinite="skip"``)."""
+        self.rows_room = _Room()
+        """Host buffers the rows stepped first (``OR``) are gathered into, kept
+        between steps: fresh allocations of that size each step cost more than the
+        gathers (page faults)."""
 
     def finite(self, grads: dict[int, torch.Tensor],
                norms: dict[int, torch.Tensor] | None = None) -> bool:
@@ -269,6 +274,23 @@ def _merged(prev: torch.Tensor | None, g: torch.Tensor | None, keep: float,
     return torch.mul(prev, keep).add_(g, alpha=new)
 
 
+class _Room:
+    """Named host buffers that grow to the largest size asked for and are reused."""
+
+    def __init__(self):
+        self.buffers: dict[object, torch.Tensor] = {}
+        self.turn = 0
+
+    def take(self, name, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            buf = self.buffers[name] = torch.empty(n, dtype=dtype)
+        return buf[:n].view(shape)
+
+
 def _per_element(optimizer) -> bool:
     """Whether ``optimizer`` updates each element from that element's gradient and
     state alone (rows of a table can then be stepped apart exactly): torch's Adam,
@@ -451,7 +473,9 @@ class OverlapStep(CallHook):
         # A non-finite gradient fails the call at the O (nonfinite="raise": the only
         # setting with OR actions), and the next call, which read these rows, with it.
         tables = [pid for pid in done
-                  if nxt.contains(("rows", pid)) and self._gradient(pid) is not None]
+                  if nxt.contains(("rows", pid)) and self._gradient(pid) is not None
+                  and nxt.get(("rows", pid)).numel() * ROWS_FIRST_COST <
+                  self.params[pid].shape[0]]
         rest = [pid for pid in done if pid not in tables]
         if rest:
             self._step(rest)
@@ -477,20 +501,26 @@ class OverlapStep(CallHook):
         group settings on a gathered copy of those rows and of their state (an
         optimizer whose update is element by element computes exactly these values
         when it steps the whole table); nothing of the model or optimizer changes."""
-        p, opt = self.params[pid], self.opt
-        part = nn.Parameter(p.detach().index_select(0, rows))
-        part.grad = self._gradient(pid).index_select(0, rows)
+        p, opt, room = self.params[pid], self.opt, self.owner.rows_room
+        shape = (rows.numel(),) + tuple(p.shape[1:])
+
+        def gather(name, src: torch.Tensor) -> torch.Tensor:
+            return torch.index_select(src, 0, rows, out=room.take(name, shape, src.dtype))
+        part = nn.Parameter(gather("weight", p.detach()))
+        part.grad = gather("grad", self._gradient(pid))
         group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
         shadow = type(opt)([{**{k: v for k, v in group.items() if k != "params"},
                              "params": [part]}])
         state = opt.state.get(p)
         if state:
             shadow.state[part] = {
-                k: v.index_select(0, rows) if isinstance(v, torch.Tensor) and v.dim() and
+                k: gather(k, v) if isinstance(v, torch.Tensor) and v.dim() and
                 v.shape == p.shape else v.clone() if isinstance(v, torch.Tensor)
                 else copy.deepcopy(v) for k, v in state.items()}
         self.owner.states.step(shadow, [part])
-        return part.detach().to(self.host.dtype)
+        # Two output buffers in turn: the previous call's rows may still be uploading.
+        room.turn = 1 - room.turn
+        return room.take(("out", room.turn), shape, self.host.dtype).copy_(part.detach())
 
     def _step(self, pids: list[int], buckets=()) -> None:
         if buckets:
