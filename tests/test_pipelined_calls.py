@@ -519,3 +519,67 @@ def test_rows_are_stepped_first_only_where_that_is_cheaper():
     want_losses, want = reference("overlap", model, data, 4, None)
     torch.testing.assert_close(losses, want_losses, rtol=RTOL, atol=ATOL)
     assert_weights(got, want, "rows not stepped first")
+
+
+class NanInput(torch.autograd.Function):
+    """Identity whose backward hands a NaN gradient to the layers before it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+class Poisoned(nn.Module):
+    """Layer wrapper: in the calls whose seeds are in ``seeds``, every layer before it
+    gets a NaN gradient; its own and later layers' gradients stay finite."""
+
+    def __init__(self, inner: nn.Module, seeds: set):
+        super().__init__()
+        self.inner, self.seeds = inner, seeds
+
+    def __deepcopy__(self, memo):
+        return Poisoned(copy.deepcopy(self.inner, memo), self.seeds)
+
+    def forward(self, x):
+        y = self.inner(x)
+        if torch.is_grad_enabled() and torch.initial_seed() in self.seeds:
+            y = NanInput.apply(y)
+        return y
+
+
+@pytest.mark.parametrize("workers,microbatches", [(3, 8), (4, 4)])
+def test_overlap_skips_a_step_the_next_call_has_not_read(workers, microbatches):
+    """``overlap`` with ``nonfinite="skip"``: call 2's gradient is non-finite in the
+    embedding only, which hands off last. The deeper stages were stepped speculatively
+    by then; the skip undoes them, and the next call must not have uploaded them: its
+    uploads wait for the whole step, as with clipping. Equals plain PyTorch with step 2
+    skipped."""
+    T, data, seeds = 2, batches(), set()
+    base = tiny_transformer()
+    ref = copy.deepcopy(base)
+    opt = OPTIMIZERS["adamw"](ref.parameters())
+    for t, (x, y) in enumerate(data):
+        ref.zero_grad(set_to_none=True)
+        reference_forward_backward(ref, x, y, microbatches, call=t)
+        if t != T:
+            opt.step()
+    layers = list(copy.deepcopy(base))
+    layers[1] = Poisoned(layers[1], seeds)
+    config = emulated(workers, microbatches, optimizer_mode="overlap", nonfinite="skip")
+    with rotapipe.RoundPipe(nn.Sequential(*layers), lm_loss, config=config,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        for t, (x, y) in enumerate(data):
+            if t == T:
+                seeds.update(rotapipe.layer_seed(0, T, m, 1) for m in range(microbatches))
+            pipe.train_step(x, y)
+        got = {k.replace(".inner.", "."): v.clone() for k, v in pipe.state_dict().items()}
+        assert pipe.nonfinite_skips == 1
+        ran = pipe.last_timeline(calls=STEPS).schedule
+        sim = roundpipe_stale_schedule(pipe.plan, workers, microbatches, calls=STEPS,
+                                       staleness=0, whole_step=True, ties=pipe._ties)
+    assert_weights(got, ref.state_dict(), "step 2 skipped")
+    assert ran.to_text() == sim.to_text()

@@ -373,7 +373,7 @@ class RoundPipe:
             cfg = self.config
             schedule = Schedule(self.plan, len(self.devices), M, roundpipe_call(
                 self.plan, len(self.devices), M, index, reads=opt.reads(stream.step_ends),
-                whole_step=opt.whole_step, ties=self._ties,
+                whole_step=opt.reads_whole_step, ties=self._ties,
                 side_inputs=self.side_inputs is not None,
                 tail_barrier=self.tail_context is not None, prefetch=cfg.prefetch,
                 grad_window=grad_window(cfg.prefetch), frozen=self._frozen,

@@ -129,6 +129,17 @@ class HostOptimizer:
             and self.nonfinite is NonFinite.RAISE
 
     @property
+    def reads_whole_step(self) -> bool:
+        """Whether the next call's weight uploads wait for every hand-off of the step
+        they read (the schedule's ``whole_step``): when the step needs every gradient
+        (:attr:`whole_step`), and in ``overlap`` with ``nonfinite="skip"``, whose step
+        is skipped (its speculative per-stage steps undone) when a stage handing off
+        late brings a non-finite gradient: the next call must not have read the
+        deeper stages' steps by then."""
+        return self.whole_step or (self.mode is OptimizerMode.OVERLAP
+                                   and self.nonfinite is NonFinite.SKIP)
+
+    @property
     def whole_step(self) -> bool:
         """Whether a step needs the whole call's gradients before it updates any
         weight (``sync``; clipping to a global norm or dynamic loss scaling, whose
