@@ -62,7 +62,7 @@ def main(argv=None) -> None:
         # One call as overlap runs it: the stage holding the embedding steps the next
         # call's rows first (OR); the next call waits for that, not for the whole step.
         rows = Schedule(choice.plan, DEVICES, m, roundpipe_call(
-            choice.plan, DEVICES, m, 0, rows_first=(0,) if em.costs.rows_bytes else ()))
+            choice.plan, DEVICES, m, 0, rows_first=(0,) if em.rows_first_pays() else ()))
         tl = run(rows, ActionTimes(choice.plan, choice.costs,
                                    optimizer_ms=em.optimizer_ms(choice.plan, False)))
         last = {f"O:{a.stage}" for a in rows.actions if a.kind is K.OPTIMIZER_ROWS}

@@ -131,7 +131,7 @@ def pipelined_sim(em, plan, mode: str, microbatches: int, calls: int,
     ``chunk_bytes``; ``frozen``: the layers holding frozen weights (LoRA)."""
     # The runtime steps first the embedding rows the next call looks up (OR) when the
     # exact mode moves a trained table by rows, as the stand-in's does here.
-    rows = (0,) if em.costs.rows_bytes and 0 not in frozen else ()
+    rows = (0,) if em.rows_first_pays() and 0 not in frozen else ()
     s = roundpipe_stale_schedule(plan, DEVICES, microbatches, calls=calls,
                                  staleness=1 if mode == "stale" else 0, frozen=frozen,
                                  rows_first=rows)

@@ -168,10 +168,12 @@ class RoundPipe:
         self._frozen = tuple(l for l, pids in enumerate(self.layerset.layer_params)
                              if any(pid not in trained for pid in pids))
         # Layers looking up a trained embedding table by rows: in exact overlapping
-        # calls the rows the next call looks up are stepped first (OR actions).
+        # calls the rows the next call looks up are stepped first (OR actions); under
+        # timed emulation only where that pays for the emulated model, as simulated.
+        em = config.emulation
         self._rows_first = tuple(l for l in range(len(self.layerset))
                                  if self.lookups.stage_pids(range(l, l + 1)) & trained) \
-            if self._host_opt.rows_first else ()
+            if self._host_opt.rows_first and (em is None or em.rows_first_pays()) else ()
         stages = self._calls.stages
         self.data_parallel = None
         """The data-parallel gradient reducer (``None`` when off); ``.last`` holds the

@@ -279,9 +279,7 @@ class CallRunner:
                 if pid in tables or not has_table:
                     owner.setdefault(pid, l)
 
-        def cost(pids, rows: bool = False) -> None:
-            time.sleep(em.optimizer_seconds({owner[p] for p in pids if p in owner}, rows))
-        return cost
+        return _EmulatedOptimizer(em, owner)
 
     def _timing(self, plan: Plan):
         """Timed emulation: the action durations for ``plan`` (``None`` when off)."""
@@ -291,6 +289,24 @@ class CallRunner:
         if self._timed is None or self._timed[0] != plan:
             self._timed = (plan, em.action_seconds(plan, self.chunk_bytes))
         return self._timed[1]
+
+
+class _EmulatedOptimizer:
+    """Timed emulation's host optimizer time: called with the parameters a step just
+    stepped (``rows``: the rows the next call looks up, an ``OR``), it sleeps the
+    modelled time of their layers."""
+
+    def __init__(self, em, owner: dict[int, int]):
+        self.em, self.owner = em, owner
+
+    def __call__(self, pids, rows: bool = False) -> None:
+        time.sleep(self.em.optimizer_seconds({self.owner[p] for p in pids
+                                              if p in self.owner}, rows))
+
+    def rows_first_pays(self, rows: int, table_rows: int) -> bool:
+        """Whether stepping a call's rows first is cheaper than the whole table, for
+        the emulated model (its rows and table, not the stand-in's)."""
+        return self.em.rows_first_pays()
 
 
 def _stages(plan: Plan) -> dict:

@@ -129,21 +129,27 @@ class TimedEmulation:
     def optimizer_seconds(self, layers, rows: bool = False) -> float:
         """Real seconds the host optimizer takes over the weights of ``layers``;
         ``rows``: an ``OR`` action, which steps first the rows of the embedding table
-        (layer 0) the next call looks up, each at
-        :data:`~rotapipe.runtime.optimizer.ROWS_FIRST_COST` rows of the whole step
-        (never more than the whole table: the runtime then steps it whole), and the
-        rest of the layers whole."""
+        (layer 0) the next call looks up, each at :data:`ROWS_FIRST_COST` rows of the
+        whole step (the whole table where that is cheaper:
+        :meth:`rows_first_pays`, as the runtime decides), and the rest of the layers
+        whole."""
         if not self.trainable:
             return 0.0
         c = self.costs
 
         def nbytes(l: int) -> float:
             whole = c.layers[l].weight_bytes
-            if rows and l == 0 and c.rows_bytes:
-                return min(whole, c.rows_bytes * ROWS_FIRST_COST)
+            if rows and l == 0 and self.rows_first_pays():
+                return c.rows_bytes * ROWS_FIRST_COST
             return whole
         params = sum(nbytes(l) for l in layers) / self.dtype_bytes
         return params / self.optimizer_params_per_s * self.dilation
+
+    def rows_first_pays(self) -> bool:
+        """Whether stepping first the embedding rows one call looks up (``OR``) costs
+        less than stepping the whole table (layer 0), as the runtime decides it."""
+        c = self.costs
+        return 0 < c.rows_bytes * ROWS_FIRST_COST < c.layers[0].weight_bytes
 
     def stand_in(self, dim: int = 8, vocab: int = 32, seq: int = 16):
         """A tiny GPT-like ``nn.Sequential`` with as many layers as :attr:`costs`

@@ -485,8 +485,8 @@ class OverlapStep(CallHook):
         # setting with OR actions), and the next call, which read these rows, with it.
         tables = [pid for pid in done
                   if nxt.contains(("rows", pid)) and self._gradient(pid) is not None
-                  and nxt.get(("rows", pid)).numel() * ROWS_FIRST_COST <
-                  self.params[pid].shape[0]]
+                  and self._rows_pay(nxt.get(("rows", pid)).numel(),
+                                     self.params[pid].shape[0])]
         rest = [pid for pid in done if pid not in tables]
         if rest:
             self._step(rest)
@@ -495,6 +495,14 @@ class OverlapStep(CallHook):
         if tables and self.cost is not None:
             self.cost(tables, rows=True)
         self.early[key] = tables
+
+    def _rows_pay(self, rows: int, table_rows: int) -> bool:
+        """Whether stepping ``rows`` of a table first is cheaper than its whole step
+        (:data:`ROWS_FIRST_COST`; timed emulation decides for the emulated model)."""
+        pays = getattr(self.cost, "rows_first_pays", None)
+        if pays is not None:
+            return pays(rows, table_rows)
+        return rows * ROWS_FIRST_COST < table_rows
 
     def _gradient(self, pid: int) -> torch.Tensor | None:
         """The gradient ``pid`` is stepped on: merged once with the accumulated one
