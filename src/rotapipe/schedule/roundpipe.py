@@ -31,6 +31,12 @@ call's update and the stage holds frozen weights, its ``UW`` moves only the froz
 (gated on memory alone, so it prefetches while the previous call drains) and a ``UT``
 after it moves the trained part once the hand-offs are done; the stage computes after
 the ``UT``.
+
+An embedding table that forward stages move by the rows a call looks up is read by
+the next exact call only at those rows: the backward stage holding it (and nothing
+else) hands off in two host actions, ``OR`` (the rows the next call looks up, stepped
+first) and ``O`` (the whole table), and the next call's forward stage reading the
+table waits for the ``OR`` only (``rows_first``).
 """
 
 from __future__ import annotations
