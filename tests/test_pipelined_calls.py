@@ -398,9 +398,8 @@ def rows_run(model: nn.Module, workers: int, microbatches: int, optimizer: str,
     backward gives the table a stage of its own; each call's ``OR`` waits (test side)
     until the next call is issued, so that it has the next call's rows to step first.
     ``fail_at``: the ``fail_at``-th rows step raises; ``data``: the batches (default
-    :func:`few_rows`). Returns the pipeline (open), the
-    data, the losses, one entry per table whose rows were stepped first, and the
-    failure (``None``)."""
+    :func:`few_rows`). Returns the pipeline (open), the data, the losses, one entry per
+    table whose rows were stepped first, and the failure (``None``)."""
     from rotapipe.runtime.calls import Call
     from rotapipe.runtime.optimizer import OverlapStep
     data = data or few_rows(size=max(8, microbatches))
