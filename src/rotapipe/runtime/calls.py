@@ -303,7 +303,7 @@ class _EmulatedOptimizer:
         time.sleep(self.em.optimizer_seconds({self.owner[p] for p in pids
                                               if p in self.owner}, rows))
 
-    def rows_first_pays(self, rows: int, table_rows: int) -> bool:
+    def rows_first_pays(self) -> bool:
         """Whether stepping a call's rows first is cheaper than the whole table, for
         the emulated model (its rows and table, not the stand-in's)."""
         return self.em.rows_first_pays()

@@ -501,7 +501,7 @@ class OverlapStep(CallHook):
         (:data:`ROWS_FIRST_COST`; timed emulation decides for the emulated model)."""
         pays = getattr(self.cost, "rows_first_pays", None)
         if pays is not None:
-            return pays(rows, table_rows)
+            return pays()
         return rows * ROWS_FIRST_COST < table_rows
 
     def _gradient(self, pid: int) -> torch.Tensor | None:
