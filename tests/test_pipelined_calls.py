@@ -478,6 +478,44 @@ def test_the_next_calls_rows_are_stepped_first(tied, workers, microbatches, opti
     assert_weights(got, want, f"rows first, {optimizer}, {states} state")
 
 
+ROWS_MEMORY = [("adamw", "fp32", 2), ("adamw", "bf16", 2), ("sgd", "fp32", 1)]
+
+
+@pytest.mark.parametrize("optimizer,states,kept", ROWS_MEMORY,
+                         ids=[f"{o}-{s}" for o, s, _ in ROWS_MEMORY])
+def test_host_memory_counts_the_rows_buffers(optimizer, states, kept):
+    """What ``rotapipe plan`` counts for stepping the next call's rows first
+    (``HostMemory.rows``) is what the runtime keeps for it, to the byte, given the
+    most rows a call looks up; other layouts and data parallelism count none."""
+    from rotapipe.plan import LayerCost, ModelCosts, host_memory
+    from rotapipe.plan.hostmem import per_server
+    model = tiny_transformer(tied=False)
+    pipe, data, _, previews, _ = rows_run(model, 2, 4, optimizer, states)
+    with pipe:
+        kept_bytes = sum(b.numel() * b.element_size()
+                         for b in pipe._host_opt.rows_room.buffers.values())
+        dtype = pipe._container.state_dict()["0.emb.weight"].element_size()
+    assert len(previews) == STEPS - 1
+    rows = max(x.unique().numel() for x, _ in data[1:])
+    vocab, dim = model[0].emb.weight.shape
+    layer = LayerCost("embedding", 0.0, 0.0, 0.0, weight_bytes=vocab * dim * dtype)
+    costs = ModelCosts((layer, LayerCost("head", 1.0, 1.0, 1.0)), 1,
+                       rows_bytes=rows * dim * dtype)
+    plan = rotapipe.Plan.from_text("F0[0:1] T[1:2] B0[0:1]")
+
+    def counted(layout):
+        return host_memory(costs, plan, 4, 2, dtype_bytes=dtype, optimizer_states=kept,
+                           state_dtype=states, layout=layout)
+    assert counted("overlap").rows == kept_bytes > 0
+    assert counted("lean").rows == kept_bytes
+    assert counted("sync").rows == 0
+    assert host_memory(costs, plan, 4, 2, dtype_bytes=dtype, state_dtype="int8",
+                       layout="overlap").rows == 0     # bitsandbytes steps whole tables
+    assert per_server(counted("overlap"), 2, "none").rows == 0
+    assert counted("overlap").total == counted("sync").total + kept_bytes + \
+        counted("overlap").snapshots
+
+
 def test_a_failed_rows_step_leaves_the_last_step_boundary():
     """The ``OR`` of call 3 fails (its optimizer raises while stepping the next call's
     rows): the error names it and its call, the state is the step boundary it reports,
@@ -506,7 +544,7 @@ def test_rows_are_stepped_first_only_where_that_is_cheaper():
     """A call looking up more than 1 / ``ROWS_FIRST_COST`` of the table's rows: its
     rows cost more to step apart than the whole table, so the ``OR`` steps the whole
     table (no rows stepped first) and the next call reads it; still exact."""
-    from rotapipe.runtime.emulation import ROWS_FIRST_COST
+    from rotapipe.plan.costs import ROWS_FIRST_COST
     model = tiny_transformer(tied=False)
     data = batches()
     assert all(x.unique().numel() * ROWS_FIRST_COST >= 61 for x, _ in data)

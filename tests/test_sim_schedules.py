@@ -402,7 +402,8 @@ def test_stepping_the_rows_first_shortens_an_exact_step():
     look up an eighth of its rows: with them stepped first, the next call's first
     forward stage waits for the rows' step only, and the exact mode's steady step is
     shorter."""
-    from rotapipe.runtime.emulation import ROWS_FIRST_COST, TimedEmulation
+    from rotapipe.plan.costs import ROWS_FIRST_COST
+    from rotapipe.runtime.emulation import TimedEmulation
     block = LayerCost("block", 1.0, 2.0, 1.0, upload_ms=0.5, hop_ms=0.05,
                       weight_bytes=8 << 20)
     table = replace(block, name="embed", forward_ms=0.0, backward_ms=0.0,

@@ -21,8 +21,18 @@ from dataclasses import dataclass, replace
 from ..errors import ConfigError
 from .hardware import Hardware
 
-__all__ = ["LayerCost", "ModelCosts", "LayerWork", "KNOWN_MODELS", "load_config",
-           "model_work", "model_costs"]
+__all__ = ["LayerCost", "ModelCosts", "LayerWork", "KNOWN_MODELS", "ROWS_FIRST_COST",
+           "load_config", "model_work", "model_costs"]
+
+ROWS_FIRST_COST = 3.5
+"""Host work of stepping a table's row first (``OR``: gathering its weight, gradient
+and two Adam moments, stepping the gathered rows, writing them in the compute dtype),
+in rows of the whole table's step: 111 ms for 32,768 of Qwen3-1.7B's 151,936 rows
+against 149 ms for the whole table (fused ``torch.optim.AdamW``, fp32, 2 cores, median
+of 6; ``docs/optimizer.md``). A table's rows are stepped first only when that is
+cheaper than its whole step (:meth:`ModelCosts.rows_first_pays`); the simulator charges
+an ``OR`` the same (:meth:`rotapipe.runtime.emulation.TimedEmulation.optimizer_seconds`)
+and :func:`rotapipe.plan.host_memory` counts its buffers."""
 
 _CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "data" / "configs"
 KNOWN_MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b", "qwen3-235b-a22b", "gpt-oss-20b")
@@ -97,6 +107,13 @@ class ModelCosts:
         schedule of overlapping calls uploads without waiting for the optimizer
         (:func:`rotapipe.schedule.roundpipe_call`'s ``frozen``)."""
         return tuple(i for i, l in enumerate(self.layers) if l.grad_ms is not None)
+
+    def rows_first_pays(self) -> bool:
+        """Whether ``optimizer_mode="overlap"`` steps first the embedding rows one call
+        looks up (``OR``, docs/optimizer.md): the table (layer 0) moves by rows
+        (:attr:`rows_bytes`) and those rows cost less than its whole step
+        (:data:`ROWS_FIRST_COST`), as the runtime decides it."""
+        return 0 < self.rows_bytes * ROWS_FIRST_COST < self.layers[0].weight_bytes
 
     def __post_init__(self):
         if not self.layers:

@@ -27,7 +27,15 @@ What lives in host memory (see :mod:`rotapipe.runtime.host`):
   in the other modes too when the embedding moves by rows (``ModelCosts.rows_bytes``:
   the rows are gathered into them), each the smaller of a chunk and the rows;
 - **transient** (pin mode ``"copy"``): while a weight is copied into its new
-  page-locked storage the original still exists: one tensor held twice, at most.
+  page-locked storage the original still exists: one tensor held twice, at most;
+- **rows buffers** (``"overlap"`` and ``"lean"``, a trained embedding moving by rows
+  when stepping the next call's rows first pays, :meth:`ModelCosts.rows_first_pays`;
+  not with int8 state, whose optimizer steps the whole table):
+  the ``OR`` action gathers those rows' fp32 weights and gradients and their optimizer
+  state, steps them, and writes them in the compute dtype into one of two outputs
+  (the previous call's may still be uploading): ``rows * hidden * (8 + states +
+  2 * dtype)`` bytes, kept between steps (``runtime.optimizer.HostOptimizer.rows_room``;
+  docs/optimizer.md, "The next call's rows first").
 
 Frozen parameters (LoRA's base weights) have only their compute-dtype copy; under
 QLoRA (``quantized``) the decoder blocks' frozen weights are NF4 bytes instead
@@ -107,6 +115,8 @@ class HostMemory:
     """``overlap``'s undo copies of stepped weights and optimizer state."""
     layout: str = "sync"
     """The optimizer host layout the bytes assume (:data:`LAYOUTS`)."""
+    rows: int = 0
+    """``overlap``'s buffers for stepping the next call's embedding rows first."""
     state_dtype: str = "fp32"
     """How the optimizer state is kept (:data:`STATE_BYTES`)."""
     staged: int = 0
@@ -118,7 +128,7 @@ class HostMemory:
         """Peak host bytes: every kind, the transient included."""
         return (self.weights + self.masters + self.optimizer + self.gradients
                 + self.pinned_buffers + self.checkpoints + self.bounce_buffers
-                + self.transient + self.snapshots)
+                + self.transient + self.snapshots + self.rows)
 
     @property
     def pinned(self) -> int:
@@ -137,12 +147,12 @@ class HostMemory:
                 "optimizer": self.optimizer, "gradients": self.gradients,
                 "pinned_buffers": self.pinned_buffers, "checkpoints": self.checkpoints,
                 "bounce_buffers": self.bounce_buffers, "transient": self.transient,
-                "snapshots": self.snapshots, "total": self.total}
+                "snapshots": self.snapshots, "rows": self.rows, "total": self.total}
 
     def describe(self) -> str:
         """``612.3 GB = weights 65.5 + masters 131.0 + ...`` in decimal GB (the bounce
         buffers and transient only where they exist)."""
-        optional = ("bounce_buffers", "transient", "snapshots")
+        optional = ("bounce_buffers", "transient", "snapshots", "rows")
         state = "" if self.state_dtype == "fp32" else f" ({self.state_dtype} state)"
         parts = " + ".join(f"{k.replace('_', ' ')} {v / GB:.1f}"
                            + (state if k == "optimizer" else "")
@@ -257,11 +267,18 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
         gradients = grad_bytes * min(n_train, (prefetch + 2) * max(per_stage))
         staged = 0      # one call per step
     optimizer = int(state_bytes * optimizer_states * n_train)
+    rows = 0
+    if layout != "sync" and state_dtype != "int8" and trainable[0] and \
+            costs.rows_first_pays():
+        # Elements of the rows one call looks up: fp32 weight and gradient, the
+        # optimizer state as kept, two outputs in the compute dtype.
+        rows = int(costs.rows_bytes // dtype_bytes
+                   * (8 + state_bytes * optimizer_states + 2 * dtype_bytes))
     return HostMemory(weights=weights, masters=4 * n_train,
                       optimizer=optimizer,
                       gradients=gradients,
                       snapshots=4 * n_train + optimizer if layout == "overlap" else 0,
-                      layout=layout, state_dtype=state_dtype, staged=staged,
+                      layout=layout, state_dtype=state_dtype, staged=staged, rows=rows,
                       pinned_buffers=2 * workers * stage_bytes,
                       checkpoints=microbatches * per_mb,
                       bounce_buffers=2 * workers * (
@@ -287,7 +304,7 @@ def per_server(mem: HostMemory, nodes: int, shard: str, in_flight: int = 0, *,
                stage: int = 0) -> HostMemory:
     """Host bytes per server of a run of ``nodes`` data-parallel servers, each holding
     ``mem`` for its share of the batch (docs/distributed.md, "Sharding"), in ``mem``'s
-    layout:
+    layout (calls run one at a time, so no rows are stepped first: ``rows`` is 0):
 
     - ``"none"``: every server holds everything; its gradients are all-reduced in fp32,
       so a staged copy (``mem.staged``, counted in the compute dtype) is fp32, and the
@@ -317,14 +334,14 @@ def per_server(mem: HostMemory, nodes: int, shard: str, in_flight: int = 0, *,
     if shard == "none":
         staged = 4 * n_train if mem.staged else 0
         return replace(mem, gradients=mem.gradients - mem.staged + staged + in_flight,
-                       staged=staged)
+                       staged=staged, rows=0)
     optimizer = int(mem.optimizer * 4 / STATE_BYTES[mem.state_dtype])     # fp32 state
     return replace(mem, masters=-(-mem.masters // nodes),
                    optimizer=-(-optimizer // nodes), state_dtype="fp32", staged=0,
                    gradients=-(-4 * n_train // nodes) + min(stage + in_flight,
                                                             mem.gradients),
                    snapshots=(-(-(4 * n_train + optimizer) // nodes)
-                              if mem.layout != "sync" else 0))
+                              if mem.layout != "sync" else 0), rows=0)
 
 
 def bytes_sent(trainable: int, nodes: int, shard: str, *, dtype_bytes: int = 2,

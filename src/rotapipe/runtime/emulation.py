@@ -8,19 +8,11 @@ from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
 from ..plan import ModelCosts, Plan, Stage, StageKind
+from ..plan.costs import ROWS_FIRST_COST
 from ..schedule import Action
 from ..sim.timing import DEFAULT_CHUNK, ActionTimes
 
-ROWS_FIRST_COST = 3.5
-"""Host work of stepping a table's row first (``OR``: gathering its weight, gradient
-and two Adam moments, stepping the gathered rows, writing them in the compute dtype),
-in rows of the whole table's step: 111 ms for 32,768 of Qwen3-1.7B's 151,936 rows
-against 149 ms for the whole table (fused ``torch.optim.AdamW``, fp32, 2 cores, median
-of 6; ``docs/optimizer.md``). A table's rows are stepped first only when that is
-cheaper than its whole step; the simulator charges an ``OR`` the same
-(:meth:`TimedEmulation.optimizer_seconds`)."""
-
-__all__ = ["TimedEmulation", "MIN_ACTION_MS", "ROWS_FIRST_COST"]
+__all__ = ["TimedEmulation", "MIN_ACTION_MS"]
 
 MIN_ACTION_MS = 20.0
 """Real milliseconds the shortest compute action should last under
@@ -148,8 +140,7 @@ class TimedEmulation:
     def rows_first_pays(self) -> bool:
         """Whether stepping first the embedding rows one call looks up (``OR``) costs
         less than stepping the whole table (layer 0), as the runtime decides it."""
-        c = self.costs
-        return 0 < c.rows_bytes * ROWS_FIRST_COST < c.layers[0].weight_bytes
+        return self.costs.rows_first_pays()
 
     def stand_in(self, dim: int = 8, vocab: int = 32, seq: int = 16):
         """A tiny GPT-like ``nn.Sequential`` with as many layers as :attr:`costs`

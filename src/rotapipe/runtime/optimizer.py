@@ -26,8 +26,8 @@ from torch import nn
 
 from ..config import NonFinite, OptimizerMode
 from ..errors import CheckpointError, NonFiniteError
+from ..plan.costs import ROWS_FIRST_COST
 from ..schedule import ActionKind as K, Schedule
-from .emulation import ROWS_FIRST_COST
 from .host import CallGrads, HostState, LossScaler
 from .optstate import StatePrecision
 
