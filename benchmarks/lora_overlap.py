@@ -37,7 +37,7 @@ from rotapipe.plan import StageKind, hardware, lora_params
 from rotapipe.planner import analyze
 from rotapipe.schedule import roundpipe_stale_schedule
 from rotapipe.sim import ActionTimes, run
-from _steady import steady_bubble
+from rotapipe.sim.report import steady_bubble
 
 MODELS = [("Qwen3-235B-A22B LoRA", "qwen3-235b-a22b", False),
           ("Qwen3-32B LoRA", "qwen3-32b", False),

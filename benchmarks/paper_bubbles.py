@@ -34,7 +34,7 @@ from rotapipe.planner.advise import _costs, _trainable
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 from rotapipe.schedule import roundpipe_stale_schedule
 from rotapipe.sim import ActionTimes, run
-from _steady import steady_bubble
+from rotapipe.sim.report import steady_bubble
 
 # (name, config, LoRA rank, the paper's simulated exact-mode bubble, the goal)
 MODELS = [("Qwen3-1.7B", "qwen3-1.7b", None, 19.1, 14.0),

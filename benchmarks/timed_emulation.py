@@ -76,7 +76,7 @@ from rotapipe.sim.timing import DEFAULT_CHUNK
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 from rotapipe.plan.hostmem import lora_params
 from rotapipe.sim import Timeline
-from _steady import loss_period
+from rotapipe.sim.report import loss_period
 
 DEVICES = 8
 GIB = 2**30

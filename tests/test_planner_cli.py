@@ -163,3 +163,61 @@ def test_plan_says_when_the_sequence_is_beyond_the_models_positions(capsys):
            "(40,960)" in out, out
     assert main(["plan", "qwen3-1.7b", "--seq", "40960", "--global-batch", "1"]) == 0
     assert "max_position_embeddings" not in capsys.readouterr().out
+
+
+def _modes(capsys, *argv):
+    rc, out = _json(capsys, "qwen3-1.7b", "--microbatches", "16", "--modes", *argv)
+    assert rc == 0
+    return out["optimizer"]
+
+
+def test_plan_prices_each_optimizer_mode_with_the_host_optimizer(capsys):
+    """``--modes``: the step of sync (the call, then the whole step), overlap and stale
+    (the steady state of pipelined calls) with the host optimizer at
+    ``--optimizer-rate``; a free optimizer leaves the call, a slow one binds every mode,
+    and clipping makes overlap's next call wait for the whole step."""
+    from rotapipe.plan import model_work
+    m = _modes(capsys)
+    assert m["params"] == sum(w.params for w in model_work("qwen3-1.7b", 2048))
+    assert m["rate"] == 5e9 and m["step_ms"] == m["params"] / 5e9 * 1e3
+    assert m["sync_ms"] == m["call_ms"] + m["step_ms"]
+    # An exact step lasts at least one call; stale hides the fill, drain and steps.
+    assert m["stale_ms"] < m["call_ms"] < m["overlap_ms"] < m["sync_ms"]
+    free = _modes(capsys, "--optimizer-rate", "1e15")
+    assert free["call_ms"] == m["call_ms"] and free["sync_ms"] < 1.0001 * free["call_ms"]
+    assert free["stale_ms"] < free["call_ms"] <= free["overlap_ms"] < m["overlap_ms"]
+    slow = _modes(capsys, "--optimizer-rate", "2e8")    # 10 s a step against a 0.65 s call
+    for mode in ("sync", "overlap", "stale"):
+        assert slow["step_ms"] <= slow[f"{mode}_ms"] <= 1.1 * slow["step_ms"] + slow["call_ms"]
+    assert slow["stale_ms"] < 1.02 * slow["step_ms"]    # the host lane never idles
+    clipped = _modes(capsys, "--clip")
+    assert clipped["clip"] and clipped["overlap_ms"] > 0.99 * m["sync_ms"]
+    assert m["stale_ms"] < clipped["stale_ms"] < clipped["overlap_ms"]
+
+
+def test_plan_prints_the_host_optimizer_and_leaves_it_out_with_data_parallelism(capsys):
+    """Text: the optimizer's step and sync's always, overlap and stale with
+    ``--modes``; LoRA steps its adapters only; per-server data parallelism (calls one
+    at a time, sharded steps) is not priced; a rate of 0 is refused."""
+    from rotapipe.plan import lora_params
+    rc = main(["plan", "qwen3-1.7b", "--microbatches", "16"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "host optimizer: 2.03e9 parameters at 5e9 per second" in text
+    assert "sync (the default optimizer_mode: the call, then the step): 1.05 s" in text
+    assert " s a step " not in text
+    rc = main(["plan", "qwen3-1.7b", "--microbatches", "16", "--modes"])
+    lines = capsys.readouterr().out.splitlines()
+    modes = [line.split()[0] for line in lines if line.startswith("  ") and " s a step " in line]
+    assert rc == 0 and modes == ["sync", "overlap", "stale"]
+    rc, out = _json(capsys, "qwen3-1.7b", "--microbatches", "16", "--lora")
+    assert rc == 0 and out["optimizer"]["params"] == sum(lora_params("qwen3-1.7b", 8))
+    assert out["optimizer"]["overlap_ms"] is None
+    rc, out = _json(capsys, "qwen3-1.7b", "--nodes", "2", "--modes")
+    assert rc == 0 and "optimizer" not in out
+    try:
+        main(["plan", "qwen3-1.7b", "--optimizer-rate", "0"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("--optimizer-rate 0 was accepted")
+    assert "--optimizer-rate" in capsys.readouterr().err

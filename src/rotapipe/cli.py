@@ -377,6 +377,15 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="host RAM in GB (default: 64 GB per device, at least 128)")
     a("--stale", action="store_true",
       help="plan for the one-step-stale optimizer (overlapping steps)")
+    a("--optimizer-rate", type=_real(), default=5e9,
+      help="host optimizer throughput in parameters per second, for each optimizer "
+           "mode's step (default: 5e9, fused CPU AdamW on a server)")
+    a("--modes", action="store_true",
+      help="also simulate the steady state of pipelined overlap and stale calls on the "
+           "plan (sync is always priced)")
+    a("--clip", action="store_true",
+      help="price the optimizer modes with a global-norm clip (clip_grad_norm: the "
+           "whole step at the last hand-off)")
     a("--efficiency", type=_real(0.0, 1.0), default=None,
       help="fraction of peak TFLOPS layers reach (default: 0.6)")
     a("--fp16-accumulate", action="store_true",
@@ -431,7 +440,8 @@ def plan(args: argparse.Namespace) -> int:
                      memory_fraction=args.memory_fraction, pin=args.pin,
                      chunk_mb=args.copy_chunk_mb, nodes=args.nodes,
                      network_gbps=args.network_gbps, inflight_mb=args.inflight_mb,
-                     grad_dtype=args.grad_dtype)
+                     grad_dtype=args.grad_dtype, optimizer_rate=args.optimizer_rate,
+                     modes=args.modes, clip=args.clip)
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.to_text())
     return EXIT_OK if result.fits else EXIT_NO_FIT
 

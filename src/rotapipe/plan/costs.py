@@ -115,6 +115,21 @@ class ModelCosts:
         (:data:`ROWS_FIRST_COST`), as the runtime decides it."""
         return 0 < self.rows_bytes * ROWS_FIRST_COST < self.layers[0].weight_bytes
 
+    def stepped_params(self, layers, dtype_bytes: int = 2, rows: bool = False) -> float:
+        """Parameters the host optimizer steps over ``layers``: a layer's weights, or
+        with LoRA costs (``grad_bytes`` set) its adapters'; weights in ``dtype_bytes``
+        per parameter. ``rows``: an ``OR`` action, which steps the embedding rows the
+        next call looks up (layer 0, where :meth:`rows_first_pays`), each at
+        :data:`ROWS_FIRST_COST` rows of the whole step."""
+        def one(l: int) -> float:
+            c = self.layers[l]
+            if c.grad_bytes is not None:
+                return c.grad_bytes
+            if rows and l == 0 and self.rows_first_pays():
+                return self.rows_bytes * ROWS_FIRST_COST
+            return c.weight_bytes
+        return sum(one(l) for l in layers) / dtype_bytes
+
     def __post_init__(self):
         if not self.layers:
             raise ConfigError("ModelCosts needs at least one layer")

@@ -14,7 +14,8 @@ from ..plan.costs import load_config, text_settings
 from ..plan.hostmem import (GB, SHARD_MODES, HostMemory, bytes_sent, host_memory,
                             lora_params, per_server)
 from ..plan.partitioner import Direction, Footprint, assemble_plan
-from .autoplan import PlanChoice, PlannerConfig, choose_plan
+from .autoplan import (OPTIMIZER_RATE, ModeSteps, PlanChoice, PlannerConfig, choose_plan,
+                       optimizer_modes)
 
 __all__ = ["PlanAnalysis", "analyze", "default_host_ram", "longest_sequence"]
 
@@ -97,6 +98,9 @@ class PlanAnalysis:
     grad_dtype: str = "float32"
     """``nodes`` > 1: dtype the sharded modes send gradients in
     (``DataParallelConfig.grad_dtype``; ``"none"`` always sends fp32)."""
+    modes: ModeSteps | None = None
+    """The plan's step in each optimizer mode with the host optimizer's time
+    (``overlap`` and ``stale`` only with ``--modes``); ``None`` when no plan fits."""
 
     @property
     def fits_device(self) -> bool:
@@ -147,6 +151,12 @@ class PlanAnalysis:
                         "tokens_per_s": r.tokens_per_s, "mfu": self.mfu,
                         "bubble": r.bubble.total, "estimate_ms": c.estimate_ms,
                         "candidates_simulated": c.simulated})
+        if self.modes is not None:
+            m = self.modes
+            out["optimizer"] = {"rate": m.rate, "params": m.params, "clip": m.clip,
+                                "step_ms": m.step_ms, "call_ms": m.call_ms,
+                                "sync_ms": m.sync_ms, "overlap_ms": m.overlap_ms,
+                                "stale_ms": m.stale_ms}
         return out
 
     def to_text(self) -> str:
@@ -176,6 +186,8 @@ class PlanAnalysis:
             lines.append(f"predicted: step {r.step_ms / 1e3:.2f} s, {r.tokens_per_s:,.0f} "
                          f"tokens/s, MFU {100 * self.mfu:.1f}%, bubble "
                          f"{100 * r.bubble.total:.1f}%")
+            if self.modes is not None:
+                lines += self._mode_lines(c.costs.tokens * c.microbatches)
         host_note = (f"{self.longest_seq_host:,} with this host RAM"
                      if self.longest_seq_host else "host RAM short at any length")
         lines.append(f"longest sequence that fits device memory (1 sequence per "
@@ -203,6 +215,31 @@ class PlanAnalysis:
                          "wait (exposed) instead of queueing gradients in host RAM")
         lines += [f"suggestion: {s}" for s in self.suggestions]
         return "\n".join(lines)
+
+    def _mode_lines(self, tokens: int) -> list[str]:
+        """The host optimizer's time and each optimizer mode's step."""
+        m = self.modes
+        clip = "with a global-norm clip" if m.clip else "no clipping (--clip prices it)"
+        head = (f"host optimizer: {_sci(m.params)} parameters at {_sci(m.rate)} per second "
+                f"(--optimizer-rate): {m.step_ms / 1e3:.2f} s a step; {clip}")
+        if m.overlap_ms is None:
+            return [head, f"  sync (the default optimizer_mode: the call, then the step): "
+                          f"{m.sync_ms / 1e3:.2f} s, {tokens / m.sync_ms * 1e3:,.0f} "
+                          f"tokens/s (--modes: overlap and stale too)"]
+        rows = [("sync", m.sync_ms, "the call, then the step (the default)"),
+                ("overlap", m.overlap_ms, "exact; pipelined calls, each stage stepped at "
+                                          "its hand-off"),
+                ("stale", m.stale_ms, "one step stale; pipelined calls"
+                                      + ("" if self.choice.report.calls > 1 else
+                                         " (--stale plans for it)"))]
+        return [head] + [f"  {name:8s} {ms / 1e3:7.2f} s a step {tokens / ms * 1e3:>10,.0f} "
+                         f"tokens/s  {what}" for name, ms, what in rows]
+
+
+def _sci(x: float) -> str:
+    """``2.03e9``: three significant digits, a plain exponent."""
+    e = int(math.floor(math.log10(x))) if x > 0 else 0
+    return f"{x / 10**e:.3g}e{e}"
 
 
 LOSS_CHUNK_BYTES = 2 * 256 * 2**20
@@ -306,7 +343,9 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
             chunk_mb: float = 32.0, nodes: int = 1, network_gbps: float = 25.0,
             qlora: bool = False, layout: str | None = None,
             prefetch: int = 1, inflight_mb: float = 100.0,
-            optimizer_state: str = "fp32", grad_dtype: str = "float32") -> PlanAnalysis:
+            optimizer_state: str = "fp32", grad_dtype: str = "float32",
+            optimizer_rate: float = OPTIMIZER_RATE, modes: bool = False,
+            clip: bool = False) -> PlanAnalysis:
     """Plan ``model`` on ``hw`` for steps of ``global_batch`` sequences of ``seq``
     tokens (LoRA of ``lora_rank`` if given) and judge the fit; see :class:`PlanAnalysis`.
     Host memory assumes the weights' pin mode ``pin`` (:class:`rotapipe.PinMode`) and
@@ -323,7 +362,14 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     ``qlora``: the LoRA base is NF4 (needs ``lora_rank``). ``layout``: the optimizer's
     host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`); ``None``: the first of
     ``"sync"`` and ``"lean"`` whose host memory fits (the cheapest exact layout).
-    ``optimizer_state``: ``PipeConfig.optimizer_state_dtype`` (fp32, bf16 or int8)."""
+    ``optimizer_state``: ``PipeConfig.optimizer_state_dtype`` (fp32, bf16 or int8).
+
+    The host optimizer steps ``optimizer_rate`` parameters per second
+    (:attr:`PlanAnalysis.modes`, :func:`~rotapipe.planner.autoplan.optimizer_modes`): the
+    ``sync`` step always, with ``modes`` also the steady state of pipelined ``overlap``
+    and ``stale`` calls, priced as with a global-norm clip with ``clip``; one server only
+    (``nodes`` > 1: ``None``; data parallelism runs calls one at a time and the sharded
+    modes step a share of the model each, which is not modelled)."""
     if qlora and lora_rank is None:
         raise ConfigError("qlora needs a LoRA rank: QLoRA trains LoRA adapters on the "
                           "quantized base")
@@ -337,6 +383,9 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     if grad_dtype != "float32" and nodes == 1:
         raise ConfigError("--grad-dtype bfloat16 is how sharded data parallelism sends "
                           "gradients between servers: add --nodes 2 (or more), or drop it")
+    if not optimizer_rate > 0:
+        raise ConfigError(f"--optimizer-rate {optimizer_rate}: use the host optimizer's "
+                          "throughput in parameters per second, > 0 (e.g. 5e9)")
     if not inflight_mb > 0:
         raise ConfigError(f"--inflight-mb {inflight_mb}: use MiB > 0 (the runtime's "
                           "default is 4 x bucket_mb = 100)")
@@ -345,7 +394,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
                     lora_rank=lora_rank, host_ram=host_ram, microbatches=microbatches,
                     stale=stale, memory_fraction=memory_fraction, pin=pin,
                     chunk_mb=chunk_mb, qlora=qlora, layout=layout, prefetch=prefetch,
-                    optimizer_state=optimizer_state)
+                    optimizer_state=optimizer_state, optimizer_rate=optimizer_rate,
+                    clip=clip)
         def server_mode(m: str) -> ServerMode:
             # Each shard mode in the first layout that fits it (the sharded overlap
             # step always snapshots its pieces, so lean is rarely their cheapest).
@@ -358,8 +408,10 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
             return next((o for o in opts if o.host.total <= a.host_limit), opts[-1])
         modes = tuple(server_mode(m) for m in SHARD_MODES)
         pick = next((m for m in modes if m.host.total <= a.host_limit), modes[-1])
+        # The optimizer modes are priced for one server: with data parallelism calls
+        # run one at a time and the sharded modes step a share each (not modelled).
         out = PlanAnalysis(**{**a.__dict__, "host": pick.host, "nodes": nodes,
-                              "shard": pick.shard, "servers": modes,
+                              "shard": pick.shard, "servers": modes, "modes": None,
                               "suggestions": (), "inflight_mb": inflight_mb,
                               "grad_dtype": grad_dtype})
         return _with_suggestions(out, model, hw, lora_rank,
@@ -415,9 +467,11 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
         peak = (hw.device.tflops_fp16_accumulate if hw.fp16_accumulate
                 else hw.device.tflops) * 1e12
         mfu = flops * choice.report.tokens_per_s / (hw.count * peak)
+    steps = None if choice is None else optimizer_modes(choice, hw.count, optimizer_rate,
+                                                         pipelined=modes, clip=clip)
     analysis = PlanAnalysis(str(model), hw.name, seq, global_batch, lora_rank is not None,
                             device_limit, host_limit, choice, host, error, longest,
-                            longest_host, mfu, qlora=qlora)
+                            longest_host, mfu, qlora=qlora, modes=steps)
     return _with_suggestions(analysis, model, hw, lora_rank, counts)
 
 

@@ -26,11 +26,12 @@ from ..plan.partitioner import (Direction, Footprint, assemble_plan, candidate_p
 from ..schedule import roundpipe_schedule, roundpipe_stale_schedule
 from ..sim.engine import run
 from .exact import _plan_bound, _Terms, call_lower_bound, exact_search
-from ..sim.report import Report, report
-from ..sim.timing import ActionTimes
+from ..sim.report import Report, loss_period, report
+from ..sim.timing import ActionTimes, host_step_ms
 
 __all__ = ["PlannerConfig", "PlanChoice", "choose_plan", "simulate_plan", "device_need",
-           "plan_space", "all_plans", "host_need"]
+           "plan_space", "all_plans", "host_need", "ModeSteps", "optimizer_modes",
+           "OPTIMIZER_RATE"]
 
 
 @dataclass(frozen=True)
@@ -330,3 +331,72 @@ def host_need(choice: PlanChoice, workers: int,
     """Host memory of the chosen plan (see :func:`rotapipe.plan.hostmem.host_memory`)."""
     return host_memory(choice.costs, choice.plan, choice.microbatches, workers,
                        trainable_params=trainable_params)
+
+
+OPTIMIZER_RATE = 5e9
+"""Host optimizer throughput :func:`optimizer_modes` assumes by default, in parameters
+per second: fused CPU AdamW over fp32 masters on a server's sockets (the figure the
+benchmarks use; this project's 2-core machine does about 1.8e9)."""
+
+_MODE_CALLS = 3
+"""Overlapping calls simulated per mode: the period between the last two losses is
+already the steady one (the same to 0.1 ms as with 6 calls on the paper's models)."""
+
+
+@dataclass(frozen=True)
+class ModeSteps:
+    """A plan's step in each optimizer mode with the host optimizer's time
+    (:func:`optimizer_modes`); ms."""
+
+    rate: float
+    """Host optimizer throughput assumed, parameters per second."""
+    params: float
+    """Parameters one step updates."""
+    call_ms: float
+    """One call alone, without optimizer work."""
+    sync_ms: float
+    """``sync``: the call, then the whole step (one call at a time)."""
+    overlap_ms: float | None = None
+    """``overlap``: the steady state of pipelined exact calls (``None``: not simulated)."""
+    stale_ms: float | None = None
+    """``stale``: the steady state of pipelined one-step-stale calls."""
+    clip: bool = False
+    """Priced as with a global-norm clip (every mode steps the whole model at the last
+    hand-off, and ``overlap``'s next call waits for it)."""
+
+    @property
+    def step_ms(self) -> float:
+        """One whole step's host optimizer work."""
+        return self.params / self.rate * 1e3
+
+
+def optimizer_modes(choice: PlanChoice, workers: int, rate: float = OPTIMIZER_RATE, *,
+                    pipelined: bool = True, clip: bool = False) -> ModeSteps:
+    """The step of ``choice``'s plan in each optimizer mode, the host optimizer stepping
+    ``rate`` parameters per second (:func:`rotapipe.sim.timing.host_step_ms`; LoRA costs:
+    the adapters only). ``sync``: one call, then the whole step. With ``pipelined``,
+    ``overlap`` and ``stale`` too: the steady state of overlapping calls
+    (:func:`~rotapipe.schedule.roundpipe_stale_schedule`, the schedule the runtime runs,
+    each hand-off doing its stages' step, the embedding's rows stepped first where that
+    pays; frozen weights uploaded without waiting), measured between losses as the
+    runtime's tokens/s are (:func:`rotapipe.sim.report.loss_period`). ``clip``: as with
+    ``clip_grad_norm`` (``whole_step``)."""
+    if not rate > 0:
+        raise ConfigError(f"optimizer rate {rate!r}: use parameters per second, > 0 "
+                          "(e.g. 5e9)")
+    plan, costs, M = choice.plan, choice.costs, choice.microbatches
+    call = choice.report.step_ms if choice.report.calls == 1 else \
+        simulate_plan(plan, costs, workers, M).step_ms
+    params = costs.stepped_params(range(len(costs.layers)))
+    steps = {}
+    if pipelined:
+        frozen = costs.frozen
+        rows = (0,) if costs.rows_first_pays() and 0 not in frozen and not clip else ()
+        times = ActionTimes(plan, costs,
+                            optimizer_ms=host_step_ms(plan, costs, rate, whole_step=clip))
+        for mode, staleness in (("overlap_ms", 0), ("stale_ms", 1)):
+            s = roundpipe_stale_schedule(plan, workers, M, calls=_MODE_CALLS,
+                                         staleness=staleness, whole_step=clip,
+                                         frozen=frozen, rows_first=rows)
+            steps[mode] = loss_period(run(s, times), plan, _MODE_CALLS - 2)
+    return ModeSteps(rate, params, call, call + params / rate * 1e3, clip=clip, **steps)

@@ -7,10 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from ..plan import ModelCosts, Plan, Stage, StageKind
-from ..plan.costs import ROWS_FIRST_COST
+from ..plan import ModelCosts, Plan, Stage
 from ..schedule import Action
-from ..sim.timing import DEFAULT_CHUNK, ActionTimes
+from ..sim.timing import DEFAULT_CHUNK, ActionTimes, host_step_ms
 
 __all__ = ["TimedEmulation", "MIN_ACTION_MS"]
 
@@ -104,37 +103,23 @@ class TimedEmulation:
         """``fn(stage)`` -> emulated ms of the optimizer work a stage's ``O`` action does
         in the runtime (for :class:`~rotapipe.sim.ActionTimes`): its layers' step
         (``overlap``), or with ``whole_step`` (``sync`` and ``stale``) the whole model's
-        at the call's last hand-off."""
-        updaters = [st for st in plan.jobs() if st.kind is not StageKind.FORWARD]
-        last = updaters[-1].name if updaters else None
-        every = range(len(self.costs.layers))
-        # A layer is stepped at the hand-off of the last job holding it (a split tail's
-        # last job steps the head once).
-        stepper = {l: st.name for st in updaters for l in st.layers}
-
-        def ms(stage: Stage, rows: bool = False) -> float:
-            layers = (every if stage.name == last else ()) if whole_step else \
-                [l for l in stage.layers if stepper[l] == stage.name]
-            return self.optimizer_seconds(layers, rows) / self.dilation * 1e3
-        return ms
+        at the call's last hand-off (:func:`rotapipe.sim.timing.host_step_ms`)."""
+        if not self.trainable:
+            return lambda stage, rows=False: 0.0
+        return host_step_ms(plan, self.costs, self.optimizer_params_per_s,
+                            whole_step=whole_step, dtype_bytes=self.dtype_bytes)
 
     def optimizer_seconds(self, layers, rows: bool = False) -> float:
         """Real seconds the host optimizer takes over the weights of ``layers``;
         ``rows``: an ``OR`` action, which steps first the rows of the embedding table
-        (layer 0) the next call looks up, each at :data:`ROWS_FIRST_COST` rows of the
+        (layer 0) the next call looks up, each at
+        :data:`~rotapipe.plan.costs.ROWS_FIRST_COST` rows of the
         whole step (the whole table where that is cheaper:
         :meth:`rows_first_pays`, as the runtime decides), and the rest of the layers
-        whole."""
+        whole (:meth:`rotapipe.plan.ModelCosts.stepped_params`)."""
         if not self.trainable:
             return 0.0
-        c = self.costs
-
-        def nbytes(l: int) -> float:
-            whole = c.layers[l].weight_bytes
-            if rows and l == 0 and self.rows_first_pays():
-                return c.rows_bytes * ROWS_FIRST_COST
-            return whole
-        params = sum(nbytes(l) for l in layers) / self.dtype_bytes
+        params = self.costs.stepped_params(layers, self.dtype_bytes, rows)
         return params / self.optimizer_params_per_s * self.dilation
 
     def rows_first_pays(self) -> bool:

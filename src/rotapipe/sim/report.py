@@ -24,12 +24,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..plan import Plan, StageKind
 from ..schedule import ActionKind as K
 from ..schedule.memory import MemoryPeak, MemorySizes, format_bytes, peak_memory
-from ..schedule.actions import COMPUTE_PASSES
+from ..schedule.actions import COMPUTE_PASSES, stage_map
 from ..schedule.timeline import Resource, Span, Timeline
 
-__all__ = ["Bubble", "Report", "report", "table"]
+__all__ = ["Bubble", "Report", "report", "table", "loss_period", "steady_bubble"]
 
 _FORWARD = frozenset({K.FORWARD, K.FORWARD_KEEP})
 
@@ -107,6 +108,30 @@ def _window(tl: Timeline) -> tuple[float, float, float]:
     if inside < 0.5 * busy * last:
         return whole
     return ends[0], ends[last], step
+
+
+def loss_period(tl: Timeline, plan: Plan, measured: int) -> float:
+    """Ms per call between the moments the losses of the last ``measured + 1`` calls
+    of an overlapping-calls timeline reached the host (when the runtime's
+    ``train_step`` returns; the tail's last input-gradient download): the steady step
+    time as the runtime's tokens/s measure it."""
+    stages = stage_map(plan)
+    known: dict[int, float] = {}
+    for a in tl.schedule.actions:
+        if a.kind is K.DOWNLOAD_GRAD and stages[a.stage].kind is StageKind.TAIL:
+            known[a.call] = max(known.get(a.call, 0.0), tl.end[a.key])
+    calls = sorted(known)[-(measured + 1):]
+    return (known[calls[-1]] - known[calls[0]]) / measured
+
+
+def steady_bubble(tl: Timeline, plan: Plan, measured: int) -> tuple[float, float]:
+    """``(period ms, bubble)``: :func:`loss_period`, and the share of it a worker
+    computes nothing (one middle call's compute over the workers, against the period)."""
+    s = tl.schedule
+    period = loss_period(tl, plan, measured)
+    work = sum(tl.end[a.key] - tl.start[a.key] for a in s.actions
+               if a.lane.value == "compute" and a.call == s.calls // 2)
+    return period, 1 - work / s.workers / period
 
 
 def report(tl: Timeline, tokens_per_call: int, sizes: MemorySizes | None = None,

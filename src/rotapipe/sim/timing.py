@@ -8,16 +8,39 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import ConfigError
-from ..plan import ModelCosts, Plan, Stage
+from ..plan import ModelCosts, Plan, Stage, StageKind
 from ..schedule import Action, ActionKind as K
 from ..schedule.actions import stage_map
 from ..schedule.memory import MemorySizes
 from ..plan.hardware import layer_chunks
 
-__all__ = ["ActionTimes", "memory_sizes", "DEFAULT_CHUNK"]
+__all__ = ["ActionTimes", "memory_sizes", "host_step_ms", "DEFAULT_CHUNK"]
 
 DEFAULT_CHUNK = 32 << 20
 """Bytes per weight chunk, as ``PipeConfig.copy_chunk_mb``'s default."""
+
+
+def host_step_ms(plan: Plan, costs: ModelCosts, params_per_s: float, *,
+                 whole_step: bool = False, dtype_bytes: int = 2
+                 ) -> Callable[..., float]:
+    """``fn(stage, rows=False)`` -> ms of host optimizer work a stage's ``O`` action
+    does in the runtime (``ActionTimes(optimizer_ms=...)``), the optimizer stepping
+    ``params_per_s`` parameters per second (:meth:`ModelCosts.stepped_params`): its
+    layers' step (``overlap``; a layer is stepped at the hand-off of the last job
+    holding it, so a split tail's last job steps the head once), or with
+    ``whole_step`` (``sync`` and ``stale``, and ``overlap`` when the step needs every
+    gradient) the whole model's at the call's last hand-off. ``rows=True``: the
+    stage's ``OR`` action (the embedding rows the next call looks up)."""
+    updaters = [st for st in plan.jobs() if st.kind is not StageKind.FORWARD]
+    last = updaters[-1].name if updaters else None
+    every = range(len(costs.layers))
+    stepper = {l: st.name for st in updaters for l in st.layers}
+
+    def ms(stage: Stage, rows: bool = False) -> float:
+        layers = (every if stage.name == last else ()) if whole_step else \
+            [l for l in stage.layers if stepper[l] == stage.name]
+        return costs.stepped_params(layers, dtype_bytes, rows) / params_per_s * 1e3
+    return ms
 
 
 class ActionTimes:
@@ -35,7 +58,7 @@ class ActionTimes:
     (``grad_bytes``: one for LoRA's adapters). Frees, side
     inputs, buffer downloads and optimizer hand-offs take no time, unless
     ``optimizer_ms(stage)`` gives the host optimizer work an ``O`` action does
-    (:meth:`rotapipe.runtime.emulation.TimedEmulation.optimizer_ms`), and
+    (:func:`host_step_ms`), and
     ``optimizer_ms(stage, rows=True)`` the work of an ``OR`` (the looked-up rows' step).
     ``chunk_bytes=None``: one chunk per layer.
     """
