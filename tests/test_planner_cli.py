@@ -221,3 +221,21 @@ def test_plan_prints_the_host_optimizer_and_leaves_it_out_with_data_parallelism(
     else:
         raise AssertionError("--optimizer-rate 0 was accepted")
     assert "--optimizer-rate" in capsys.readouterr().err
+
+
+def test_plan_modes_example_runs(capsys, monkeypatch):
+    """examples/plan_modes.py: a dense model's ``stale`` step is below its ``sync`` step
+    by about the host step; GPT-OSS-20B's steps are bound by its host step."""
+    import pathlib
+    import runpy
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "plan_modes.py"
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    runpy.run_path(str(script), run_name="__main__")
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]]
+            for line in capsys.readouterr().out.splitlines()[1:]}
+    (step, call, sync, overlap, stale) = rows["qwen3-1.7b"]
+    assert abs(sync - (call + step)) <= 0.011 and stale < call < overlap < sync
+    (step, call, sync, overlap, stale) = rows["gpt-oss-20b"]
+    assert call < step <= stale < overlap < sync

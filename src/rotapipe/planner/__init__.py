@@ -8,10 +8,12 @@ It sits above the simulator: ``plan`` (arithmetic) -> ``schedule`` -> ``sim`` ->
 ``planner``; nothing below imports it."""
 
 from .advise import PlanAnalysis, analyze, longest_sequence
-from .autoplan import PlanChoice, PlannerConfig, choose_plan, simulate_plan
+from .autoplan import (ModeSteps, PlanChoice, PlannerConfig, choose_plan, optimizer_modes,
+                       simulate_plan)
 from .exact import call_lower_bound, exact_search, step_lower_bound
 from .measured import MeasuredCosts, Pass, PlanRefiner
 
-__all__ = ["MeasuredCosts", "Pass", "PlanAnalysis", "PlanChoice", "PlanRefiner",
-           "PlannerConfig", "analyze", "call_lower_bound", "choose_plan", "exact_search",
-           "longest_sequence", "simulate_plan", "step_lower_bound"]
+__all__ = ["MeasuredCosts", "ModeSteps", "Pass", "PlanAnalysis", "PlanChoice",
+           "PlanRefiner", "PlannerConfig", "analyze", "call_lower_bound", "choose_plan",
+           "exact_search", "longest_sequence", "optimizer_modes", "simulate_plan",
+           "step_lower_bound"]
