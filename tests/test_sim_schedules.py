@@ -425,3 +425,30 @@ def test_stepping_the_rows_first_shortens_an_exact_step():
                     a.call == c and a.stage == "T") for c in (1, 4)]
         return (loss[1] - loss[0]) / 3
     assert period((0,)) < 0.9 * period(())     # 57.2 vs 66.6 ms
+
+
+def test_host_step_times_follow_the_optimizer_modes():
+    """``host_step_ms``: per-stage steps (each layer once, at the last job holding it:
+    a split tail steps the head once), the whole step at the last hand-off
+    (``whole_step``), and both with ``redo`` (overlap under a clip that takes effect);
+    LoRA costs step their adapters only."""
+    from rotapipe.plan import StageKind
+    from rotapipe.sim.timing import host_step_ms
+    block = LayerCost("block", 1.0, 2.0, 1.0, weight_bytes=6 << 20)
+    costs = ModelCosts(tuple(replace(block, name=f"b{i}") for i in range(5)), 1)
+    plan = Plan.from_text("F0[0:2] F1[2:4] T[4:5]x2 B0[0:1] B1[1:2] B2[2:4]")
+    stages = [s for s in plan.jobs() if s.kind is not StageKind.FORWARD]
+    whole = 5 * (3 << 20) / 1e9 * 1e3          # 5 layers of 3 Mi parameters at 1e9/s
+
+    def per_stage(**kw):
+        ms = host_step_ms(plan, costs, 1e9, **kw)
+        return [ms(s) for s in stages]
+    own = per_stage()
+    assert sum(own) == pytest.approx(whole) and own[0] == 0.0 < own[1]  # T1 steps the head
+    assert own[-1] == pytest.approx(whole / 5)                           # B0: layer 0
+    assert per_stage(whole_step=True) == [0.0] * (len(stages) - 1) + [pytest.approx(whole)]
+    redo = per_stage(whole_step=True, redo=True)
+    assert redo[:-1] == own[:-1] and redo[-1] == pytest.approx(whole + own[-1])
+    lora = replace(costs, layers=tuple(replace(l, grad_ms=0.1, grad_bytes=2 << 10)
+                                       for l in costs.layers))
+    assert host_step_ms(plan, lora, 1e9)(stages[-1]) == pytest.approx((1 << 10) / 1e9 * 1e3)
