@@ -88,10 +88,63 @@ def test_overlap_matches_plain_pytorch(workers, microbatches, optimizer, clip, s
         torch.testing.assert_close(state[k], want.state[k], rtol=RTOL, atol=ATOL,
                                    msg=lambda m, k=k: f"{k}: {m}")
     # Stepped per stage (the tied weight last, alone), plus one whole redo per step
-    # exactly when clipping is needed.
-    redo = costs.count(n)
-    assert redo == (len(data) if clip == "hit" else 0), costs
-    assert sum(costs) == len(data) * n + redo * n and len(costs) > len(data) * 2, costs
+    # exactly when clipping is needed; after a step whose clip took effect, a step is
+    # taken whole once its call is complete, without speculating: the first step
+    # speculates, a step whose call was issued after it committed does not.
+    whole = costs.count(n)
+    speculated = (sum(costs) - whole * n) // n
+    assert sum(costs) == (speculated + whole) * n, costs
+    if clip == "hit":
+        assert whole == len(data) == 3 and 1 <= speculated < len(data), costs
+    else:
+        assert whole == 0 and speculated == len(data) and len(costs) > len(data) * 2, costs
+
+
+def test_overlap_stops_speculating_while_the_clip_takes_effect():
+    """``overlap`` with a clip: after a step whose clip took effect the next step is
+    taken whole once its call is complete (its speculative per-stage steps would be
+    undone and redone), bit for bit what speculating gives; a step whose norm stays
+    below the limit brings the speculation back."""
+    from types import SimpleNamespace
+
+    from rotapipe.runtime.optimizer import HostOptimizer, OverlapStep, WholeStep
+    clipped = HostOptimizer.clipped.fget
+    assert clipped(SimpleNamespace(max_norm=1.0, last_norm=2.0))
+    assert not clipped(SimpleNamespace(max_norm=1.0, last_norm=0.5))
+    assert not clipped(SimpleNamespace(max_norm=1.0, last_norm=None))
+    assert not clipped(SimpleNamespace(max_norm=None, last_norm=2.0))
+    data = [[token_batch(8, 6, seed=s)] for s in range(5)]
+    real = HostOptimizer.call_hook
+
+    def run(clip, speculate_always):
+        hooks = []
+
+        def hook(self, *args, **kwargs):
+            h = real(self, *args, **kwargs)
+            hooks.append(type(h).__name__)
+            return h
+        saved = HostOptimizer.clipped
+        HostOptimizer.call_hook = hook
+        if speculate_always:
+            HostOptimizer.clipped = property(lambda self: False)
+        try:
+            config = emulated(3, 4, optimizer_mode="overlap", clip_grad_norm=CLIP[clip])
+            _, _, state, _, _ = train_fused(tiny_transformer(**MODEL), data, config, "adamw")
+        finally:
+            HostOptimizer.call_hook, HostOptimizer.clipped = real, saved
+        return state, hooks
+    state, hooks = run("hit", False)
+    forced, always = run("hit", True)
+    assert always == [OverlapStep.__name__] * len(data)
+    # The first call speculates; from the third on (issued after the first committed)
+    # every step is whole.
+    assert hooks[0] == OverlapStep.__name__, hooks
+    assert hooks[2:] == [WholeStep.__name__] * (len(data) - 2), hooks
+    assert state.keys() == forced.keys()
+    differ = [k for k in state if not torch.equal(state[k], forced[k])]
+    assert not differ, differ
+    _, hooks = run("miss", False)
+    assert hooks == [OverlapStep.__name__] * len(data)
 
 
 def test_overlap_is_bitwise_sync():

@@ -429,9 +429,8 @@ def test_stepping_the_rows_first_shortens_an_exact_step():
 
 def test_host_step_times_follow_the_optimizer_modes():
     """``host_step_ms``: per-stage steps (each layer once, at the last job holding it:
-    a split tail steps the head once), the whole step at the last hand-off
-    (``whole_step``), and both with ``redo`` (overlap under a clip that takes effect);
-    LoRA costs step their adapters only."""
+    a split tail steps the head once), or the whole step at the last hand-off
+    (``whole_step``); LoRA costs step their adapters only."""
     from rotapipe.plan import StageKind
     from rotapipe.sim.timing import host_step_ms
     block = LayerCost("block", 1.0, 2.0, 1.0, weight_bytes=6 << 20)
@@ -447,8 +446,6 @@ def test_host_step_times_follow_the_optimizer_modes():
     assert sum(own) == pytest.approx(whole) and own[0] == 0.0 < own[1]  # T1 steps the head
     assert own[-1] == pytest.approx(whole / 5)                           # B0: layer 0
     assert per_stage(whole_step=True) == [0.0] * (len(stages) - 1) + [pytest.approx(whole)]
-    redo = per_stage(whole_step=True, redo=True)
-    assert redo[:-1] == own[:-1] and redo[-1] == pytest.approx(whole + own[-1])
     lora = replace(costs, layers=tuple(replace(l, grad_ms=0.1, grad_bytes=2 << 10)
                                        for l in costs.layers))
     assert host_step_ms(plan, lora, 1e9)(stages[-1]) == pytest.approx((1 << 10) / 1e9 * 1e3)

@@ -362,8 +362,7 @@ class ModeSteps:
     """``stale``: the steady state of pipelined one-step-stale calls."""
     clip: bool = False
     """Priced as with a global-norm clip that takes effect: the whole step at the last
-    hand-off, which ``overlap``'s next call waits for, after ``overlap``'s speculative
-    per-stage steps (undone and redone on the clipped gradients)."""
+    hand-off, which ``overlap``'s next call waits for."""
 
     @property
     def step_ms(self) -> float:
@@ -381,9 +380,11 @@ def optimizer_modes(choice: PlanChoice, workers: int, rate: float = OPTIMIZER_RA
     each hand-off doing its stages' step, the embedding's rows stepped first where that
     pays; frozen weights uploaded without waiting), measured between losses as the
     runtime's tokens/s are (:func:`rotapipe.sim.report.loss_period`). ``clip``: as with
-    ``clip_grad_norm`` when the clip takes effect (``whole_step``; ``overlap`` also pays
-    for its speculative per-stage steps, which the runtime undoes and redoes; when the
-    norm stays below the limit its speculative steps stand and it waits less)."""
+    ``clip_grad_norm`` when the clip takes effect, step after step: one whole step once
+    each call is complete (``whole_step``; ``overlap`` stops speculating after such a
+    step, :attr:`rotapipe.runtime.optimizer.HostOptimizer.clipped`). When the norm
+    stays below the limit, ``overlap`` steps per stage and its next call waits for the
+    whole step, which this prices too."""
     if not rate > 0:
         raise ConfigError(f"optimizer rate {rate!r}: use parameters per second, > 0 "
                           "(e.g. 5e9)")
@@ -395,10 +396,9 @@ def optimizer_modes(choice: PlanChoice, workers: int, rate: float = OPTIMIZER_RA
     if pipelined:
         frozen = costs.frozen
         rows = (0,) if costs.rows_first_pays() and 0 not in frozen and not clip else ()
+        times = ActionTimes(plan, costs,
+                            optimizer_ms=host_step_ms(plan, costs, rate, whole_step=clip))
         for mode, staleness in (("overlap_ms", 0), ("stale_ms", 1)):
-            # stale with a clip takes one whole step once the call is complete.
-            times = ActionTimes(plan, costs, optimizer_ms=host_step_ms(
-                plan, costs, rate, whole_step=clip, redo=clip and staleness == 0))
             s = roundpipe_stale_schedule(plan, workers, M, calls=_MODE_CALLS,
                                          staleness=staleness, whole_step=clip,
                                          frozen=frozen, rows_first=rows)

@@ -104,6 +104,16 @@ class HostOptimizer:
             self.nonfinite_skips += 1
 
     @property
+    def clipped(self) -> bool:
+        """Whether the last step's clip took effect (its norm was above ``max_norm``:
+        ``torch.nn.utils.clip_grad_norm_``'s coefficient below 1). ``overlap`` then
+        takes its next step whole once the call is complete instead of speculatively
+        per stage (the schedule makes the next call wait for the whole step either way);
+        a step whose norm stays below the limit brings the speculation back."""
+        return self.max_norm is not None and self.last_norm is not None and \
+            self.max_norm / (self.last_norm + 1e-6) < 1.0
+
+    @property
     def overlapping(self) -> bool:
         """Whether this mode lets the next call start while this one drains."""
         return self.mode is not OptimizerMode.SYNC
@@ -161,9 +171,12 @@ class HostOptimizer:
         if self.broken is not None:
             raise CheckpointError(self.broken)
         stale = self.mode is OptimizerMode.STALE
-        if step and self.mode is OptimizerMode.OVERLAP and self.whole_step and not self.undo:
+        if step and self.mode is OptimizerMode.OVERLAP and self.whole_step and \
+                (not self.undo or self.clipped):
             # Lean layout with clipping (or dynamic scaling): no speculative steps to
             # undo; one exact whole step once the call is complete (not overlapped).
+            # The same after a step whose clip took effect: the next one likely clips
+            # too, and its speculative steps would only be undone and redone.
             return WholeStep(self, optimizer, grads, units, cost, None, reduce)
         if step and (self.mode is OptimizerMode.OVERLAP or stale and not self.whole_step):
             return OverlapStep(self, optimizer, schedule, stage_pids, grads, units, cost,

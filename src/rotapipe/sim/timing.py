@@ -21,7 +21,7 @@ DEFAULT_CHUNK = 32 << 20
 
 
 def host_step_ms(plan: Plan, costs: ModelCosts, params_per_s: float, *,
-                 whole_step: bool = False, redo: bool = False, dtype_bytes: int = 2
+                 whole_step: bool = False, dtype_bytes: int = 2
                  ) -> Callable[..., float]:
     """``fn(stage, rows=False)`` -> ms of host optimizer work a stage's ``O`` action
     does in the runtime (``ActionTimes(optimizer_ms=...)``), the optimizer stepping
@@ -29,10 +29,7 @@ def host_step_ms(plan: Plan, costs: ModelCosts, params_per_s: float, *,
     layers' step (``overlap``; a layer is stepped at the hand-off of the last job
     holding it, so a split tail's last job steps the head once), or with
     ``whole_step`` (``sync`` and ``stale``, and ``overlap`` when the step needs every
-    gradient) the whole model's at the call's last hand-off. ``redo`` (with
-    ``whole_step``): each stage's own step at its hand-off as well, what ``overlap``
-    does under a global-norm clip that takes effect (its speculative per-stage steps
-    are undone and the whole step redone on the clipped gradients). ``rows=True``: the
+    gradient) the whole model's at the call's last hand-off. ``rows=True``: the
     stage's ``OR`` action (the embedding rows the next call looks up)."""
     updaters = [st for st in plan.jobs() if st.kind is not StageKind.FORWARD]
     last = updaters[-1].name if updaters else None
@@ -40,12 +37,9 @@ def host_step_ms(plan: Plan, costs: ModelCosts, params_per_s: float, *,
     stepper = {l: st.name for st in updaters for l in st.layers}
 
     def ms(stage: Stage, rows: bool = False) -> float:
-        own = [l for l in stage.layers if stepper[l] == stage.name]
-        params = costs.stepped_params(own, dtype_bytes, rows) \
-            if redo or not whole_step else 0.0
-        if whole_step and stage.name == last:
-            params += costs.stepped_params(every, dtype_bytes)
-        return params / params_per_s * 1e3
+        layers = (every if stage.name == last else ()) if whole_step else \
+            [l for l in stage.layers if stepper[l] == stage.name]
+        return costs.stepped_params(layers, dtype_bytes, rows) / params_per_s * 1e3
     return ms
 
 
