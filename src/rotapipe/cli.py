@@ -377,7 +377,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="host RAM in GB (default: 64 GB per device, at least 128)")
     a("--stale", action="store_true",
       help="plan for the one-step-stale optimizer (overlapping steps)")
-    a("--optimizer-rate", type=_real(), default=5e9,
+    a("--optimizer-rate", type=_real(), default=None,
       help="host optimizer throughput in parameters per second, for each optimizer "
            "mode's step (default: 5e9, fused CPU AdamW on a server)")
     a("--modes", action="store_true",
@@ -440,8 +440,9 @@ def plan(args: argparse.Namespace) -> int:
                      memory_fraction=args.memory_fraction, pin=args.pin,
                      chunk_mb=args.copy_chunk_mb, nodes=args.nodes,
                      network_gbps=args.network_gbps, inflight_mb=args.inflight_mb,
-                     grad_dtype=args.grad_dtype, optimizer_rate=args.optimizer_rate,
-                     modes=args.modes, clip=args.clip)
+                     grad_dtype=args.grad_dtype, modes=args.modes, clip=args.clip,
+                     **({} if args.optimizer_rate is None else
+                        {"optimizer_rate": args.optimizer_rate}))
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.to_text())
     return EXIT_OK if result.fits else EXIT_NO_FIT
 
