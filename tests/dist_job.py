@@ -256,7 +256,8 @@ def main() -> int:
             result["clip"] = train(info, CLIP, mbs, None, args.timeout)
             result["tokens"] = train(info, None, mbs, None, args.timeout, tokens=True)
             # Overlapped steps on the reduced gradients; with clipping (every step
-            # clips at CLIP) the step is redone whole after the call.
+            # clips at CLIP) the first step is redone whole after the call, and the
+            # later ones are taken whole (overlap stops speculating while it clips).
             result["overlap"] = train(info, None, mbs, None, args.timeout, overlap=True)
             result["overlap_clip"] = train(info, CLIP, mbs, None, args.timeout,
                                            overlap=True)
