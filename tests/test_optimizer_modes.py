@@ -116,13 +116,15 @@ def test_overlap_stops_speculating_while_the_clip_takes_effect():
     data = [[token_batch(8, 6, seed=s)] for s in range(5)]
     real = HostOptimizer.call_hook
 
-    def run(clip, speculate_always):
-        hooks = []
+    hooks: list[str] = []
 
-        def hook(self, *args, **kwargs):
-            h = real(self, *args, **kwargs)
-            hooks.append(type(h).__name__)
-            return h
+    def hook(self, *args, **kwargs):
+        h = real(self, *args, **kwargs)
+        hooks.append(type(h).__name__)
+        return h
+
+    def run(clip, speculate_always):
+        hooks.clear()
         saved = HostOptimizer.clipped
         HostOptimizer.call_hook = hook
         if speculate_always:
@@ -132,19 +134,33 @@ def test_overlap_stops_speculating_while_the_clip_takes_effect():
             _, _, state, _, _ = train_fused(tiny_transformer(**MODEL), data, config, "adamw")
         finally:
             HostOptimizer.call_hook, HostOptimizer.clipped = real, saved
-        return state, hooks
-    state, hooks = run("hit", False)
+        return state, list(hooks)
+    state, made = run("hit", False)
     forced, always = run("hit", True)
     assert always == [OverlapStep.__name__] * len(data)
     # The first call speculates; from the third on (issued after the first committed)
     # every step is whole.
-    assert hooks[0] == OverlapStep.__name__, hooks
-    assert hooks[2:] == [WholeStep.__name__] * (len(data) - 2), hooks
+    assert made[0] == OverlapStep.__name__, made
+    assert made[2:] == [WholeStep.__name__] * (len(data) - 2), made
     assert state.keys() == forced.keys()
     differ = [k for k in state if not torch.equal(state[k], forced[k])]
     assert not differ, differ
-    _, hooks = run("miss", False)
-    assert hooks == [OverlapStep.__name__] * len(data)
+    _, made = run("miss", False)
+    assert made == [OverlapStep.__name__] * len(data)
+    # The last step's norm decides, either way: above the limit whole, below it per stage.
+    config = emulated(2, 2, optimizer_mode="overlap", clip_grad_norm=1.0)
+    with rotapipe.RoundPipe(tiny_transformer(**MODEL), lm_loss, config=config,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        HostOptimizer.call_hook = hook
+        try:
+            for norm, want in ((2.0, WholeStep), (0.5, OverlapStep), (3.0, WholeStep)):
+                pipe.flush()
+                pipe._host_opt.last_norm = norm
+                hooks.clear()
+                pipe.train_step(*token_batch(8, 6, seed=7))
+                assert hooks == [want.__name__], (norm, hooks)
+        finally:
+            HostOptimizer.call_hook = real
 
 
 def test_overlap_is_bitwise_sync():
