@@ -5,6 +5,8 @@ import json
 import resource
 import time
 
+import pytest
+
 from rotapipe.cli import main
 
 
@@ -217,12 +219,9 @@ def test_plan_prints_the_host_optimizer_and_leaves_it_out_with_data_parallelism(
     assert out["optimizer"]["overlap_ms"] is None
     rc, out = _json(capsys, "qwen3-1.7b", "--nodes", "2", "--modes")
     assert rc == 0 and "optimizer" not in out
-    try:
+    with pytest.raises(SystemExit) as exc:
         main(["plan", "qwen3-1.7b", "--optimizer-rate", "0"])
-    except SystemExit as exc:
-        assert exc.code == 2
-    else:
-        raise AssertionError("--optimizer-rate 0 was accepted")
+    assert exc.value.code == 2
     assert "--optimizer-rate" in capsys.readouterr().err
 
 

@@ -354,8 +354,6 @@ class ModeSteps:
     """Parameters one step updates."""
     call_ms: float
     """One call alone, without optimizer work."""
-    sync_ms: float
-    """``sync``: the call, then the whole step (one call at a time)."""
     overlap_ms: float | None = None
     """``overlap``: the steady state of pipelined exact calls (``None``: not simulated)."""
     stale_ms: float | None = None
@@ -368,6 +366,11 @@ class ModeSteps:
     def step_ms(self) -> float:
         """One whole step's host optimizer work."""
         return self.params / self.rate * 1e3
+
+    @property
+    def sync_ms(self) -> float:
+        """``sync``: the call, then the whole step (one call at a time)."""
+        return self.call_ms + self.step_ms
 
 
 def optimizer_modes(choice: PlanChoice, workers: int, rate: float = OPTIMIZER_RATE, *,
@@ -395,7 +398,7 @@ def optimizer_modes(choice: PlanChoice, workers: int, rate: float = OPTIMIZER_RA
     steps = {}
     if pipelined:
         frozen = costs.frozen
-        rows = (0,) if costs.rows_first_pays() and 0 not in frozen and not clip else ()
+        rows = (0,) if costs.rows_first_pays() and 0 not in frozen else ()
         times = ActionTimes(plan, costs,
                             optimizer_ms=host_step_ms(plan, costs, rate, whole_step=clip))
         for mode, staleness in (("overlap_ms", 0), ("stale_ms", 1)):
@@ -403,4 +406,4 @@ def optimizer_modes(choice: PlanChoice, workers: int, rate: float = OPTIMIZER_RA
                                          staleness=staleness, whole_step=clip,
                                          frozen=frozen, rows_first=rows)
             steps[mode] = loss_period(run(s, times), plan, _MODE_CALLS - 2)
-    return ModeSteps(rate, params, call, call + params / rate * 1e3, clip=clip, **steps)
+    return ModeSteps(rate, params, call, clip=clip, **steps)
