@@ -365,9 +365,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="LoRA rank, with --lora or --qlora (default: 8, as train)")
     a("--qlora", action="store_true",
       help="QLoRA: LoRA on a frozen base held and uploaded as NF4 (implies --lora)")
-    a("--layout", choices=("sync", "overlap", "lean"), default=None,
-      help="host layout of the optimizer side (docs/memory.md; default: the first of "
-           "sync and lean that fits the host RAM)")
+    a("--layout", choices=("sync", "overlap", "lean", "stale"), default=None,
+      help="host layout of the optimizer side (docs/memory.md; default: stale with "
+           "--stale, else the first of sync and lean that fits the host RAM)")
     a("--prefetch", type=_count(), default=1,
       help="PipeConfig.prefetch, for the lean layout's gradient count (default: 1)")
     a("--optimizer-state", choices=("fp32", "bf16", "int8"), default="fp32",

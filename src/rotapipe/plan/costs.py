@@ -99,6 +99,10 @@ class ModelCosts:
     """Bytes of the embedding rows one *call* moves each way when the table moves by
     rows (``model_costs(call_tokens=)``; 0: it moves whole). They are gathered into
     the workers' bounce buffers (:func:`rotapipe.plan.host_memory`)."""
+    shared_bytes: int = 0
+    """Weight bytes the last layer (the LM head) shares with the first (the embedding,
+    ``tie_word_embeddings``): both layers upload them, the host holds them once
+    (:func:`rotapipe.plan.host_memory`)."""
 
     @property
     def frozen(self) -> tuple[int, ...]:
@@ -442,5 +446,9 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
                                 grad_ms, None if adapters is None else
                                 int(adapters[i] * dtype_bytes)))
     input_bytes = 8 * tokens
+    # A head tied to the embedding (absent from config.json: untied, the default of
+    # the families rotapipe knows) holds the embedding's weight, not a copy.
+    shared = works[0].params * dtype_bytes if text_settings(load_config(config)).get(
+        "tie_word_embeddings", False) else 0
     return ModelCosts(tuple(layers), tokens, input_bytes * ms_per_byte, input_bytes,
-                      rows_bytes)
+                      rows_bytes, shared)

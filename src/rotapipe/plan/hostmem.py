@@ -5,7 +5,10 @@ the kernel's out-of-memory killer does.
 What lives in host memory (see :mod:`rotapipe.runtime.host`):
 
 - **weights**: a compute-dtype copy of every parameter (what workers upload);
-  page-locked or not by the pin mode (below);
+  page-locked or not by the pin mode (below). A trainable parameter's copy in an fp32
+  run is its master itself (``runtime.host.HostState``), except under ``"stale"``,
+  which keeps two copies apart from the master (one per step in flight); a head tied
+  to the embedding (``ModelCosts.shared_bytes``) is one tensor;
 - **masters**: an fp32 copy of every *trainable* parameter (the optimizer steps it);
 - **optimizer**: the optimizer's state per trainable parameter (Adam/AdamW: two
   moments, each 4 bytes in fp32, 2 in bf16, about 1 as bitsandbytes' 8-bit blockwise
@@ -49,6 +52,9 @@ The optimizer's host layout (:data:`LAYOUTS`, docs/memory.md) decides the gradie
   weights and optimizer state of each stage it steps, so a failed call can be undone
   (``PipeConfig(undo_steps=True)``, its default): ``4 * (1 + optimizer_states)``
   bytes per trainable parameter at the end of a call;
+- ``"stale"``: the gradients of ``"sync"``, and a second compute-dtype copy of every
+  trainable weight: the optimizer writes one step's weights into one copy while the
+  next call's workers upload the previous step's from the other;
 - ``"lean"``: ``overlap`` with ``undo_steps=False`` and one call per step: each
   stage's gradients die at its step, and gradient downloads wait for the hand-off
   ``prefetch + 2`` jobs back (:func:`rotapipe.schedule.roundpipe.grad_window`), so the
@@ -87,7 +93,7 @@ STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}
 (int8: bitsandbytes' blockwise state, one byte per element plus an fp32 scale per block
 of 256)."""
 
-LAYOUTS = ("sync", "overlap", "lean")
+LAYOUTS = ("sync", "overlap", "lean", "stale")
 """Host layouts of the optimizer side (module docstring)."""
 
 GB = 10**9
@@ -131,6 +137,12 @@ class HostMemory:
                 + self.transient + self.snapshots + self.rows)
 
     @property
+    def state(self) -> int:
+        """The model state's bytes, which no plan changes: weights, masters, optimizer
+        state, gradients and undo snapshots (:meth:`describe_state`)."""
+        return self.weights + self.masters + self.optimizer + self.gradients + self.snapshots
+
+    @property
     def pinned(self) -> int:
         """Page-locked bytes in steady state (see the module docstring)."""
         weights = 0 if self.pin is PinMode.OFF else self.weights
@@ -159,6 +171,17 @@ class HostMemory:
                            for k, v in self.as_dict().items()
                            if k != "total" and (v or k not in optional))
         return f"{self.total / GB:.1f} GB = {parts}"
+
+    def describe_state(self) -> str:
+        """``53.1 GB = weights 3.4 + masters 6.9 + ...``: :attr:`state` by kind (in MB
+        below a GB)."""
+        kinds = ("weights", "masters", "optimizer", "gradients") + \
+            (("snapshots",) if self.snapshots else ())
+        state = "" if self.state_dtype == "fp32" else f" ({self.state_dtype} state)"
+        unit, name = (GB, "GB") if self.state >= GB else (10**6, "MB")
+        return f"{self.state / unit:.1f} {name} = " + " + ".join(
+            f"{k} {getattr(self, k) / unit:.1f}" + (state if k == "optimizer" else "")
+            for k in kinds)
 
     def describe_pinned(self) -> str:
         """``page-locked (pin="register"): 74.5 GB, pageable 662.3 GB``."""
@@ -236,15 +259,23 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
         raise ConfigError(f"chunk_mb={chunk_mb!r}: use the copy chunk in MiB, > 0 (e.g. 32)")
     layers, chunk = costs.layers, int(chunk_mb * 2**20)
     params = [l.weight_bytes // dtype_bytes for l in layers]
-    trainable = list(trainable_params) if trainable_params is not None else params
+    # A head tied to the embedding holds no weight of its own on the host.
+    held = params[:-1] + [params[-1] - costs.shared_bytes // dtype_bytes] \
+        if len(params) > 1 else params
+    trainable = list(trainable_params) if trainable_params is not None else held
     if len(trainable) != len(layers):
         raise ConfigError(f"trainable_params has {len(trainable)} entries for "
                           f"{len(layers)} layers")
     full = trainable_params is None
     n_train = sum(trainable)
-    base = [nf4_bytes(n) if quantized and 0 < i < len(params) - 1 else n * dtype_bytes
-            for i, n in enumerate(params)]
-    weights = sum(base) + (0 if full else n_train * dtype_bytes)
+    base = [nf4_bytes(n) if quantized and 0 < i < len(held) - 1 else n * dtype_bytes
+            for i, n in enumerate(held)]
+    # Compute copies: the frozen base, plus one per trainable parameter (two for
+    # stale's views), none where an fp32 run's master is its own copy.
+    views = 2 if layout == "stale" else 1
+    frozen = sum(base) - (n_train * dtype_bytes if full else 0)
+    weights = frozen + n_train * dtype_bytes * views \
+        - (4 * n_train if dtype_bytes == 4 and views == 1 else 0)
     # Pinned staging for weight-gradient downloads: two stages' worth per worker, of
     # the largest stage that produces gradients (the tail and backward stages).
     grad_stages = (plan.tail,) + plan.backward
@@ -268,7 +299,7 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
         staged = 0      # one call per step
     optimizer = int(state_bytes * optimizer_states * n_train)
     rows = 0
-    if layout != "sync" and state_dtype != "int8" and trainable[0] and \
+    if layout in ("overlap", "lean") and state_dtype != "int8" and trainable[0] and \
             costs.rows_first_pays():
         # Elements of the rows one call looks up: fp32 weight and gradient, the
         # optimizer state as kept, two outputs in the compute dtype.
@@ -341,7 +372,7 @@ def per_server(mem: HostMemory, nodes: int, shard: str, in_flight: int = 0, *,
                    gradients=-(-4 * n_train // nodes) + min(stage + in_flight,
                                                             mem.gradients),
                    snapshots=(-(-(4 * n_train + optimizer) // nodes)
-                              if mem.layout != "sync" else 0), rows=0)
+                              if mem.layout in ("overlap", "lean") else 0), rows=0)
 
 
 def bytes_sent(trainable: int, nodes: int, shard: str, *, dtype_bytes: int = 2,

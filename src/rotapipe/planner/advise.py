@@ -256,6 +256,8 @@ LAYOUT_TEXT = {
     "lean": "lean: PipeConfig(optimizer_mode='overlap', undo_steps=False), one call per "
             "step (exact; each stage's gradients freed at its step; a failed call needs "
             "the last checkpoint)",
+    "stale": "stale (one step stale; the gradients of sync, plus a second compute copy "
+             "of the trained weights for the step in flight)",
 }
 """How ``rotapipe plan`` names each host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`)."""
 
@@ -360,8 +362,9 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     bfloat16, which halves their traffic but not the host bytes: the cap is in bytes).
 
     ``qlora``: the LoRA base is NF4 (needs ``lora_rank``). ``layout``: the optimizer's
-    host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`); ``None``: the first of
-    ``"sync"`` and ``"lean"`` whose host memory fits (the cheapest exact layout).
+    host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`); ``None``: ``"stale"`` with
+    ``stale``, else the first of ``"sync"`` and ``"lean"`` whose host memory fits (the
+    cheapest exact layout).
     ``optimizer_state``: ``PipeConfig.optimizer_state_dtype`` (fp32, bf16 or int8).
 
     The host optimizer steps ``optimizer_rate`` parameters per second
@@ -404,7 +407,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
                                                            optimizer_state)),
                                  hw, nodes, m, network_gbps, inflight_mb,
                                  2 if grad_dtype == "bfloat16" and m != "none" else 4)
-                    for name in ((layout,) if layout else ("sync", "lean"))]
+                    for name in _layouts(layout, stale)]
             return next((o for o in opts if o.host.total <= a.host_limit), opts[-1])
         modes = tuple(server_mode(m) for m in SHARD_MODES)
         pick = next((m for m in modes if m.host.total <= a.host_limit), modes[-1])
@@ -443,7 +446,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
         hosts = [host_memory(costs, plan, M, hw.count, trainable_params=trainable, pin=pin,
                              chunk_mb=chunk_mb, quantized=qlora, layout=name,
                              prefetch=prefetch, state_dtype=optimizer_state)
-                 for name in ((layout,) if layout else ("sync", "lean"))]
+                 for name in _layouts(layout, stale)]
         return next((h for h in hosts if h.total <= host_limit), hosts[-1])
 
     choice, error = None, None
@@ -473,6 +476,12 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
                             device_limit, host_limit, choice, host, error, longest,
                             longest_host, mfu, qlora=qlora, modes=steps)
     return _with_suggestions(analysis, model, hw, lora_rank, counts)
+
+
+def _layouts(layout: str | None, stale: bool) -> tuple[str, ...]:
+    """The host layouts to try, cheapest first: ``layout`` if given, ``"stale"`` for a
+    stale pipeline, else the exact ones (``"sync"``, then ``"lean"``)."""
+    return (layout,) if layout else ("stale",) if stale else ("sync", "lean")
 
 
 def _relayout(a: PlanAnalysis, model, hw, lora_rank, layout: str, pin, chunk_mb, qlora,

@@ -237,6 +237,12 @@ class TrainConfig:
     """Backward recompute grain: ``stage`` (fast) or ``layer`` (least device memory)."""
     seed: int = 0
     """Seed of the initial weights, the data order and the dropout streams."""
+    host_ram_check: bool = True
+    """Before any weight is loaded, refuse a run whose model state alone (weights,
+    masters, optimizer state, gradients, ``overlap``'s undo snapshots, counted from the
+    model built on the meta device) is more than the RAM available, naming settings
+    that fit (docs/training.md, "Host RAM"). ``False``: run anyway (swap, or memory that
+    frees up)."""
     log_every: int = 50
     """Print a line every this many steps."""
     progress: bool = True
@@ -288,7 +294,7 @@ class TrainConfig:
         if self.resume_from_adapter is not None and not self.model:
             raise ConfigError("resume_from_adapter needs model: the base model the adapter "
                               "was trained on (--model DIR --resume-from-adapter ADAPTER)")
-        for n in ("lora", "qlora", "trace", "export", "progress"):
+        for n in ("lora", "qlora", "trace", "export", "progress", "host_ram_check"):
             check.boolean(n, getattr(self, n))
         if self.resume not in (True, False, "auto"):
             raise ConfigError(f"resume={self.resume!r}: use True (continue the latest "

@@ -36,8 +36,8 @@ from .records import (IGNORE, TextFields, check_chats, describe_sources, iter_re
                       record_parts, source_files)
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
-from .model import (adapter_dir, build_model, build_tokenizer, check_sequence_length,
-                    fingerprint)
+from .model import (adapter_dir, build_model, build_tokenizer, check_host_ram,
+                    check_sequence_length, fingerprint)
 
 __all__ = ["train", "TrainResult", "RESUME_FIXED"]
 
@@ -170,6 +170,9 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     check_chats(files + (eval_files or []), tokenizer, fields)
     if cfg.steps is None:                      # the schedule length from epochs
         cfg = cfg.with_steps(_epoch_steps(cfg, files, tokenizer, fields))
+    # Before any weight is loaded: the model state must fit the RAM available.
+    ram = check_host_ram(cfg, tokenizer, dinfo.world_size,
+                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     model = build_model(cfg, tokenizer)
     if resume is not None:
         check_compatible(resume, meta, fingerprint(model))
@@ -198,6 +201,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
             echo(f"resumed from {resume} (step {start})")
         _describe(cfg, given, pipe, wrapped, tokenizer, files, held,
                   time.perf_counter() - t0, echo)
+        echo(ram)
         if dinfo.distributed:
             shard = "" if not _sharded(pipe) else \
                 f"; shard {cfg.shard.value}: each rank holds 1/{dinfo.world_size} of the " \

@@ -5,6 +5,7 @@ LoRA adapter), or a Qwen3-architecture model from scratch with a BPE trained on 
 from __future__ import annotations
 
 import pathlib
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ from .data import TextFields, train_tokenizer
 from .hub import is_hub_id, snapshot
 
 __all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
-           "resolve_model", "adapter_dir"]
+           "resolve_model", "adapter_dir", "host_state", "check_host_ram"]
 
 
 def _model_dir(cfg: TrainConfig) -> pathlib.Path:
@@ -106,28 +107,153 @@ def build_model(cfg: TrainConfig, tokenizer) -> nn.Module:
         model = load_hf(str(_model_dir(cfg)), dtype=dtype)
     else:
         torch.manual_seed(cfg.seed)
-        config = transformers.Qwen3Config(
-            vocab_size=len(tokenizer), hidden_size=cfg.dim,
-            intermediate_size=cfg.ffn or 3 * cfg.dim, num_hidden_layers=cfg.layers,
-            num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads or cfg.heads,
-            head_dim=cfg.dim // cfg.heads, max_position_embeddings=cfg.seq,
-            tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
-            attn_implementation="sdpa")
-        model = transformers.Qwen3ForCausalLM(config)
+        model = transformers.Qwen3ForCausalLM(_scratch_config(cfg, tokenizer))
     adapter = adapter_dir(cfg)
     if adapter is not None:
         import peft
         model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     elif cfg.lora or cfg.qlora:
-        import peft
-        targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
-            [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
         torch.manual_seed(cfg.seed + 1)
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
-            lora_dropout=0.0, task_type="CAUSAL_LM"))
+        model = _with_lora(model, cfg)
     return model
+
+
+def _scratch_config(cfg: TrainConfig, tokenizer):
+    """The Qwen3 config of a model trained from scratch with ``tokenizer``."""
+    import transformers
+    return transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn or 3 * cfg.dim, num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads or cfg.heads,
+        head_dim=cfg.dim // cfg.heads, max_position_embeddings=cfg.seq,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+        attn_implementation="sdpa")
+
+
+def _with_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """``model`` with new LoRA adapters of ``cfg.lora_rank`` on ``cfg.lora_targets``."""
+    import peft
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
+        [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    return peft.get_peft_model(model, peft.LoraConfig(
+        r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
+        lora_dropout=0.0, task_type="CAUSAL_LM"))
+
+
+# -- host RAM, before any weight is loaded -------------------------------------------------
+
+_LAYOUT = {"sync": "sync", "overlap": "overlap", "stale": "stale"}
+"""The host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`) of each optimizer mode as
+``rotapipe train`` runs it: one call per step, ``overlap`` with its undo snapshots."""
+
+
+def host_state(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1):
+    """The host bytes of this run's model state on this machine
+    (:class:`rotapipe.plan.HostMemory`, whose :attr:`~rotapipe.plan.HostMemory.state`
+    holds them), or ``None`` when the model cannot be built on the meta device.
+
+    The model is built on the meta device (no weight is read or allocated), with its
+    LoRA adapters when the run has them, and its parameters counted once each (a tied
+    head holds the embedding's weight). :func:`rotapipe.plan.host_memory` then counts
+    them as the runtime keeps them in the run's optimizer mode, compute dtype, optimizer
+    and optimizer-state dtype, with one call per step; under ``torchrun`` each of the
+    ``ranks`` holds its share (:func:`rotapipe.plan.hostmem.per_server` in the run's
+    shard mode), and ``local_ranks`` of them run on this machine. An adapter to resume
+    is priced as new adapters of ``lora_rank`` on ``lora_targets``. QLoRA prices every
+    frozen parameter of the decoder blocks as NF4 (norms too: a slight undercount)."""
+    import transformers
+    from ..config import OptimizerMode
+    from ..plan import LayerCost, ModelCosts, even_plan, host_memory
+    from ..plan.hostmem import per_server
+
+    try:
+        with torch.device("meta"):
+            if cfg.model is None:
+                model = transformers.Qwen3ForCausalLM(_scratch_config(cfg, tokenizer))
+            else:
+                config = transformers.AutoConfig.from_pretrained(_model_dir(cfg))
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            lora = cfg.uses_lora or cfg.qlora
+            if lora:
+                model = _with_lora(model, cfg)
+    except Exception:  # noqa: BLE001 - a family this transformers cannot build on meta
+        return None
+    # Layers as the planner counts them: embedding, decoder blocks (the rest), head.
+    where = {id(p): 0 for p in model.get_input_embeddings().parameters()}
+    head = model.get_output_embeddings()
+    for p in head.parameters() if head is not None else ():
+        where.setdefault(id(p), 2)
+    frozen, trained = [0, 0, 0], [0, 0, 0]
+    for p in model.parameters():           # a tied weight once
+        (trained if p.requires_grad else frozen)[where.get(id(p), 1)] += p.numel()
+    dtype_bytes = 4 if cfg.dtype == "fp32" else 2
+    held = frozen if lora else [f + t for f, t in zip(frozen, trained)]
+    costs = ModelCosts(tuple(LayerCost(name, 0.0, 0.0, 0.0, weight_bytes=n * dtype_bytes)
+                             for name, n in zip(("embed", "blocks", "head"), held)), 1)
+    states = 2 if cfg.optimizer == "adamw" else int(cfg.beta1 > 0)   # SGD: momentum
+    mem = host_memory(costs, even_plan(3, 1, 1), cfg.microbatches, 1,
+                      trainable_params=trained if lora else None, dtype_bytes=dtype_bytes,
+                      optimizer_states=states, staged_grads=False, quantized=cfg.qlora,
+                      layout=_LAYOUT[OptimizerMode(cfg.optimizer_mode).value],
+                      state_dtype=cfg.optimizer_state)
+    mem = per_server(mem, ranks, getattr(cfg.shard, "value", cfg.shard))
+    return replace(mem, **{k: getattr(mem, k) * local_ranks for k in
+                           ("weights", "masters", "optimizer", "gradients", "snapshots")})
+
+
+def check_host_ram(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1,
+                   available: int | None = None) -> str:
+    """Refuse (:class:`ConfigError`) a run whose model state alone (:func:`host_state`:
+    a lower bound, before activations and transfer buffers) is more than the host RAM
+    available to new allocations (``available``; default
+    :func:`rotapipe.runtime.pinning.available_ram`), naming settings that fit. Returns
+    the summary line the run prints."""
+    from ..runtime.pinning import available_ram
+
+    if not cfg.host_ram_check:
+        return "host RAM: not checked (host_ram_check=False)"
+    mem = host_state(cfg, tokenizer, ranks, local_ranks)
+    if available is None:
+        available = available_ram()
+    if mem is None or available is None:
+        why = "the model cannot be built on the meta device" if mem is None else \
+            "the available RAM is unknown"
+        return f"host RAM: not checked ({why})"
+    machine = f" ({local_ranks} ranks on this machine)" if local_ranks > 1 else ""
+    line = (f"host RAM: model state {mem.describe_state()}{machine}, of "
+            f"{_size(available)} available")
+    if mem.state <= available:
+        return line
+    fixes = []
+    for flag, change in _SMALLER:
+        if all(getattr(cfg, k) == v for k, v in change.items()):
+            continue
+        other = host_state(cfg.replace(**change), tokenizer, ranks, local_ranks)
+        if other is not None and other.state < mem.state:
+            fits = "fits" if other.state <= available else "does not fit either"
+            fixes.append(f"{flag}: {_size(other.state)} ({fits})")
+    raise ConfigError(
+        f"this run's model state needs {mem.describe_state()} of host RAM{machine} "
+        f"before activations and buffers, and {_size(available)} is available: the "
+        "kernel's out-of-memory killer would stop it. Free memory or add RAM, or shrink "
+        "the state: " + "; ".join(fixes or ["--lora"]) + ". (--no-host-ram-check "
+        "runs it anyway, e.g. with swap.)")
+
+
+def _size(n: int) -> str:
+    """Bytes in decimal GB, or MB below a GB."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+_SMALLER = [
+    ("--optimizer-mode sync", {"optimizer_mode": "sync"}),
+    ("--optimizer-state bf16", {"optimizer_state": "bf16"}),
+    ("--optimizer-state int8", {"optimizer_state": "int8"}),
+    ("--lora", {"lora": True}),
+]
+"""Settings that shrink the model state, tried one at a time on a run that does not
+fit (docs/training.md, "Host RAM")."""
 
 
 def fingerprint(model: nn.Module) -> dict:
