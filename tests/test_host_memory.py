@@ -204,3 +204,31 @@ def test_cli_flag_turns_the_host_ram_check_off():
     p = argparse.ArgumentParser()
     _train_arguments(p)
     assert p.parse_args(["--no-host-ram-check"]).host_ram_check is False
+
+
+def test_host_ram_example_runs(capsys):
+    """examples/host_ram.py on Qwen3-1.7B's shipped config: the modes' model states in
+    their order (stale above sync by a second bf16 copy; overlap's snapshots), and the
+    check's refusal of overlap at 40 GB naming sync as fitting."""
+    import pathlib
+    import runpy
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "host_ram.py"
+    argv = sys.argv
+    sys.argv = [str(script), "--available-gb", "40"]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    gb = {line.rsplit(" GB", 1)[0].rsplit(None, 1)[0].strip():
+          float(line.rsplit(" GB", 1)[0].rsplit(None, 1)[1])
+          for line in out.splitlines() if line.endswith(("yes", "no"))}
+    params = 1.72e9     # Qwen3-1.7B, its head tied to the embedding
+    sync = gb["full, sync, fp32 state"]
+    assert abs(sync - 18 * params / 1e9) < 0.2      # bf16 copy, master, 2 moments, grad
+    assert abs(gb["full, stale, fp32 state"] - sync - 2 * params / 1e9) < 0.1
+    assert abs(gb["full, overlap, fp32 state"] - sync - 12 * params / 1e9) < 0.2
+    assert gb["LoRA r=16, sync, fp32 state"] < 4
+    assert "--optimizer-mode sync: 31.0 GB (fits)" in out
