@@ -63,6 +63,18 @@ def _held(pipe, opt) -> tuple[int, int]:
     return copies, state
 
 
+def _two_steps(pipe, opt) -> tuple[int, int]:
+    """Two training steps with ``opt`` attached, then :func:`_held`; closes ``pipe``."""
+    with pipe:
+        pipe.attach_optimizer(opt)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x = torch.randint(0, 211, (B, T), generator=g)
+            pipe.train_step(x, torch.roll(x, -1, 1))
+        pipe.flush()
+        return _held(pipe, opt)
+
+
 CASES = [   # optimizer mode (lean: overlap without undo), dtype, tied head, LoRA, optimizer
     ("sync", "float32", False, False, "adamw"),
     ("sync", "bfloat16", True, False, "adamw"),
@@ -92,15 +104,8 @@ def test_host_memory_counts_the_model_state_a_pipeline_holds(mode, dtype, tied, 
     opt.register_step_pre_hook(lambda o, a, k: grads.append(
         sum(p.grad.nbytes for g in o.param_groups for p in g["params"]
             if p.grad is not None)))
-    with pipe:
-        pipe.attach_optimizer(opt)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            x = torch.randint(0, 211, (B, T), generator=g)
-            pipe.train_step(x, torch.roll(x, -1, 1))
-        pipe.flush()
-        copies, state = _held(pipe, opt)
-        plan = pipe.plan
+    copies, state = _two_steps(pipe, opt)
+    plan = pipe.plan
     dtype_bytes = 4 if dtype == "float32" else 2
     costs = model_costs(config.to_dict(), hardware("rtx4090x2"), seq=T,
                         microbatch_size=B // M, dtype_bytes=dtype_bytes,
@@ -148,16 +153,8 @@ def test_train_prices_the_model_state_the_run_holds(tmp_path, mode, dtype, lora,
     want = host_state(cfg, None)
     assert want.layout == mode
     pipe = rotapipe.adapters.wrap_hf(build_model(cfg, None)).pipe(cfg.pipe_config())
-    with pipe:
-        opt = _optimizer(cfg, pipe)
-        pipe.attach_optimizer(opt)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(2):
-            x = torch.randint(0, 211, (B, T), generator=g)
-            pipe.train_step(x, torch.roll(x, -1, 1))
-        pipe.flush()
-        copies, state = _held(pipe, opt)
-        n_train = sum(p.numel() for p in pipe.parameters())
+    n_train = sum(p.numel() for p in pipe.parameters())
+    copies, state = _two_steps(pipe, _optimizer(cfg, pipe))
     assert want.masters == 4 * n_train
     assert copies == want.weights + want.masters
     assert state == want.optimizer
