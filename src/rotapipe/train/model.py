@@ -143,11 +143,6 @@ def _with_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
 
 # -- host RAM, before any weight is loaded -------------------------------------------------
 
-_LAYOUT = {"sync": "sync", "overlap": "overlap", "stale": "stale"}
-"""The host layout (:data:`rotapipe.plan.hostmem.LAYOUTS`) of each optimizer mode as
-``rotapipe train`` runs it: one call per step, ``overlap`` with its undo snapshots."""
-
-
 def host_state(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1):
     """The host bytes of this run's model state on this machine
     (:class:`rotapipe.plan.HostMemory`, whose :attr:`~rotapipe.plan.HostMemory.state`
@@ -195,7 +190,8 @@ def host_state(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1
     mem = host_memory(costs, even_plan(3, 1, 1), cfg.microbatches, 1,
                       trainable_params=trained if lora else None, dtype_bytes=dtype_bytes,
                       optimizer_states=states, staged_grads=False, quantized=cfg.qlora,
-                      layout=_LAYOUT[OptimizerMode(cfg.optimizer_mode).value],
+                      # each mode's own host layout (overlap with its undo snapshots)
+                      layout=OptimizerMode(cfg.optimizer_mode).value,
                       state_dtype=cfg.optimizer_state)
     mem = per_server(mem, ranks, getattr(cfg.shard, "value", cfg.shard))
     return replace(mem, **{k: getattr(mem, k) * local_ranks for k in
