@@ -229,3 +229,40 @@ def test_host_ram_example_runs(capsys):
     assert abs(gb["full, overlap, fp32 state"] - sync - 12 * params / 1e9) < 0.2
     assert gb["LoRA r=16, sync, fp32 state"] < 4
     assert "--optimizer-mode sync: 31.0 GB (fits)" in out
+
+
+@pytest.mark.parametrize("mode,dtype,tied", [("sync", "fp32", True), ("overlap", "bf16", False),
+                                             ("stale", "bf16", True)])
+def test_plan_check_counts_what_the_built_pipeline_already_holds(tmp_path, mode, dtype,
+                                                                 tied):
+    """``check_run_ram`` (after the pipeline is built): the weights and masters it counts
+    as held now are the bytes the new pipeline holds; the rest is the whole count on the
+    pipeline's plan."""
+    from rotapipe.train.model import build_model, check_run_ram, host_state
+    _model(tied, False)[1].save_pretrained(tmp_path / "m")
+    cfg = _train_config(tmp_path / "m", optimizer_mode=mode, dtype=dtype)
+    with rotapipe.adapters.wrap_hf(build_model(cfg, None)).pipe(cfg.pipe_config()) as pipe:
+        copies, _ = _held(pipe, torch.optim.SGD([torch.zeros(1)], lr=1.0))
+        line = check_run_ram(cfg, pipe, None, available=10**12)
+    state = host_state(cfg, None)
+    assert line.startswith("host RAM for the plan: ")
+    held = float(line.split("; ")[1].split(" MB of it held now")[0])
+    assert abs(held - copies / 1e6) < 0.05 and abs(held - (state.weights + state.masters)
+                                                   / 1e6) < 0.05
+
+
+def test_train_refuses_a_plan_that_does_not_fit_before_its_first_step(tmp_path,
+                                                                     monkeypatch):
+    from rotapipe.train import loop, train
+    cfg = _job(tmp_path)
+    monkeypatch.setattr(loop, "check_host_ram", lambda *a: "host RAM: (passed)")
+    monkeypatch.setattr("rotapipe.runtime.pinning.available_ram", lambda: 1000)
+    with pytest.raises(rotapipe.ConfigError) as e:
+        train(cfg, echo=lambda *a: None)
+    text = str(e.value)
+    assert "on its plan F0[" in text and "more is to come" in text
+    assert "--no-host-ram-check" in text
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()      # no step ran
+    # host_ram_check=False runs it (one step)
+    train(cfg.replace(host_ram_check=False), echo=lambda *a: None)
+    assert (tmp_path / "out" / "metrics.jsonl").exists()

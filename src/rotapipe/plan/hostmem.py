@@ -162,31 +162,34 @@ class HostMemory:
                 "snapshots": self.snapshots, "rows": self.rows, "total": self.total}
 
     def describe(self) -> str:
-        """``612.3 GB = weights 65.5 + masters 131.0 + ...`` in decimal GB (the bounce
-        buffers and transient only where they exist)."""
+        """``612.3 GB = weights 65.5 + masters 131.0 + ...`` in decimal GB, or MB below a
+        GB (the bounce buffers and transient only where they exist)."""
         optional = ("bounce_buffers", "transient", "snapshots", "rows")
+        return self._parts(self.total, [k for k, v in self.as_dict().items()
+                                        if k != "total" and (v or k not in optional)])
+
+    def _parts(self, total: int, kinds) -> str:
         state = "" if self.state_dtype == "fp32" else f" ({self.state_dtype} state)"
-        parts = " + ".join(f"{k.replace('_', ' ')} {v / GB:.1f}"
-                           + (state if k == "optimizer" else "")
-                           for k, v in self.as_dict().items()
-                           if k != "total" and (v or k not in optional))
-        return f"{self.total / GB:.1f} GB = {parts}"
+        unit, name = (GB, "GB") if total >= GB else (10**6, "MB")
+        return f"{total / unit:.1f} {name} = " + " + ".join(
+            f"{k.replace('_', ' ')} {getattr(self, k) / unit:.1f}"
+            + (state if k == "optimizer" else "") for k in kinds)
 
     def describe_state(self) -> str:
         """``53.1 GB = weights 3.4 + masters 6.9 + ...``: :attr:`state` by kind (in MB
         below a GB)."""
-        kinds = ("weights", "masters", "optimizer", "gradients") + \
-            (("snapshots",) if self.snapshots else ())
-        state = "" if self.state_dtype == "fp32" else f" ({self.state_dtype} state)"
-        unit, name = (GB, "GB") if self.state >= GB else (10**6, "MB")
-        return f"{self.state / unit:.1f} {name} = " + " + ".join(
-            f"{k} {getattr(self, k) / unit:.1f}" + (state if k == "optimizer" else "")
-            for k in kinds)
+        return self._parts(self.state, ("weights", "masters", "optimizer", "gradients")
+                           + (("snapshots",) if self.snapshots else ()))
 
     def describe_pinned(self) -> str:
         """``page-locked (pin="register"): 74.5 GB, pageable 662.3 GB``."""
         return (f'page-locked (pin="{self.pin.value}"): {self.pinned / GB:.1f} GB, '
                 f"pageable {self.pageable / GB:.1f} GB")
+
+
+def size_text(n: int) -> str:
+    """Bytes in decimal GB, or MB below a GB (as :meth:`HostMemory.describe`)."""
+    return f"{n / GB:.1f} GB" if n >= GB else f"{n / 10**6:.1f} MB"
 
 
 def lora_params(config, rank: int = 16,

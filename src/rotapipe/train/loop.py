@@ -37,7 +37,7 @@ from .records import (IGNORE, TextFields, check_chats, describe_sources, iter_re
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
 from .model import (adapter_dir, build_model, build_tokenizer, check_host_ram,
-                    check_sequence_length, fingerprint)
+                    check_run_ram, check_sequence_length, fingerprint)
 
 __all__ = ["train", "TrainResult", "RESUME_FIXED"]
 
@@ -181,6 +181,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
                       quantize="nf4" if cfg.qlora else None)
     pipe = wrapped.pipe(cfg.pipe_config())
     try:
+        # Before the first step allocates the rest: the whole count on this plan.
+        ram_plan = None if dinfo.distributed else check_run_ram(cfg, pipe, tokenizer)
         opt = _optimizer(cfg, pipe)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
         # The pipeline steps the schedule after each optimizer step (overlap / stale:
@@ -202,6 +204,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         _describe(cfg, given, pipe, wrapped, tokenizer, files, held,
                   time.perf_counter() - t0, echo)
         echo(ram)
+        if ram_plan:
+            echo(ram_plan)
         if dinfo.distributed:
             shard = "" if not _sharded(pipe) else \
                 f"; shard {cfg.shard.value}: each rank holds 1/{dinfo.world_size} of the " \

@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..plan.hostmem import size_text
 from .config import TrainConfig
 from .data import TextFields, train_tokenizer
 from .hub import is_hub_id, snapshot
 
 __all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
-           "resolve_model", "adapter_dir", "host_state", "check_host_ram"]
+           "resolve_model", "adapter_dir", "host_state", "check_host_ram", "check_run_ram"]
 
 
 def _model_dir(cfg: TrainConfig) -> pathlib.Path:
@@ -218,7 +219,7 @@ def check_host_ram(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int
         return f"host RAM: not checked ({why})"
     machine = f" ({local_ranks} ranks on this machine)" if local_ranks > 1 else ""
     line = (f"host RAM: model state {mem.describe_state()}{machine}, of "
-            f"{_size(available)} available")
+            f"{size_text(available)} available")
     if mem.state <= available:
         return line
     fixes = []
@@ -228,18 +229,83 @@ def check_host_ram(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int
         other = host_state(cfg.replace(**change), tokenizer, ranks, local_ranks)
         if other is not None and other.state < mem.state:
             fits = "fits" if other.state <= available else "does not fit either"
-            fixes.append(f"{flag}: {_size(other.state)} ({fits})")
+            fixes.append(f"{flag}: {size_text(other.state)} ({fits})")
     raise ConfigError(
         f"this run's model state needs {mem.describe_state()} of host RAM{machine} "
-        f"before activations and buffers, and {_size(available)} is available: the "
+        f"before activations and buffers, and {size_text(available)} is available: the "
         "kernel's out-of-memory killer would stop it. Free memory or add RAM, or shrink "
         "the state: " + "; ".join(fixes or ["--lora"]) + ". (--no-host-ram-check "
         "runs it anyway, e.g. with swap.)")
 
 
-def _size(n: int) -> str:
-    """Bytes in decimal GB, or MB below a GB."""
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = None) -> str:
+    """After the pipeline is built and before its first step: refuse
+    (:class:`ConfigError`) a run whose whole host count on the pipeline's own plan
+    (:func:`rotapipe.plan.host_memory`: the model state plus activation checkpoints,
+    gradient staging and bounce buffers; layer sizes from the pipeline, activation sizes
+    from the model's config) does not fit. The compute copies and masters the pipeline
+    already holds are not counted again: the rest must fit in the RAM available now.
+    One process only (under ``torchrun`` :func:`check_host_ram` alone runs). Returns the
+    summary line."""
+    from ..config import OptimizerMode
+    from ..plan import hardware, host_memory, model_costs
+    from ..plan.costs import load_config
+    from ..runtime.pinning import available_ram
+
+    if not cfg.host_ram_check:
+        return "host RAM for the plan: not checked (host_ram_check=False)"
+    if available is None:
+        available = available_ram()
+    config = _scratch_config(cfg, tokenizer) if cfg.model is None else \
+        load_config(_model_dir(cfg))
+    dtype_bytes = 4 if cfg.dtype == "fp32" else 2
+    try:
+        costs = model_costs(config, hardware("rtx4090"), seq=cfg.seq,
+                            microbatch_size=cfg.batch // cfg.microbatches,
+                            dtype_bytes=dtype_bytes, call_tokens=cfg.batch * cfg.seq)
+    except ConfigError:
+        costs = None
+    ls = pipe.layerset
+    if costs is None or available is None or len(costs.layers) != len(ls):
+        return "host RAM for the plan: not checked (the cost model does not price " \
+            "this model's activations)" if available is not None else \
+            "host RAM for the plan: not checked (the available RAM is unknown)"
+    # Each layer's parameters as the pipeline holds them; a tensor two layers share
+    # (a tied head) once, in the first.
+    first: dict[int, int] = {}
+    for i, pids in enumerate(ls.layer_params):
+        for pid in pids:
+            first.setdefault(pid, i)
+    lora = any(not p.requires_grad for p in ls.params)
+    frozen, trained = [0] * len(ls), [0] * len(ls)
+    for pid, p in enumerate(ls.params):
+        (trained if p.requires_grad else frozen)[first[pid]] += p.numel()
+    held = frozen if lora else [f + t for f, t in zip(frozen, trained)]
+    last = len(ls) - 1
+    shared = sum(ls.params[pid].numel() for pid in ls.layer_params[last]
+                 if first[pid] < last)
+    costs = replace(costs, shared_bytes=shared * dtype_bytes, layers=tuple(
+        replace(c, weight_bytes=(n + (shared if i == last else 0)) * dtype_bytes)
+        for i, (c, n) in enumerate(zip(costs.layers, held))))
+    states = 2 if cfg.optimizer == "adamw" else int(cfg.beta1 > 0)
+    mem = host_memory(costs, pipe.plan, cfg.microbatches, len(pipe.devices),
+                      trainable_params=trained if lora else None, dtype_bytes=dtype_bytes,
+                      optimizer_states=states, staged_grads=False, quantized=cfg.qlora,
+                      layout=OptimizerMode(cfg.optimizer_mode).value,
+                      state_dtype=cfg.optimizer_state, pin=pipe.pin_mode)
+    held_now = mem.weights + mem.masters
+    more = mem.total - held_now - mem.transient
+    line = (f"host RAM for the plan: {mem.describe()}; {size_text(held_now)} of it held "
+            f"now, {size_text(more)} to come of {size_text(available)} available")
+    if more <= available:
+        return line
+    raise ConfigError(
+        f"this run needs {mem.describe()} of host RAM on its plan "
+        f"{pipe.plan.to_text()}: {size_text(held_now)} of weights and masters are loaded and "
+        f"{size_text(more)} more is to come, but {size_text(available)} is available: the "
+        "kernel's out-of-memory killer would stop it. A smaller --batch or --seq (the "
+        "checkpoints), --optimizer-mode sync, a smaller --optimizer-state or --lora "
+        "shrink it (rotapipe plan prices each); --no-host-ram-check runs it anyway.")
 
 
 _SMALLER = [
