@@ -238,11 +238,12 @@ class TrainConfig:
     seed: int = 0
     """Seed of the initial weights, the data order and the dropout streams."""
     host_ram_check: bool = True
-    """Before any weight is loaded, refuse a run whose model state alone (weights,
-    masters, optimizer state, gradients, ``overlap``'s undo snapshots, counted from the
-    model built on the meta device) is more than the RAM available, naming settings
-    that fit (docs/training.md, "Host RAM"). ``False``: run anyway (swap, or memory that
-    frees up)."""
+    """Refuse a run whose model state (weights, masters, optimizer state, gradients,
+    ``overlap``'s undo snapshots, counted from the model built on the meta device) is
+    more than the RAM available, before any weight is loaded, naming settings that fit;
+    and, once the pipeline is built, one whose whole count on its plan (checkpoints and
+    buffers too) does not fit, before its first step (docs/training.md, "Host RAM").
+    ``False``: run anyway (swap, or memory that frees up)."""
     log_every: int = 50
     """Print a line every this many steps."""
     progress: bool = True
