@@ -205,7 +205,8 @@ def test_cli_flag_turns_the_host_ram_check_off():
 
 def test_host_ram_example_runs(capsys):
     """examples/host_ram.py on Qwen3-1.7B's shipped config: the modes' model states in
-    their order (stale above sync by a second bf16 copy; overlap's snapshots), and the
+    their order (stale above sync by a second bf16 copy and the next call's gradients;
+    overlap's snapshots), and the
     check's refusal of overlap at 40 GB naming sync as fitting."""
     import pathlib
     import runpy
@@ -225,7 +226,8 @@ def test_host_ram_example_runs(capsys):
     params = 1.72e9     # Qwen3-1.7B, its head tied to the embedding
     sync = gb["full, sync, fp32 state"]
     assert abs(sync - 18 * params / 1e9) < 0.2      # bf16 copy, master, 2 moments, grad
-    assert abs(gb["full, stale, fp32 state"] - sync - 2 * params / 1e9) < 0.1
+    # stale (the example's runs clip): a second bf16 copy, the next call's bf16 gradients
+    assert abs(gb["full, stale, fp32 state"] - sync - 4 * params / 1e9) < 0.1
     assert abs(gb["full, overlap, fp32 state"] - sync - 12 * params / 1e9) < 0.2
     assert gb["LoRA r=16, sync, fp32 state"] < 4
     assert "--optimizer-mode sync: 31.0 GB (fits)" in out

@@ -466,6 +466,20 @@ def test_host_memory_arithmetic_full_and_lora():
     # boundaries 0 (B0 start: the input), 1 (F0 out), 2 (F1 out, tail start), plus an
     # input and a gradient per microbatch in flight; _model's input is 50 bytes too
     assert full.checkpoints == 4 * (50 + 50 + 50 + 50 + 50)
+    # fp32 compute: each master is its own compute copy
+    assert fp32.weights == 0 and fp32.masters == 4 * 300
+    # stale: a second compute copy; the next call's staged gradients even with one call
+    # per step; without a clip the per-stage steps' undo copies (weights, state, the
+    # compute copy overwritten), with one none
+    stale = host_memory(costs, plan, 4, 2, layout="stale", staged_grads=False)
+    assert stale.weights == 2 * 1200 and stale.gradients == 4 * 600 + 2 * 600
+    assert stale.snapshots == 4 * 600 + 8 * 600 + 2 * 600
+    assert host_memory(costs, plan, 4, 2, layout="stale", clip=True).snapshots == 0
+    assert host_memory(costs, plan, 4, 2, layout="stale", dtype_bytes=4).weights == 2 * 1200
+    # a head tied to the embedding: one tensor (the head's 300 parameters hold 100 of
+    # the embedding's)
+    tied = host_memory(replace(costs, shared_bytes=200), plan, 4, 2)
+    assert tied.weights == 1000 and tied.masters == 4 * 500
     lora = host_memory(costs, plan, 4, 2, trainable_params=[0, 7, 0])
     assert lora.masters == 28 and lora.optimizer == 56 and lora.gradients == 28 + 14
     assert lora.weights == 1200 + 14                  # frozen weights + adapter copies

@@ -52,9 +52,12 @@ The optimizer's host layout (:data:`LAYOUTS`, docs/memory.md) decides the gradie
   weights and optimizer state of each stage it steps, so a failed call can be undone
   (``PipeConfig(undo_steps=True)``, its default): ``4 * (1 + optimizer_states)``
   bytes per trainable parameter at the end of a call;
-- ``"stale"``: the gradients of ``"sync"``, and a second compute-dtype copy of every
-  trainable weight: the optimizer writes one step's weights into one copy while the
-  next call's workers upload the previous step's from the other;
+- ``"stale"``: the gradients of ``"sync"`` plus the next call's staged ones (calls
+  overlap the step), and a second compute-dtype copy of every trainable weight: the
+  optimizer writes one step's weights into one copy while the next call's workers
+  upload the previous step's from the other. Without a clip it steps each stage as it
+  hands off, speculatively: undo snapshots as ``"overlap"``'s plus the compute copy
+  each step overwrites;
 - ``"lean"``: ``overlap`` with ``undo_steps=False`` and one call per step: each
   stage's gradients die at its step, and gradient downloads wait for the hand-off
   ``prefetch + 2`` jobs back (:func:`rotapipe.schedule.roundpipe.grad_window`), so the
@@ -226,7 +229,8 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
                 pin: PinMode | str = PinMode.REGISTER,
                 chunk_mb: float = 32.0, largest_tensor: int | None = None,
                 quantized: bool = False, layout: str = "sync",
-                prefetch: int = 1, state_dtype: str = "fp32") -> HostMemory:
+                prefetch: int = 1, state_dtype: str = "fp32",
+                clip: bool = False) -> HostMemory:
     """Host bytes of a run of ``plan`` over ``costs`` with ``microbatches`` microbatches.
 
     ``trainable_params`` per layer (default: every parameter, full fine-tuning; LoRA:
@@ -247,7 +251,9 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
     ``quantized``: QLoRA, the decoder blocks' frozen weights held as NF4 (needs
     ``trainable_params``). ``layout``: the optimizer's host layout (:data:`LAYOUTS`);
     ``prefetch``: ``PipeConfig.prefetch``, for ``"lean"``. ``state_dtype``: how the
-    optimizer state is kept (:data:`STATE_BYTES`; the undo snapshot copies it as kept)."""
+    optimizer state is kept (:data:`STATE_BYTES`; the undo snapshot copies it as kept).
+    ``clip``: a global-norm clip is set (``PipeConfig.clip_grad_norm``); ``"stale"``
+    then steps whole, without undo snapshots."""
     if state_dtype not in STATE_BYTES:
         raise ConfigError(f"state_dtype={state_dtype!r}: use one of "
                           f"{', '.join(map(repr, STATE_BYTES))}")
@@ -291,8 +297,9 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
         if plan.tail.start > 0 else costs.input_bytes
     if largest_tensor is None:
         largest_tensor = max(l.weight_bytes for l in layers)
+    # stale: the next call's staged gradients arrive while this step's are held.
     staged = (dtype_bytes if staged_bytes is None else staged_bytes) * n_train \
-        if staged_grads else 0
+        if staged_grads or layout == "stale" else 0
     gradients = grad_bytes * n_train + staged
     if layout == "lean":
         # Stages whose gradients are on the host at once: the schedule's gradient
@@ -308,10 +315,17 @@ def host_memory(costs: ModelCosts, plan: Plan, microbatches: int, workers: int, 
         # optimizer state as kept, two outputs in the compute dtype.
         rows = int(costs.rows_bytes // dtype_bytes
                    * (8 + state_bytes * optimizer_states + 2 * dtype_bytes))
+    snapshots = 0
+    if layout == "overlap":
+        snapshots = 4 * n_train + optimizer
+    elif layout == "stale" and not clip:
+        # stale without a clip steps each stage as it hands off, speculatively: the
+        # undo copy of the weights, their state and the compute copy it overwrites.
+        snapshots = 4 * n_train + optimizer + dtype_bytes * n_train
     return HostMemory(weights=weights, masters=4 * n_train,
                       optimizer=optimizer,
                       gradients=gradients,
-                      snapshots=4 * n_train + optimizer if layout == "overlap" else 0,
+                      snapshots=snapshots,
                       layout=layout, state_dtype=state_dtype, staged=staged, rows=rows,
                       pinned_buffers=2 * workers * stage_bytes,
                       checkpoints=microbatches * per_mb,

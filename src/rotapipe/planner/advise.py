@@ -445,7 +445,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     def host_for(costs, plan, M) -> HostMemory:
         hosts = [host_memory(costs, plan, M, hw.count, trainable_params=trainable, pin=pin,
                              chunk_mb=chunk_mb, quantized=qlora, layout=name,
-                             prefetch=prefetch, state_dtype=optimizer_state)
+                             prefetch=prefetch, state_dtype=optimizer_state, clip=clip)
                  for name in _layouts(layout, stale)]
         return next((h for h in hosts if h.total <= host_limit), hosts[-1])
 

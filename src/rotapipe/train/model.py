@@ -193,7 +193,7 @@ def host_state(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1
                       optimizer_states=states, staged_grads=False, quantized=cfg.qlora,
                       # each mode's own host layout (overlap with its undo snapshots)
                       layout=OptimizerMode(cfg.optimizer_mode).value,
-                      state_dtype=cfg.optimizer_state)
+                      state_dtype=cfg.optimizer_state, clip=bool(cfg.grad_clip))
     mem = per_server(mem, ranks, getattr(cfg.shard, "value", cfg.shard))
     return replace(mem, **{k: getattr(mem, k) * local_ranks for k in
                            ("weights", "masters", "optimizer", "gradients", "snapshots")})
@@ -292,7 +292,8 @@ def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = Non
                       trainable_params=trained if lora else None, dtype_bytes=dtype_bytes,
                       optimizer_states=states, staged_grads=False, quantized=cfg.qlora,
                       layout=OptimizerMode(cfg.optimizer_mode).value,
-                      state_dtype=cfg.optimizer_state, pin=pipe.pin_mode)
+                      state_dtype=cfg.optimizer_state, pin=pipe.pin_mode,
+                      clip=bool(cfg.grad_clip))
     held_now = mem.weights + mem.masters
     more = mem.total - held_now - mem.transient
     line = (f"host RAM for the plan: {mem.describe()}; {size_text(held_now)} of it held "
