@@ -449,3 +449,9 @@ def test_host_step_times_follow_the_optimizer_modes():
     lora = replace(costs, layers=tuple(replace(l, grad_ms=0.1, grad_bytes=2 << 10)
                                        for l in costs.layers))
     assert host_step_ms(plan, lora, 1e9)(stages[-1]) == pytest.approx((1 << 10) / 1e9 * 1e3)
+    # a head tied to the embedding: its weight is the embedding's, stepped once with it
+    # at the embedding's stage (B0), so the tail steps only the head's own 1 Mi
+    ms = host_step_ms(plan, replace(costs, shared_bytes=4 << 20), 1e9)
+    assert sum(ms(s) for s in stages) == pytest.approx(whole - 2 * (1 << 20) / 1e9 * 1e3)
+    assert ms(stages[1]) == pytest.approx((1 << 20) / 1e9 * 1e3) and \
+        ms(stages[-1]) == pytest.approx(whole / 5)

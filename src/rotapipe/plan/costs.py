@@ -120,9 +120,9 @@ class ModelCosts:
         return 0 < self.rows_bytes * ROWS_FIRST_COST < self.layers[0].weight_bytes
 
     def stepped_params(self, layers, dtype_bytes: int = 2, rows: bool = False) -> float:
-        """Parameters the host optimizer steps over ``layers``: a layer's weights, or
-        with LoRA costs (``grad_bytes`` set) its adapters'; weights in ``dtype_bytes``
-        per parameter. ``rows``: an ``OR`` action, which steps the embedding rows the
+        """Parameters the host optimizer steps over ``layers``: a layer's weights (a
+        tied head's without the embedding's, :attr:`shared_bytes`), or with LoRA costs
+        (``grad_bytes`` set) its adapters'; weights in ``dtype_bytes`` per parameter. ``rows``: an ``OR`` action, which steps the embedding rows the
         next call looks up (layer 0, where :meth:`rows_first_pays`), each at
         :data:`ROWS_FIRST_COST` rows of the whole step."""
         def one(l: int) -> float:
@@ -131,6 +131,9 @@ class ModelCosts:
                 return c.grad_bytes
             if rows and l == 0 and self.rows_first_pays():
                 return self.rows_bytes * ROWS_FIRST_COST
+            if l == len(self.layers) - 1 and l > 0:
+                # A tied head's weight is the embedding's, stepped once with it.
+                return c.weight_bytes - self.shared_bytes
             return c.weight_bytes
         return sum(one(l) for l in layers) / dtype_bytes
 
