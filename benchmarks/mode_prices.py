@@ -27,6 +27,7 @@ import torch
 import rotapipe
 from rotapipe.model.tiny import lm_loss, stride_batch
 from rotapipe.planner import optimizer_modes
+from rotapipe.planner.autoplan import OPTIMIZER_RATE
 from rotapipe.runtime.emulation import TimedEmulation
 from rotapipe.sim import ActionTimes, run
 from timed_emulation import DEVICES, WARMUP, planned
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--clip", type=float, default=None,
                     help="clip_grad_norm (1e-9: a clip that takes effect at every step)")
-    ap.add_argument("--optimizer-rate", type=float, default=5e9)
+    ap.add_argument("--optimizer-rate", type=float, default=OPTIMIZER_RATE)
     ap.add_argument("--min-action-ms", type=float, default=20.0)
     args = ap.parse_args(argv)
     M = args.microbatches

@@ -159,8 +159,7 @@ def host_state(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1
     is priced as new adapters of ``lora_rank`` on ``lora_targets``. QLoRA prices every
     frozen parameter of the decoder blocks as NF4 (norms too: a slight undercount)."""
     import transformers
-    from ..config import OptimizerMode
-    from ..plan import LayerCost, ModelCosts, even_plan, host_memory
+    from ..plan import LayerCost, ModelCosts, even_plan
     from ..plan.hostmem import per_server
 
     try:
@@ -170,8 +169,7 @@ def host_state(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1
             else:
                 config = transformers.AutoConfig.from_pretrained(_model_dir(cfg))
                 model = transformers.AutoModelForCausalLM.from_config(config)
-            lora = cfg.uses_lora or cfg.qlora
-            if lora:
+            if _lora(cfg):
                 model = _with_lora(model, cfg)
     except Exception:  # noqa: BLE001 - a family this transformers cannot build on meta
         return None
@@ -180,20 +178,12 @@ def host_state(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1
     head = model.get_output_embeddings()
     for p in head.parameters() if head is not None else ():
         where.setdefault(id(p), 2)
-    frozen, trained = [0, 0, 0], [0, 0, 0]
-    for p in model.parameters():           # a tied weight once
-        (trained if p.requires_grad else frozen)[where.get(id(p), 1)] += p.numel()
-    dtype_bytes = 4 if cfg.dtype == "fp32" else 2
-    held = frozen if lora else [f + t for f, t in zip(frozen, trained)]
-    costs = ModelCosts(tuple(LayerCost(name, 0.0, 0.0, 0.0, weight_bytes=n * dtype_bytes)
+    held, trained = _by_layer(cfg, ((where.get(id(p), 1), p) for p in model.parameters()),
+                              3)                # model.parameters(): a tied weight once
+    costs = ModelCosts(tuple(LayerCost(name, 0.0, 0.0, 0.0,
+                                       weight_bytes=n * _dtype_bytes(cfg))
                              for name, n in zip(("embed", "blocks", "head"), held)), 1)
-    states = 2 if cfg.optimizer == "adamw" else int(cfg.beta1 > 0)   # SGD: momentum
-    mem = host_memory(costs, even_plan(3, 1, 1), cfg.microbatches, 1,
-                      trainable_params=trained if lora else None, dtype_bytes=dtype_bytes,
-                      optimizer_states=states, staged_grads=False, quantized=cfg.qlora,
-                      # each mode's own host layout (overlap with its undo snapshots)
-                      layout=OptimizerMode(cfg.optimizer_mode).value,
-                      state_dtype=cfg.optimizer_state, clip=bool(cfg.grad_clip))
+    mem = _priced(cfg, costs, even_plan(3, 1, 1), 1, trained)
     mem = per_server(mem, ranks, getattr(cfg.shard, "value", cfg.shard))
     return replace(mem, **{k: getattr(mem, k) * local_ranks for k in
                            ("weights", "masters", "optimizer", "gradients", "snapshots")})
@@ -247,8 +237,7 @@ def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = Non
     already holds are not counted again: the rest must fit in the RAM available now.
     One process only (under ``torchrun`` :func:`check_host_ram` alone runs). Returns the
     summary line."""
-    from ..config import OptimizerMode
-    from ..plan import hardware, host_memory, model_costs
+    from ..plan import hardware, model_costs
     from ..plan.costs import load_config
     from ..runtime.pinning import available_ram
 
@@ -256,44 +245,36 @@ def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = Non
         return "host RAM for the plan: not checked (host_ram_check=False)"
     if available is None:
         available = available_ram()
+    if available is None:
+        return "host RAM for the plan: not checked (the available RAM is unknown)"
     config = _scratch_config(cfg, tokenizer) if cfg.model is None else \
         load_config(_model_dir(cfg))
-    dtype_bytes = 4 if cfg.dtype == "fp32" else 2
+    dtype_bytes = _dtype_bytes(cfg)
+    ls = pipe.layerset
     try:
         costs = model_costs(config, hardware("rtx4090"), seq=cfg.seq,
                             microbatch_size=cfg.batch // cfg.microbatches,
                             dtype_bytes=dtype_bytes, call_tokens=cfg.batch * cfg.seq)
     except ConfigError:
         costs = None
-    ls = pipe.layerset
-    if costs is None or available is None or len(costs.layers) != len(ls):
+    if costs is None or len(costs.layers) != len(ls):
         return "host RAM for the plan: not checked (the cost model does not price " \
-            "this model's activations)" if available is not None else \
-            "host RAM for the plan: not checked (the available RAM is unknown)"
+            "this model's activations)"
     # Each layer's parameters as the pipeline holds them; a tensor two layers share
     # (a tied head) once, in the first.
     first: dict[int, int] = {}
     for i, pids in enumerate(ls.layer_params):
         for pid in pids:
             first.setdefault(pid, i)
-    lora = any(not p.requires_grad for p in ls.params)
-    frozen, trained = [0] * len(ls), [0] * len(ls)
-    for pid, p in enumerate(ls.params):
-        (trained if p.requires_grad else frozen)[first[pid]] += p.numel()
-    held = frozen if lora else [f + t for f, t in zip(frozen, trained)]
+    held, trained = _by_layer(cfg, ((first[pid], p) for pid, p in enumerate(ls.params)),
+                              len(ls))
     last = len(ls) - 1
     shared = sum(ls.params[pid].numel() for pid in ls.layer_params[last]
                  if first[pid] < last)
     costs = replace(costs, shared_bytes=shared * dtype_bytes, layers=tuple(
         replace(c, weight_bytes=(n + (shared if i == last else 0)) * dtype_bytes)
         for i, (c, n) in enumerate(zip(costs.layers, held))))
-    states = 2 if cfg.optimizer == "adamw" else int(cfg.beta1 > 0)
-    mem = host_memory(costs, pipe.plan, cfg.microbatches, len(pipe.devices),
-                      trainable_params=trained if lora else None, dtype_bytes=dtype_bytes,
-                      optimizer_states=states, staged_grads=False, quantized=cfg.qlora,
-                      layout=OptimizerMode(cfg.optimizer_mode).value,
-                      state_dtype=cfg.optimizer_state, pin=pipe.pin_mode,
-                      clip=bool(cfg.grad_clip))
+    mem = _priced(cfg, costs, pipe.plan, len(pipe.devices), trained, pin=pipe.pin_mode)
     held_now = mem.weights + mem.masters
     more = mem.total - held_now - mem.transient
     line = (f"host RAM for the plan: {mem.describe()}; {size_text(held_now)} of it held "
@@ -307,6 +288,41 @@ def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = Non
         "kernel's out-of-memory killer would stop it. A smaller --batch or --seq (the "
         "checkpoints), --optimizer-mode sync, a smaller --optimizer-state or --lora "
         "shrink it (rotapipe plan prices each); --no-host-ram-check runs it anyway.")
+
+
+def _lora(cfg: TrainConfig) -> bool:
+    return cfg.uses_lora or cfg.qlora
+
+
+def _dtype_bytes(cfg: TrainConfig) -> int:
+    return 4 if cfg.dtype == "fp32" else 2
+
+
+def _by_layer(cfg: TrainConfig, placed, layers: int) -> tuple[list[int], list[int]]:
+    """From ``(layer, parameter)`` pairs, each parameter once: per layer the parameters
+    :func:`rotapipe.plan.host_memory` takes as its weights (LoRA: the frozen base; full
+    fine-tuning: all of them) and the trainable ones."""
+    frozen, trained = [0] * layers, [0] * layers
+    for layer, p in placed:
+        (trained if p.requires_grad else frozen)[layer] += p.numel()
+    held = frozen if _lora(cfg) else [f + t for f, t in zip(frozen, trained)]
+    return held, trained
+
+
+def _priced(cfg: TrainConfig, costs, plan, workers: int, trained: list[int], **kw):
+    """:func:`rotapipe.plan.host_memory` in this run's settings: one call per step, the
+    optimizer mode's own host layout (``overlap`` with its undo snapshots), the compute
+    dtype, the optimizer's state tensors (SGD: momentum only when ``beta1`` > 0) in
+    their dtype, the clip, QLoRA."""
+    from ..config import OptimizerMode
+    from ..plan import host_memory
+    return host_memory(costs, plan, cfg.microbatches, workers,
+                       trainable_params=trained if _lora(cfg) else None,
+                       dtype_bytes=_dtype_bytes(cfg),
+                       optimizer_states=2 if cfg.optimizer == "adamw" else int(cfg.beta1 > 0),
+                       staged_grads=False, quantized=cfg.qlora,
+                       layout=OptimizerMode(cfg.optimizer_mode).value,
+                       state_dtype=cfg.optimizer_state, clip=bool(cfg.grad_clip), **kw)
 
 
 _SMALLER = [
