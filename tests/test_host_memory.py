@@ -238,19 +238,19 @@ def test_host_ram_example_runs(capsys):
 def test_plan_check_counts_what_the_built_pipeline_already_holds(tmp_path, mode, dtype,
                                                                  tied):
     """``check_run_ram`` (after the pipeline is built): the weights and masters it counts
-    as held now are the bytes the new pipeline holds; the rest is the whole count on the
-    pipeline's plan."""
-    from rotapipe.train.model import build_model, check_run_ram, host_state
+    as held now (:func:`plan_memory`, on the pipeline's own plan) are the bytes the new
+    pipeline holds, and its model state is the count made before loading."""
+    from rotapipe.train.model import build_model, check_run_ram, host_state, plan_memory
     _model(tied, False)[1].save_pretrained(tmp_path / "m")
     cfg = _train_config(tmp_path / "m", optimizer_mode=mode, dtype=dtype)
     with rotapipe.adapters.wrap_hf(build_model(cfg, None)).pipe(cfg.pipe_config()) as pipe:
         copies, _ = _held(pipe, torch.optim.SGD([torch.zeros(1)], lr=1.0))
+        mem = plan_memory(cfg, pipe, None)
         line = check_run_ram(cfg, pipe, None, available=10**12)
-    state = host_state(cfg, None)
-    assert line.startswith("host RAM for the plan: ")
-    held = float(line.split("; ")[1].split(" MB of it held now")[0])
-    assert abs(held - copies / 1e6) < 0.05 and abs(held - (state.weights + state.masters)
-                                                   / 1e6) < 0.05
+    assert mem.weights + mem.masters == copies
+    assert mem.state == host_state(cfg, None).state
+    assert mem.checkpoints > 0 and mem.pinned_buffers > 0
+    assert line.startswith(f"host RAM for the plan: {mem.describe()}; ")
 
 
 def test_train_refuses_a_plan_that_does_not_fit_before_its_first_step(tmp_path,

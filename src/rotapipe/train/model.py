@@ -17,7 +17,8 @@ from .data import TextFields, train_tokenizer
 from .hub import is_hub_id, snapshot
 
 __all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
-           "resolve_model", "adapter_dir", "host_state", "check_host_ram", "check_run_ram"]
+           "resolve_model", "adapter_dir", "host_state", "check_host_ram", "plan_memory",
+           "check_run_ram"]
 
 
 def _model_dir(cfg: TrainConfig) -> pathlib.Path:
@@ -228,25 +229,15 @@ def check_host_ram(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int
         "runs it anyway, e.g. with swap.)")
 
 
-def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = None) -> str:
-    """After the pipeline is built and before its first step: refuse
-    (:class:`ConfigError`) a run whose whole host count on the pipeline's own plan
+def plan_memory(cfg: TrainConfig, pipe, tokenizer):
+    """The whole host count of this run on the pipeline's own plan
     (:func:`rotapipe.plan.host_memory`: the model state plus activation checkpoints,
     gradient staging and bounce buffers; layer sizes from the pipeline, activation sizes
-    from the model's config) does not fit. The compute copies and masters the pipeline
-    already holds are not counted again: the rest must fit in the RAM available now.
-    One process only (under ``torchrun`` :func:`check_host_ram` alone runs). Returns the
-    summary line."""
+    from the model's config), or ``None`` when the cost model cannot price the model's
+    activations."""
     from ..plan import hardware, model_costs
     from ..plan.costs import load_config
-    from ..runtime.pinning import available_ram
 
-    if not cfg.host_ram_check:
-        return "host RAM for the plan: not checked (host_ram_check=False)"
-    if available is None:
-        available = available_ram()
-    if available is None:
-        return "host RAM for the plan: not checked (the available RAM is unknown)"
     config = _scratch_config(cfg, tokenizer) if cfg.model is None else \
         load_config(_model_dir(cfg))
     dtype_bytes = _dtype_bytes(cfg)
@@ -256,10 +247,9 @@ def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = Non
                             microbatch_size=cfg.batch // cfg.microbatches,
                             dtype_bytes=dtype_bytes, call_tokens=cfg.batch * cfg.seq)
     except ConfigError:
-        costs = None
-    if costs is None or len(costs.layers) != len(ls):
-        return "host RAM for the plan: not checked (the cost model does not price " \
-            "this model's activations)"
+        return None
+    if len(costs.layers) != len(ls):
+        return None
     # Each layer's parameters as the pipeline holds them; a tensor two layers share
     # (a tied head) once, in the first.
     first: dict[int, int] = {}
@@ -274,7 +264,28 @@ def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = Non
     costs = replace(costs, shared_bytes=shared * dtype_bytes, layers=tuple(
         replace(c, weight_bytes=(n + (shared if i == last else 0)) * dtype_bytes)
         for i, (c, n) in enumerate(zip(costs.layers, held))))
-    mem = _priced(cfg, costs, pipe.plan, len(pipe.devices), trained, pin=pipe.pin_mode)
+    return _priced(cfg, costs, pipe.plan, len(pipe.devices), trained, pin=pipe.pin_mode)
+
+
+def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = None) -> str:
+    """After the pipeline is built and before its first step: refuse
+    (:class:`ConfigError`) a run whose whole host count on the pipeline's own plan
+    (:func:`plan_memory`) does not fit. The compute copies and masters the pipeline
+    already holds are not counted again: the rest must fit in the RAM available now.
+    One process only (under ``torchrun`` :func:`check_host_ram` alone runs). Returns the
+    summary line."""
+    from ..runtime.pinning import available_ram
+
+    if not cfg.host_ram_check:
+        return "host RAM for the plan: not checked (host_ram_check=False)"
+    if available is None:
+        available = available_ram()
+    if available is None:
+        return "host RAM for the plan: not checked (the available RAM is unknown)"
+    mem = plan_memory(cfg, pipe, tokenizer)
+    if mem is None:
+        return "host RAM for the plan: not checked (the cost model does not price " \
+            "this model's activations)"
     held_now = mem.weights + mem.masters
     more = mem.total - held_now - mem.transient
     line = (f"host RAM for the plan: {mem.describe()}; {size_text(held_now)} of it held "
