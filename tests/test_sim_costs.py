@@ -3,6 +3,7 @@ checked against transformers models built on the meta device: no weights)."""
 
 import json
 import pathlib
+import re
 
 import pytest
 import torch
@@ -11,9 +12,10 @@ import rotapipe
 from rotapipe import ConfigError
 from rotapipe.plan import (DEVICES, Hardware, LayerCost, ModelCosts, hardware, load_config,
                            model_costs, model_work)
-from rotapipe.plan.costs import KNOWN_MODELS
+from rotapipe.plan.costs import FAMILIES, KNOWN_MODELS, tied_head
 
 transformers = pytest.importorskip("transformers")
+import hf_models  # noqa: E402 - needs transformers
 
 
 def test_named_hardware_profiles():
@@ -46,6 +48,90 @@ def test_layer_parameters_match_transformers_on_meta(name):
         assert w.params == sum(p.numel() for p in layer.parameters())
     assert work[-1].params == model.lm_head.weight.numel() + model.model.norm.weight.numel()
 
+
+
+def _layer_params(wrapped) -> list[int]:
+    """Each layer's parameters as the runtime cuts the model, a shared tensor once."""
+    seen, out = set(), []
+    for layer in wrapped.layers:
+        fresh = [p for p in layer.parameters() if id(p) not in seen]
+        seen.update(map(id, fresh))
+        out.append(sum(p.numel() for p in fresh))
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(hf_models.FAMILIES))
+def test_every_family_is_counted_as_transformers_builds_it(family):
+    """Every Hugging Face family the adapter trains: each layer's parameter count from
+    the config alone equals the model's own (embedding, every block, head with its
+    final norm; a tied head holds no weight of its own), and a dense block's FLOPs are
+    2 per weight and bias its projections and MLP multiply a token by, plus attention."""
+    torch.manual_seed(0)
+    model = hf_models.FAMILIES[family]()
+    real = _layer_params(rotapipe.adapters.wrap_hf(model))
+    work = model_work(model.config, seq=1)
+    assert tied_head(model.config) == (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight)
+    shared = work[0].params if tied_head(model.config) else 0
+    assert [w.params for w in work[:-1]] + [work[-1].params - shared] == real
+    cfg = model.config
+    if getattr(cfg, "kv_lora_rank", None) or any(
+            getattr(cfg, k, None) for k in ("num_experts", "num_local_experts")):
+        return                          # MoE and latent attention: test_gpt_oss, below
+    block = rotapipe.adapters.wrap_hf(model).layers[1]
+    multiplied = sum(p.numel() for n, p in block.named_parameters()
+                     if not any(s in n for s in ("norm", "ln_", "sinks")))
+    heads = cfg.num_attention_heads
+    width = heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    # seq=1: a token attends to itself, QK^T and AV are 2 x width FLOPs each.
+    assert work[1].forward_flops == 2 * multiplied + 4 * width
+
+
+VARIANTS = [
+    ("falcon", {}), ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 8}),
+    ("falcon", {"multi_query": False, "parallel_attn": False, "bias": True}),
+    ("stablelm", {"use_parallel_residual": False, "qk_layernorm": True,
+                  "use_qkv_bias": True}),
+    ("cohere", {"use_qk_norm": True}), ("phi", {"qk_layernorm": True}),
+    ("llama", {"mlp_bias": True, "attention_bias": True}),
+    ("starcoder2", {"use_bias": False}), ("gpt_neox", {"attention_bias": False}),
+    ("qwen2_moe", {"qkv_bias": False, "mlp_only_layers": [0, 2], "decoder_sparse_step": 2}),
+    ("deepseek_v3", {}),
+    ("deepseek_v3", {"q_lora_rank": None, "attention_bias": True, "num_hidden_layers": 5}),
+    ("gemma3_text", {}), ("gemma3_text", {"tie_word_embeddings": False}),
+    ("mpt", {}), ("codegen", {}), ("gpt_neox_japanese", {}), ("gpt_oss", {}),
+]
+
+
+@pytest.mark.parametrize("family,change", VARIANTS,
+                         ids=[f"{f}-{'-'.join(c) or 'default'}" for f, c in VARIANTS])
+def test_full_size_configs_and_their_switches_count_exactly(family, change):
+    """The family's own default config (full size: DeepSeek-V3's 256 experts and latent
+    attention, Falcon-7B's multi-query attention, ...) with 4 blocks and the switches
+    that change a block's parameters, built on the meta device: the block counts and
+    the whole model's count (tied or not, by the family's default) are exact."""
+    cfg = transformers.AutoConfig.for_model(family, **{
+        "num_hidden_layers": 4, "n_layer": 4, "n_layers": 4, **change})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    work = model_work(cfg, seq=2048)
+    blocks: dict[int, int] = {}
+    for name, p in model.named_parameters():
+        found = re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", name)
+        if found:
+            blocks[int(found.group(1))] = blocks.get(int(found.group(1)), 0) + p.numel()
+    assert [w.params for w in work[1:-1]] == [blocks[i] for i in sorted(blocks)]
+    shared = work[0].params if tied_head(cfg) else 0
+    assert sum(w.params for w in work) - shared == sum(p.numel() for p in model.parameters())
+
+
+def test_tied_head_defaults_follow_transformers():
+    """A config.json without ``tie_word_embeddings`` is tied as its family's
+    ``transformers`` config is by default."""
+    for family in FAMILIES:
+        default = transformers.AutoConfig.for_model(family).tie_word_embeddings
+        assert tied_head({"model_type": family}) == default, family
+    assert not tied_head({"model_type": "some_new_family"})
 
 def test_model_sizes_and_active_flops():
     total = {n: sum(w.params for w in model_work(n, 2048)) for n in KNOWN_MODELS}

@@ -235,11 +235,30 @@ _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
           "num_experts_per_tok")
 
 
+_ALIASES = {"hidden_size": ("d_model", "n_embd"), "num_hidden_layers": ("n_layers", "n_layer"),
+            "num_attention_heads": ("n_heads", "n_head"),
+            "max_position_embeddings": ("n_positions", "max_seq_len")}
+"""Older families' names for the sizes the cost model reads (MPT, CodeGen)."""
+
+
 def text_settings(cfg: Mapping) -> dict:
     """A config's settings with its ``text_config`` (a multimodal model's language
-    model) merged over the top level."""
+    model) merged over the top level, and the sizes older families name differently
+    (:data:`_ALIASES`) under their usual names."""
     text = cfg.get("text_config")
-    return {**cfg, **text} if isinstance(text, Mapping) else dict(cfg)
+    merged = {**cfg, **text} if isinstance(text, Mapping) else dict(cfg)
+    for key, names in _ALIASES.items():
+        if merged.get(key) is None:
+            merged[key] = next((merged[n] for n in names if merged.get(n) is not None), None)
+    return merged
+
+
+def tied_head(config) -> bool:
+    """Whether the model's LM head holds the embedding's weight: the config's
+    ``tie_word_embeddings``, else its family's default (:data:`_TIED_BY_DEFAULT`)."""
+    cfg = text_settings(load_config(config))
+    tied = cfg.get("tie_word_embeddings")
+    return cfg.get("model_type") in _TIED_BY_DEFAULT if tied is None else bool(tied)
 
 
 def check_architecture(cfg: Mapping, where: str = "model config") -> None:
@@ -287,10 +306,14 @@ def _get(cfg: Mapping, key: str, default=None):
 def model_work(config, seq: int, dtype_bytes: int = 2,
                adapters: Sequence[int] | None = None) -> tuple[LayerWork, ...]:
     """Per-token FLOPs and bytes of the embedding, every decoder block and the LM head
-    of a Llama-style decoder (Llama, Qwen2/3, Mistral, Qwen3-MoE, GPT-OSS), for
-    sequences of ``seq`` tokens with causal flash attention. MoE blocks count the routed
-    (active) experts' FLOPs and every expert's weights; sliding-window layers
-    (``layer_types``) attend to at most ``sliding_window`` positions.
+    of a Hugging Face decoder, for sequences of ``seq`` tokens with causal flash
+    attention. Each block's parameters are counted as its family builds them
+    (:data:`FAMILIES`: projections and their biases, gated or two-matrix MLPs, norms,
+    QK-norms, multi-head latent attention, dense and MoE blocks); ``test_sim_costs``
+    checks every count against the model ``transformers`` builds. MoE blocks count the
+    routed (active) experts' FLOPs and every expert's weights; sliding-window layers
+    (``layer_types``) attend to at most ``sliding_window`` positions. Norm scales,
+    attention sinks and the router's score are parameters without FLOPs here.
 
     ``adapters``: what is trained. ``None``: every weight (full fine-tuning; a weight's
     backward computes its input gradient and its weight gradient, each as many FLOPs
@@ -303,26 +326,13 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
     h = _get(cfg, "hidden_size")
     layers = _get(cfg, "num_hidden_layers")
     nh = _get(cfg, "num_attention_heads")
-    nkv = cfg.get("num_key_value_heads") or nh
-    hd = cfg.get("head_dim") or h // nh
     vocab = _get(cfg, "vocab_size")
     kind = str(cfg.get("model_type", ""))
     gpt_oss = kind == "gpt_oss"
-    q, kv = nh * hd, nkv * hd
-    # Projections: q, k, v, o (+ biases where the family has them), per-head q/k norms
-    # (Qwen3) and per-head attention-sink logits (GPT-OSS: one parameter per head, a
-    # column more in the softmax).
-    attn_params = h * q + 2 * h * kv + q * h
-    if kind == "qwen2":
-        attn_params += q + 2 * kv
-    elif cfg.get("attention_bias"):
-        attn_params += q + 2 * kv + h
-    attn_extra = nh if gpt_oss else 0
-    qk_norm = 2 * hd if kind.startswith("qwen3") else 0
-    base_saved = 4 * h + 2 * q + 2 * kv + (q + kv if qk_norm else 0)
-    moe_every = cfg.get("decoder_sparse_step") or 1
-    dense_only = set(cfg.get("mlp_only_layers") or ())
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    attn = _attention(cfg, kind, h, nh)
+    block_norms, final_norm = _norms(cfg, kind, h)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or \
+        cfg.get("n_routed_experts") or 0
     types = cfg.get("layer_types") or ()
     window = cfg.get("sliding_window")
     if adapters is not None and len(adapters) != layers + 2:
@@ -338,38 +348,184 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
         sliding = window and i < len(types) and types[i] == "sliding_attention"
         # QK^T and AV, 2 FLOPs per multiply-add each, over the positions a token attends
         # to on average; flash attention's backward recomputes the scores: 2.5x forward.
-        core = 2 * 2 * q * _attended(seq, window if sliding else None)
-        moe = experts and i not in dense_only and (i + 1) % moe_every == 0
+        core = 2 * (attn.qk_width + attn.v_width) * _attended(seq, window if sliding else None)
+        # GPT-NeoX-Japanese: the last block's attention output has a bias.
+        late_bias = h if kind == "gpt_neox_japanese" and i == layers - 1 else 0
+        moe = bool(experts) and _is_moe(cfg, kind, i)
         if moe:
             inter = cfg.get("moe_intermediate_size") or _get(cfg, "intermediate_size")
             top_k = cfg.get("num_experts_per_tok") or _get(cfg, "experts_per_token")
-            shared = cfg.get("shared_expert_intermediate_size") or 0
-            # GPT-OSS: biased router and experts (gate_up 2 * inter, down h per expert).
+            shared = cfg.get("shared_expert_intermediate_size") or \
+                (cfg.get("n_shared_experts") or 0) * inter
+            # GPT-OSS: biased router and experts (gate_up 2 * inter, down h per expert);
+            # Qwen2-MoE: a one-output gate on the shared expert.
             expert = 3 * h * inter + ((2 * inter + h) if gpt_oss else 0)
             router = h * experts + (experts if gpt_oss else 0)
-            mlp_params = experts * expert + router + 3 * h * shared
-            mlp_flops = 2 * (h * experts + top_k * 3 * h * inter + 3 * h * shared)
+            shared_gate = h if shared and kind == "qwen2_moe" else 0
+            mlp_params = experts * expert + router + 3 * h * shared + shared_gate
+            mlp_flops = 2 * (h * experts + top_k * 3 * h * inter + 3 * h * shared +
+                             shared_gate)
             mlp_saved = h + top_k * (h + 4 * inter) + 4 * shared
         else:
-            inter = _get(cfg, "intermediate_size")
-            mlp_params = 3 * h * inter
-            mlp_flops = 2 * 3 * h * inter
-            mlp_saved = 4 * inter
-        proj = 2 * attn_params + mlp_flops
+            mlp_params, mlp_saved = _dense_mlp(cfg, kind, h)
+            mlp_flops = 2 * mlp_params
+        proj = 2 * (attn.params + late_bias) + mlp_flops
         works.append(LayerWork(
             f"block{i}", proj + core, grads * proj + 2.5 * core,
-            attn_params + attn_extra + mlp_params + 2 * h + qk_norm,
-            (base_saved + mlp_saved) * dtype_bytes + (4 * experts if moe else 0),
+            attn.params + late_bias + attn.extra + mlp_params + block_norms,
+            (attn.saved + mlp_saved) * dtype_bytes + (4 * experts if moe else 0),
             h * dtype_bytes))
-    # Head: final norm, output projection, cross-entropy over the vocabulary (logits in
-    # the compute dtype, log-softmax kept in fp32 for the backward).
-    works.append(LayerWork("head", 2 * h * vocab, grads * 2 * h * vocab, vocab * h + h,
+    # Head: final norm, output projection (with its bias in Phi and CodeGen),
+    # cross-entropy over the vocabulary (logits in the compute dtype, log-softmax kept
+    # in fp32 for the backward).
+    head_bias = vocab if kind in ("phi", "codegen") else 0
+    works.append(LayerWork("head", 2 * h * vocab, grads * 2 * h * vocab,
+                           vocab * h + head_bias + final_norm,
                            2 * h * dtype_bytes + vocab * (dtype_bytes + 4), 0.0))
     if adapters is not None:
         works = [replace(w, forward_flops=w.forward_flops + 2 * p,
                          backward_flops=w.backward_flops + 4 * p)
                  for w, p in zip(works, adapters)]
     return tuple(works)
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+            "phi3", "granite", "olmo", "olmo2", "cohere", "cohere2", "gpt_neox", "phi",
+            "stablelm", "starcoder2", "glm4", "mpt", "falcon", "gpt_neox_japanese",
+            "codegen", "smollm3", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
+"""``model_type`` values whose blocks :func:`model_work` counts as their family builds
+them (``transformers`` 5); another ``model_type`` is counted as a Llama-style block
+(pre-norms, gated MLP, ``attention_bias`` on all four projections)."""
+
+_PLAIN_MLP = frozenset({"gpt_neox", "gpt_neox_japanese", "phi", "starcoder2", "mpt",
+                        "falcon", "codegen"})
+"""Families whose MLP is two matrices (up, activation, down), not gated."""
+
+_TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3_text", "starcoder2", "mpt",
+                              "falcon", "gpt_neox_japanese", "cohere", "cohere2",
+                              "smollm3"})
+"""Families whose LM head is tied to the embedding when ``config.json`` does not say
+(their ``transformers`` config default; every other family is untied)."""
+
+
+@dataclass(frozen=True)
+class _Attention:
+    params: int
+    """Weights and biases a token is multiplied by (2 FLOPs each)."""
+    extra: int
+    """Parameters without FLOPs here: QK-norms, latent norms, attention sinks."""
+    qk_width: int
+    """Query width a token's scores are computed over (heads x query head size)."""
+    v_width: int
+    """Value width a token's output sums (heads x value head size)."""
+    saved: int
+    """Elements per token autograd keeps for the attention's backward."""
+
+
+def _attention(cfg: Mapping, kind: str, h: int, nh: int) -> _Attention:
+    """A block's attention, as its family builds it."""
+    if cfg.get("kv_lora_rank"):
+        # Multi-head latent attention (DeepSeek-V2/V3): queries through a rank-q_lora
+        # bottleneck (or one projection), keys and values from a normalised rank-kv_lora
+        # latent plus one shared rotary key.
+        rope, nope = _get(cfg, "qk_rope_head_dim"), _get(cfg, "qk_nope_head_dim")
+        v_hd, kvl, ql = _get(cfg, "v_head_dim"), cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+        qk = nh * (rope + nope)
+        bias = 1 if cfg.get("attention_bias") else 0
+        q_params = (h * ql + bias * ql + ql * qk) if ql else h * qk
+        params = q_params + h * (kvl + rope) + bias * (kvl + rope) + \
+            kvl * nh * (nope + v_hd) + nh * v_hd * h + bias * h
+        return _Attention(params, (ql or 0) + kvl, qk, nh * v_hd,
+                          4 * h + 2 * qk + 2 * nh * v_hd + (ql or 0) + kvl)
+    hd = cfg.get("head_dim") or h // nh
+    if kind in ("gpt_neox", "gpt_neox_japanese", "codegen", "mpt"):
+        nkv = nh                                   # no grouped-query attention
+    elif kind == "falcon":
+        nkv = (cfg.get("num_kv_heads") or nh) if cfg.get("new_decoder_architecture") \
+            else 1 if cfg.get("multi_query", True) else nh
+    else:
+        nkv = cfg.get("num_key_value_heads") or nh
+    q, kv = nh * hd, nkv * hd
+    # Biases on q, k, v (qkv) or on all four projections (all).
+    qkv, every = q + 2 * kv, q + 2 * kv + h
+    bias = {
+        "qwen2": qkv,
+        "qwen2_moe": qkv if cfg.get("qkv_bias", True) else 0,
+        "glm4": qkv if cfg.get("attention_bias") else 0,
+        "stablelm": qkv if cfg.get("use_qkv_bias") else 0,
+        "phi": every,
+        "gpt_neox": every if cfg.get("attention_bias", True) else 0,
+        "starcoder2": every if cfg.get("use_bias", True) else 0,
+        "falcon": every if cfg.get("bias") else 0,
+        "gpt_neox_japanese": 0, "codegen": 0, "mpt": 0,
+    }.get(kind, every if cfg.get("attention_bias") else 0)
+    # Per-head or whole-width norms on queries and keys.
+    if kind.startswith("qwen3") or kind == "gemma3_text":
+        qk_norm = 2 * hd
+    elif kind == "phi":
+        qk_norm = 4 * hd if cfg.get("qk_layernorm") else 0       # LayerNorms with bias
+    elif kind in ("olmo2", "cohere", "stablelm"):
+        on = {"olmo2": True, "cohere": cfg.get("use_qk_norm"),
+              "stablelm": cfg.get("qk_layernorm")}[kind]
+        qk_norm = q + kv if on else 0
+    else:
+        qk_norm = 0
+    sinks = nh if kind == "gpt_oss" else 0   # one attention-sink logit per head
+    return _Attention(2 * h * q + 2 * h * kv + bias, qk_norm + sinks, q, q,
+                      4 * h + 2 * q + 2 * kv + (q + kv if qk_norm else 0))
+
+
+def _dense_mlp(cfg: Mapping, kind: str, h: int) -> tuple[int, int]:
+    """A dense block's MLP: its parameters (all multiplied per token) and the elements
+    per token it saves for the backward."""
+    if kind == "falcon":
+        inter = cfg.get("ffn_hidden_size") or 4 * h
+    elif kind == "mpt":
+        inter = 4 * h                       # transformers' MPT ignores expansion_ratio
+    elif kind == "gpt_neox_japanese":
+        inter = h * (cfg.get("intermediate_multiple_size") or 4)
+    elif kind == "codegen":
+        inter = cfg.get("n_inner") or 4 * h
+    else:
+        inter = _get(cfg, "intermediate_size")
+    if kind in _PLAIN_MLP:
+        bias = {"gpt_neox": True, "phi": True, "codegen": True,
+                "starcoder2": cfg.get("use_bias", True), "falcon": cfg.get("bias")
+                }.get(kind, False)
+        return 2 * h * inter + (inter + h if bias else 0), 2 * inter
+    bias = 2 * inter + h if cfg.get("mlp_bias") else 0
+    return 3 * h * inter + bias, 4 * inter
+
+
+def _norms(cfg: Mapping, kind: str, h: int) -> tuple[int, int]:
+    """Norm parameters of one block and of the final norm (in the head)."""
+    ln = 2 * h                                     # a LayerNorm with a bias
+    if kind == "olmo":
+        return 0, 0                                # parameter-free LayerNorms
+    if kind in ("gemma2", "gemma3_text", "glm4"):
+        return 4 * h, h                            # pre- and post-norms, both sublayers
+    if kind in ("cohere", "cohere2"):
+        return h, h                                # one norm, parallel sublayers
+    if kind in ("gpt_neox", "gpt_neox_japanese", "starcoder2"):
+        return 2 * ln, ln
+    if kind in ("phi", "codegen"):
+        return ln, ln
+    if kind == "stablelm":
+        return (ln if cfg.get("use_parallel_residual") else 2 * ln), ln
+    if kind == "falcon":
+        lns = cfg.get("num_ln_in_parallel_attn") or \
+            (2 if cfg.get("new_decoder_architecture") else 1)
+        return (ln if cfg.get("parallel_attn", True) and lns != 2 else 2 * ln), ln
+    return 2 * h, h                                # RMSNorms (MPT: LayerNorms, no bias)
+
+
+def _is_moe(cfg: Mapping, kind: str, i: int) -> bool:
+    """Whether block ``i`` of a model with experts routes to them."""
+    if kind.startswith("deepseek"):
+        return i >= (cfg.get("first_k_dense_replace") or 0) and \
+            i % (cfg.get("moe_layer_freq") or 1) == 0
+    return i not in set(cfg.get("mlp_only_layers") or ()) and \
+        (i + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
 
 
 def _attended(seq: int, window: int | None) -> float:
@@ -449,9 +605,7 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
                                 grad_ms, None if adapters is None else
                                 int(adapters[i] * dtype_bytes)))
     input_bytes = 8 * tokens
-    # A head tied to the embedding (absent from config.json: untied, the default of
-    # the families rotapipe knows) holds the embedding's weight, not a copy.
-    shared = works[0].params * dtype_bytes if text_settings(load_config(config)).get(
-        "tie_word_embeddings", False) else 0
+    # A head tied to the embedding holds the embedding's weight, not a copy.
+    shared = works[0].params * dtype_bytes if tied_head(config) else 0
     return ModelCosts(tuple(layers), tokens, input_bytes * ms_per_byte, input_bytes,
                       rows_bytes, shared)
