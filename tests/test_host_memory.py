@@ -23,6 +23,7 @@ import torch
 import rotapipe
 from models import emulated
 from rotapipe.plan import hardware, host_memory, lora_params, model_costs
+from rotapipe.plan.hostmem import size_text
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -251,6 +252,28 @@ def test_plan_check_counts_what_the_built_pipeline_already_holds(tmp_path, mode,
     assert mem.state == host_state(cfg, None).state
     assert mem.checkpoints > 0 and mem.pinned_buffers > 0
     assert line.startswith(f"host RAM for the plan: {mem.describe()}; ")
+
+
+def test_a_container_limit_below_the_machine_ram_is_what_the_check_uses(tmp_path,
+                                                                        monkeypatch):
+    """Inside a container or a batch job, the machine's free RAM is not what the
+    kernel's OOM killer goes by: the memory cgroup's limit is, and the refusal says
+    so."""
+    from rotapipe.train import loop, train
+    from rotapipe.train.model import check_host_ram, host_state
+    cfg = _job(tmp_path)
+    need = host_state(cfg, None).state
+    monkeypatch.setattr("rotapipe.runtime.pinning.machine_ram", lambda: 1000 * need)
+    monkeypatch.setattr("rotapipe.runtime.pinning.cgroup_room", lambda: need // 2)
+    monkeypatch.setattr(loop, "build_model", lambda *a: 1 / 0)
+    with pytest.raises(rotapipe.ConfigError, match="memory cgroup limit") as e:
+        train(cfg, echo=lambda *a: None)
+    assert size_text(need // 2) + " is available under" in str(e.value)
+    monkeypatch.setattr("rotapipe.runtime.pinning.cgroup_room", lambda: 2 * need)
+    line = check_host_ram(cfg, None)
+    assert "memory cgroup limit" in line and size_text(2 * need) in line
+    monkeypatch.setattr("rotapipe.runtime.pinning.cgroup_room", lambda: None)
+    assert "cgroup" not in check_host_ram(cfg, None)
 
 
 def test_train_refuses_a_plan_that_does_not_fit_before_its_first_step(tmp_path,

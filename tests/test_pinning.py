@@ -143,6 +143,76 @@ def test_anonymous_frozen_weights_never_turn_it_off():
 def test_available_ram_reads_meminfo():
     ram = pinning_mod.available_ram()
     assert ram is None or ram > 0
+    assert pinning_mod.machine_ram() is None or ram <= pinning_mod.machine_ram()
+
+
+GIB = 2**30
+
+
+def _fake_root(tmp_path, cgroup: str, mount: str, files: dict[str, str]):
+    """A file system root with this process's cgroup line(s), one mountinfo line and
+    the cgroup files (relative paths) a test sets."""
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    (tmp_path / "proc/self/mountinfo").write_text(
+        "24 30 0:22 / /proc rw,nosuid - proc proc rw\n" + mount)
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+def test_cgroup_room_of_a_v2_container(tmp_path):
+    """A container sees its own cgroup as "/": the room is its limit minus what it uses,
+    plus the inactive file cache the kernel reclaims before it kills."""
+    root = _fake_root(tmp_path, "0::/\n",
+                      "30 25 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw\n",
+                      {"sys/fs/cgroup/memory.max": f"{8 * GIB}\n",
+                       "sys/fs/cgroup/memory.current": f"{3 * GIB}\n",
+                       "sys/fs/cgroup/memory.stat": f"anon 1\ninactive_file {GIB}\n"})
+    assert pinning_mod.cgroup_room(root) == 6 * GIB
+    (root / "sys/fs/cgroup/memory.max").write_text("max\n")
+    assert pinning_mod.cgroup_room(root) is None
+
+
+def test_cgroup_room_takes_the_tightest_level_above_a_job(tmp_path):
+    """A batch job's scope under a slice: the slice's limit binds (the OOM killer acts
+    on the first limit reached), at whatever level it is set."""
+    job = "sys/fs/cgroup/system.slice/job.scope"
+    root = _fake_root(tmp_path, "0::/system.slice/job.scope\n",
+                      "30 25 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+                      {f"{job}/memory.max": f"{100 * GIB}", f"{job}/memory.current": f"{10 * GIB}",
+                       "sys/fs/cgroup/system.slice/memory.max": f"{20 * GIB}",
+                       "sys/fs/cgroup/system.slice/memory.current": f"{15 * GIB}"})
+    assert pinning_mod.cgroup_room(root) == 5 * GIB
+    (root / "sys/fs/cgroup/system.slice/memory.current").write_text(f"{21 * GIB}")
+    assert pinning_mod.cgroup_room(root) == 0            # over its limit: no room
+
+
+def test_cgroup_room_of_a_v1_docker_container(tmp_path):
+    """cgroup v1 as Docker mounts it: the mount's root is the container's cgroup."""
+    root = _fake_root(tmp_path, "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n",
+                      "35 31 0:32 /docker/abc /sys/fs/cgroup/memory rw - cgroup cgroup "
+                      "rw,memory\n",
+                      {"sys/fs/cgroup/memory/memory.limit_in_bytes": f"{4 * GIB}",
+                       "sys/fs/cgroup/memory/memory.usage_in_bytes": f"{GIB}",
+                       "sys/fs/cgroup/memory/memory.stat":
+                           f"cache 5\ninactive_file 7\ntotal_inactive_file {GIB // 2}\n"})
+    assert pinning_mod.cgroup_room(root) == 3 * GIB + GIB // 2
+    # the kernel's "no limit"
+    (root / "sys/fs/cgroup/memory/memory.limit_in_bytes").write_text("9223372036854771712")
+    assert pinning_mod.cgroup_room(root) is None
+    assert pinning_mod.cgroup_room(tmp_path / "nowhere") is None
+
+
+def test_available_ram_is_the_tighter_of_machine_and_cgroup(monkeypatch):
+    monkeypatch.setattr(pinning_mod, "machine_ram", lambda: 64 * GIB)
+    monkeypatch.setattr(pinning_mod, "cgroup_room", lambda: 6 * GIB)
+    assert pinning_mod.available_ram() == 6 * GIB
+    monkeypatch.setattr(pinning_mod, "cgroup_room", lambda: None)
+    assert pinning_mod.available_ram() == 64 * GIB
+    monkeypatch.setattr(pinning_mod, "machine_ram", lambda: None)
+    assert pinning_mod.available_ram() is None
 
 
 # -- the pipeline ------------------------------------------------------------------------

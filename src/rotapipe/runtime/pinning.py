@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import logging
+import pathlib
 import threading
 import weakref
 
@@ -29,7 +30,8 @@ import torch
 
 from ..config import PinMode
 
-__all__ = ["HostPinning", "resolve_pin", "mapped_frozen_bytes", "available_ram"]
+__all__ = ["HostPinning", "resolve_pin", "mapped_frozen_bytes", "available_ram",
+           "machine_ram", "cgroup_room"]
 
 log = logging.getLogger(__name__)
 
@@ -282,8 +284,16 @@ def _file_mappings() -> list[tuple[int, int]]:
 
 
 def available_ram() -> int | None:
-    """Bytes of RAM available to new allocations: ``psutil`` when installed, else
-    ``MemAvailable`` of ``/proc/meminfo``; ``None`` when neither answers."""
+    """Bytes of RAM available to new allocations of this process: the machine's
+    (``psutil`` when installed, else ``MemAvailable`` of ``/proc/meminfo``), or less
+    where a memory cgroup of this process (a container's or a batch job's limit:
+    :func:`cgroup_room`) leaves less; ``None`` when nothing answers."""
+    known = [n for n in (machine_ram(), cgroup_room()) if n is not None]
+    return min(known) if known else None
+
+
+def machine_ram() -> int | None:
+    """The machine's available RAM (``psutil``, else ``MemAvailable``), or ``None``."""
     try:
         import psutil
         return int(psutil.virtual_memory().available)
@@ -297,6 +307,90 @@ def available_ram() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+UNLIMITED = 1 << 62
+"""A cgroup v1 memory limit at or above this is "no limit" (the kernel writes the
+largest page-aligned 64-bit value there)."""
+
+
+def cgroup_room(root: str | pathlib.Path = "/") -> int | None:
+    """Bytes this process may still allocate under the memory limits of its cgroup and
+    every cgroup above it (the kernel's out-of-memory killer acts on the first limit
+    reached), or ``None`` without a limit. At each limited level: the limit minus the
+    usage, plus the inactive file cache the kernel reclaims before it kills (the
+    "working set" Kubernetes evicts on). Reads cgroup v2 (``memory.max``,
+    ``memory.current``, ``memory.stat``) and v1 (``memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``); ``root`` is the file system root (tests pass a fake
+    tree)."""
+    root = pathlib.Path(root)
+    rooms = []
+    for mount, path, v2 in _memory_cgroups(root):
+        level = path
+        while True:
+            room = _level_room(mount / level.relative_to("/"), v2)
+            if room is not None:
+                rooms.append(room)
+            if level == level.parent:
+                break
+            level = level.parent
+    return max(0, min(rooms)) if rooms else None
+
+
+def _memory_cgroups(root: pathlib.Path):
+    """``(mount point, this process's cgroup under it, v2?)`` for each memory cgroup
+    hierarchy mounted, from ``/proc/self/mountinfo`` and ``/proc/self/cgroup``."""
+    try:
+        groups = (root / "proc/self/cgroup").read_text().splitlines()
+        mounts = (root / "proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    where = {}                          # "memory" (v1) or "" (v2) -> cgroup path
+    for line in groups:
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for name in parts[1].split(",") if parts[1] else [""]:
+                where[name] = parts[2]
+    found = []
+    for line in mounts:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        fs_type, _, options = line.split(" - ", 1)[1].split()[:3]
+        v2 = fs_type == "cgroup2"
+        if not v2 and not (fs_type == "cgroup" and "memory" in options.split(",")):
+            continue
+        path = where.get("" if v2 else "memory")
+        if path is None:
+            continue
+        # The mount shows the hierarchy from its root (a container sees its own cgroup
+        # as "/"): this process's cgroup relative to that root.
+        mroot, point = pathlib.PurePosixPath(fields[3]), fields[4]
+        rel = pathlib.PurePosixPath(path)
+        rel = "/" / rel.relative_to(mroot) if rel.is_relative_to(mroot) else \
+            pathlib.PurePosixPath("/")
+        found.append((root / point.lstrip("/"), rel, v2))
+    return found
+
+
+def _level_room(d: pathlib.Path, v2: bool) -> int | None:
+    """Room under one cgroup's memory limit, or ``None`` (no limit, or unreadable)."""
+    try:
+        limit = (d / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+        if limit == "max" or int(limit) >= UNLIMITED:
+            return None
+        used = int((d / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
+    except (OSError, ValueError):
+        return None
+    inactive = 0
+    try:
+        stats = dict(line.split() for line in (d / "memory.stat").read_text().splitlines()
+                     if line.count(" ") == 1)
+        inactive = int(stats.get("inactive_file" if v2 else "total_inactive_file",
+                                 stats.get("inactive_file", 0)))
+    except (OSError, ValueError):
+        pass
+    return int(limit) - used + inactive
 
 
 def _registration_works() -> bool:

@@ -197,20 +197,17 @@ def check_host_ram(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int
     available to new allocations (``available``; default
     :func:`rotapipe.runtime.pinning.available_ram`), naming settings that fit. Returns
     the summary line the run prints."""
-    from ..runtime.pinning import available_ram
-
     if not cfg.host_ram_check:
         return "host RAM: not checked (host_ram_check=False)"
     mem = host_state(cfg, tokenizer, ranks, local_ranks)
-    if available is None:
-        available = available_ram()
+    available, whose = _available(available)
     if mem is None or available is None:
         why = "the model cannot be built on the meta device" if mem is None else \
             "the available RAM is unknown"
         return f"host RAM: not checked ({why})"
     machine = f" ({local_ranks} ranks on this machine)" if local_ranks > 1 else ""
     line = (f"host RAM: model state {mem.describe_state()}{machine}, of "
-            f"{size_text(available)} available")
+            f"{size_text(available)} available{whose}")
     if mem.state <= available:
         return line
     fixes = []
@@ -223,9 +220,9 @@ def check_host_ram(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int
             fixes.append(f"{flag}: {size_text(other.state)} ({fits})")
     raise ConfigError(
         f"this run's model state needs {mem.describe_state()} of host RAM{machine} "
-        f"before activations and buffers, and {size_text(available)} is available: the "
-        "kernel's out-of-memory killer would stop it. Free memory or add RAM, or shrink "
-        "the state: " + "; ".join(fixes or ["--lora"]) + ". (--no-host-ram-check "
+        f"before activations and buffers, and {size_text(available)} is available"
+        f"{whose}: the kernel's out-of-memory killer would stop it. Free memory or add "
+        "RAM, or shrink the state: " + "; ".join(fixes or ["--lora"]) + ". (--no-host-ram-check "
         "runs it anyway, e.g. with swap.)")
 
 
@@ -274,12 +271,9 @@ def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = Non
     already holds are not counted again: the rest must fit in the RAM available now.
     One process only (under ``torchrun`` :func:`check_host_ram` alone runs). Returns the
     summary line."""
-    from ..runtime.pinning import available_ram
-
     if not cfg.host_ram_check:
         return "host RAM for the plan: not checked (host_ram_check=False)"
-    if available is None:
-        available = available_ram()
+    available, whose = _available(available)
     if available is None:
         return "host RAM for the plan: not checked (the available RAM is unknown)"
     mem = plan_memory(cfg, pipe, tokenizer)
@@ -289,16 +283,30 @@ def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = Non
     held_now = mem.weights + mem.masters
     more = mem.total - held_now - mem.transient
     line = (f"host RAM for the plan: {mem.describe()}; {size_text(held_now)} of it held "
-            f"now, {size_text(more)} to come of {size_text(available)} available")
+            f"now, {size_text(more)} to come of {size_text(available)} available{whose}")
     if more <= available:
         return line
     raise ConfigError(
         f"this run needs {mem.describe()} of host RAM on its plan "
         f"{pipe.plan.to_text()}: {size_text(held_now)} of weights and masters are loaded and "
-        f"{size_text(more)} more is to come, but {size_text(available)} is available: the "
-        "kernel's out-of-memory killer would stop it. A smaller --batch or --seq (the "
-        "checkpoints), --optimizer-mode sync, a smaller --optimizer-state or --lora "
+        f"{size_text(more)} more is to come, but {size_text(available)} is available"
+        f"{whose}: the kernel's out-of-memory killer would stop it. A smaller --batch or "
+        "--seq (the checkpoints), --optimizer-mode sync, a smaller --optimizer-state or --lora "
         "shrink it (rotapipe plan prices each); --no-host-ram-check runs it anyway.")
+
+
+def _available(given: int | None) -> tuple[int | None, str]:
+    """The RAM available to this process (``given``, else
+    :func:`rotapipe.runtime.pinning.available_ram`: the machine's or, when less, its
+    memory cgroup's room) and a note naming the cgroup when its limit binds."""
+    from ..runtime.pinning import available_ram, cgroup_room
+
+    if given is not None:
+        return given, ""
+    ram = available_ram()
+    bound = ram is not None and ram == cgroup_room()
+    return ram, " under this process's memory cgroup limit (container or job)" if bound \
+        else ""
 
 
 def _lora(cfg: TrainConfig) -> bool:
