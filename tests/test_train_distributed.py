@@ -176,6 +176,41 @@ def test_a_killed_rank_ends_the_other_with_a_one_line_error(tmp_path):
             p.communicate()
 
 
+
+def test_a_rank_short_of_host_ram_stops_every_rank_before_loading(tmp_path):
+    """Rank 1's server has 1 kB free (its available_ram replaced in that process
+    alone): it refuses the run, and rank 0 stops too, at once, naming rank 1, instead
+    of waiting in the next collective until dist_timeout."""
+    data = text_jsonl(tmp_path / "d.jsonl", 100)
+    args = flags(data=str(data), out_dir=str(tmp_path / "o"), batch=8, steps=2,
+                 dist_timeout=120)
+    short = ("import sys, rotapipe.runtime.pinning as p; p.machine_ram = lambda: 1000; "
+             "p.cgroup_room = lambda: None; from rotapipe.cli import main; "
+             "sys.exit(main(['train', *sys.argv[1:]]))")
+    port = str(free_port())
+    procs = []
+    for rank, cmd in ((0, ["-m", "rotapipe", "train"]), (1, ["-c", short])):
+        e = {**env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+             "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        procs.append(subprocess.Popen([sys.executable, *cmd, *args], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        (_, err0), (_, err1) = (p.communicate(timeout=90) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    errors = [[l for l in err.splitlines() if l.startswith("rotapipe train: error")]
+              for err in (err0, err1)]
+    assert procs[1].returncode == 2 and "model state needs" in errors[1][0], err1
+    assert procs[0].returncode == 2 and errors[0] == [
+        "rotapipe train: error: rank 1 refused this run: the model state does not fit the "
+        "host RAM there (that rank's error names the settings that fit). Every rank stops "
+        "before loading; free memory on that server or shrink the state on all ranks."], err0
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
 def _final(out) -> dict:
     return load_file(str(out / "final" / "model.safetensors"))
 

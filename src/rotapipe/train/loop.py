@@ -171,8 +171,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     if cfg.steps is None:                      # the schedule length from epochs
         cfg = cfg.with_steps(_epoch_steps(cfg, files, tokenizer, fields))
     # Before any weight is loaded: the model state must fit the RAM available.
-    ram = check_host_ram(cfg, tokenizer, dinfo.world_size,
-                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    ram = _check_host_ram_everywhere(cfg, tokenizer, dinfo)
     model = build_model(cfg, tokenizer)
     if resume is not None:
         check_compatible(resume, meta, fingerprint(model))
@@ -304,6 +303,31 @@ def _check_same_resume(dinfo, resume) -> None:
         raise ConfigError(f"rank {dinfo.rank} resumes from {resume or 'step 0'} but the "
                           "ranks see different checkpoints: put out_dir on storage every "
                           "server sees, or copy rank 0's latest checkpoint to each")
+
+
+def _check_host_ram_everywhere(cfg: TrainConfig, tokenizer, dinfo) -> str:
+    """:func:`check_host_ram` on every rank, and every rank stops when one refuses (its
+    machine may have less RAM free than the others): a rank that stopped alone would
+    leave the rest waiting in the next collective until ``dist_timeout``."""
+    try:
+        ram, refusal = check_host_ram(cfg, tokenizer, dinfo.world_size,
+                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), None
+    except ConfigError as exc:
+        ram, refusal = "", exc
+    if dinfo.distributed:
+        refused = torch.zeros(dinfo.world_size, dtype=torch.int32)
+        refused[dinfo.rank] = refusal is not None
+        _collective(None, "host-RAM check", torch.distributed.all_reduce, refused)
+        ranks = [r for r, no in enumerate(refused.tolist()) if no]
+        if ranks and refusal is None:
+            raise ConfigError(
+                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                f"refused this run: the model state does not fit the host RAM there "
+                "(that rank's error names the settings that fit). Every rank stops before "
+                "loading; free memory on that server or shrink the state on all ranks.")
+    if refusal is not None:
+        raise refusal
+    return ram
 
 
 def _optimizer(cfg: TrainConfig, pipe) -> torch.optim.Optimizer:
