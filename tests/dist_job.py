@@ -17,7 +17,8 @@ losses, all-reduce stats) to ``OUT``.
 saves ``{(shard, mode, clip): ...}``.
 
 Faults: with ``--mismatch`` rank 1 builds a different model and every rank must fail at
-construction (status 4). With ``--kill-at S`` rank 1 dies (``os._exit``) inside its
+construction (status 4); with ``--exit-before-pipe`` rank 1 exits before it builds its
+pipeline and rank 0 fails at construction (status 3). With ``--kill-at S`` rank 1 dies (``os._exit``) inside its
 tail stage at step ``S``; with ``--hang-at S`` it sleeps there instead (alive,
 heartbeat running); either way it first writes the wall-clock time to ``OUT.fault``.
 ``--overlap`` runs that training with ``optimizer_mode="overlap"``.
@@ -207,6 +208,8 @@ def main() -> int:
                    help="run reshard_phase(PHASE, ROOT)")
     p.add_argument("--mismatch", action="store_true",
                    help="rank 1 builds a different model (construction must fail)")
+    p.add_argument("--exit-before-pipe", action="store_true",
+                   help="rank 1 exits before it builds its pipeline")
     args = p.parse_args()
     # A native abort (SIGABRT, e.g. "terminate called without an active exception")
     # prints every thread's Python stack to stderr, which the test shows.
@@ -219,6 +222,8 @@ def main() -> int:
         ("hang", args.hang_at) if args.hang_at is not None else \
         ("raise", args.raise_at) if args.raise_at is not None else None
     t0 = time.monotonic()
+    if args.exit_before_pipe and info.rank == 1:
+        os._exit(1)
     if args.mismatch:
         try:
             train(info, None, mbs, None, args.timeout,

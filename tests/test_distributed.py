@@ -136,6 +136,17 @@ def test_ranks_with_different_models_fail_at_construction(tmp_path):
         assert "rank(s) [1] differ from rank 0" in err, err
 
 
+
+def test_a_rank_gone_before_its_pipeline_fails_the_others_at_construction(tmp_path):
+    """Rank 1 exits after the process group formed, before its pipeline: rank 0's
+    start-up check becomes a DistributedError saying so (it was gloo's raw RuntimeError,
+    "Connection closed by peer")."""
+    procs = _launch(tmp_path, 2, "--exit-before-pipe", "--timeout", "20")
+    rc1, _ = _finish(procs[1], 40)
+    rc0, err = _finish(procs[0], 40)
+    assert rc1 == 1 and rc0 == 3, err
+    assert "start-up check" in err and "another rank exited or hung" in err, err
+
 def _run_steps(config, steps=2):
     model = tiny_transformer(dropout=0.1, tied=True)
     model[2].unused = torch.nn.Parameter(torch.ones(3))   # never gets a gradient

@@ -104,7 +104,16 @@ class GradReducer:
         token = f"{time.time_ns()}-{id(self)}"
         self._heartbeat = _Heartbeat.start(dist.get_rank(), config.heartbeat_s, self)
         gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, (fingerprint, token), group=group)
+        try:
+            dist.all_gather_object(gathered, (fingerprint, token), group=group)
+        except Exception as exc:  # noqa: BLE001 - gloo and NCCL raise RuntimeErrors
+            self.close()
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise DistributedError(
+                f"data parallelism's start-up check (the same model, plan and precision on "
+                f"every rank) failed on rank {dist.get_rank()}: another rank exited or "
+                "hung before building its pipeline, and its own output says why. Restart "
+                f"the job. Underlying error: {type(exc).__name__}: {first}") from None
         bad = [self.members[r] for r, (fp, _) in enumerate(gathered) if fp != gathered[0][0]]
         if bad:
             # The heartbeat has not written yet (no prefix) and never will: ranks that
