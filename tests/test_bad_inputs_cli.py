@@ -152,6 +152,14 @@ def test_plan_config_not_an_object(capsys, tmp_path, content, fragments):
     ({"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 0},
      ["decoder_sparse_step=0: use an int >= 1"]),
     ({"num_experts": -1}, ["num_experts=-1: use an int >= 0"]),
+    # DeepSeek-V3's names: routed experts, MoE layer frequency, latent attention ranks.
+    ({"n_routed_experts": -4}, ["n_routed_experts=-4: use an int >= 0"]),
+    ({"n_routed_experts": 4, "num_experts_per_tok": 6},
+     ["num_experts_per_tok=6 is more than n_routed_experts=4"]),
+    ({"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_layer_freq": 0},
+     ["moe_layer_freq=0: use an int >= 1"]),
+    ({"kv_lora_rank": 0}, ["kv_lora_rank=0: use a positive int"]),
+    ({"model_type": "falcon", "ffn_hidden_size": "4h"}, ["ffn_hidden_size='4h'"]),
 ])
 def test_plan_config_bad_sizes(capsys, tmp_path, changes, fragments):
     fails(capsys, 2, ["plan", _config(tmp_path, **changes)], *fragments)

@@ -232,7 +232,9 @@ def load_config(model: str | pathlib.Path | Mapping | object) -> dict:
 
 _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
           "head_dim", "vocab_size", "intermediate_size", "moe_intermediate_size",
-          "num_experts_per_tok")
+          "num_experts_per_tok", "shared_expert_intermediate_size", "ffn_hidden_size",
+          "n_inner", "num_kv_heads", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+          "qk_nope_head_dim", "v_head_dim", "intermediate_multiple_size")
 
 
 _ALIASES = {"hidden_size": ("d_model", "n_embd"), "num_hidden_layers": ("n_layers", "n_layer"),
@@ -281,18 +283,22 @@ def _check_moe(cfg: Mapping, where: str) -> None:
     """The MoE sizes agree where the model itself would fail: no more experts per token
     than experts (``topk`` refuses it), a sparse step of at least 1 (``% 0``). A count
     of 0 experts is a dense model (Qwen3-MoE builds dense blocks then)."""
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                if cfg.get(k) is not None), "num_experts")
+    experts = cfg.get(key)
     top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
     if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int)
                                 or experts < 0):
-        raise ConfigError(f"{where}: num_experts={experts!r}: use an int >= 0 (0: dense)")
+        raise ConfigError(f"{where}: {key}={experts!r}: use an int >= 0 (0: dense)")
     if experts and isinstance(top_k, int) and top_k > experts:
-        raise ConfigError(f"{where}: num_experts_per_tok={top_k} is more than num_experts="
+        raise ConfigError(f"{where}: num_experts_per_tok={top_k} is more than {key}="
                           f"{experts}: a token is routed to at most every expert")
-    step = cfg.get("decoder_sparse_step")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
-        raise ConfigError(f"{where}: decoder_sparse_step={step!r}: use an int >= 1 (every "
-                          "that many layers is MoE)")
+    for name in ("decoder_sparse_step", "moe_layer_freq"):
+        step = cfg.get(name)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)
+                                 or step < 1):
+            raise ConfigError(f"{where}: {name}={step!r}: use an int >= 1 (every that many "
+                              "layers is MoE)")
 
 
 def _get(cfg: Mapping, key: str, default=None):
