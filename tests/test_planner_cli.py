@@ -2,11 +2,13 @@
 planned quickly without allocating weights."""
 
 import json
+import pathlib
 import resource
 import time
 
 import pytest
 
+import rotapipe
 from rotapipe.cli import main
 
 
@@ -243,3 +245,21 @@ def test_plan_modes_example_runs(capsys, monkeypatch):
     assert abs(sync - (call + step)) <= 0.011 and stale < call < overlap < sync
     (step, call, sync, overlap, stale) = rows["gpt-oss-20b"]
     assert call < step <= stale < overlap < sync
+
+
+def test_plan_says_when_the_cost_model_does_not_count_the_family(capsys, tmp_path):
+    """A family the cost model counts block by block plans silently; another one is
+    priced as Llama-style blocks, and the output says so (text and JSON)."""
+    cfg = json.loads((pathlib.Path(rotapipe.__file__).parent / "data" / "configs" /
+                      "qwen3-1.7b.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg, "model_type": "qwen3_next_of_kin"}))
+    assert main(["plan", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("cost model: model_type 'qwen3_next_of_kin' is not a family")
+    _, out = _json(capsys, str(path))
+    assert out["model_type"] == "qwen3_next_of_kin" and not out["counted_exactly"]
+    assert main(["plan", "qwen3-1.7b"]) == 0
+    assert "cost model:" not in capsys.readouterr().out
+    _, out = _json(capsys, "qwen3-1.7b")
+    assert out["model_type"] == "qwen3" and out["counted_exactly"]

@@ -87,8 +87,8 @@ def test_every_family_is_counted_as_transformers_builds_it(family):
     assert work[1].forward_flops == 2 * multiplied + 4 * width
 
 
-VARIANTS = [
-    ("falcon", {}), ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 8}),
+VARIANTS = [(family, {}) for family in FAMILIES] + [
+    ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 8}),
     ("falcon", {"multi_query": False, "parallel_attn": False, "bias": True}),
     ("stablelm", {"use_parallel_residual": False, "qk_layernorm": True,
                   "use_qkv_bias": True}),
@@ -96,10 +96,15 @@ VARIANTS = [
     ("llama", {"mlp_bias": True, "attention_bias": True}),
     ("starcoder2", {"use_bias": False}), ("gpt_neox", {"attention_bias": False}),
     ("qwen2_moe", {"qkv_bias": False, "mlp_only_layers": [0, 2], "decoder_sparse_step": 2}),
-    ("deepseek_v3", {}),
     ("deepseek_v3", {"q_lora_rank": None, "attention_bias": True, "num_hidden_layers": 5}),
-    ("gemma3_text", {}), ("gemma3_text", {"tie_word_embeddings": False}),
-    ("mpt", {}), ("codegen", {}), ("gpt_neox_japanese", {}), ("gpt_oss", {}),
+    ("gemma3_text", {"tie_word_embeddings": False}),
+    ("ernie4_5_moe", {"use_bias": True}),
+    ("ernie4_5_moe", {"moe_layer_interval": 2, "moe_layer_start_index": 2}),
+    ("ernie4_5", {"use_bias": True}),
+    ("llama4_text", {"interleave_moe_layer_step": 2}), ("llama4_text", {"moe_layers": [0, 3]}),
+    ("glm4_moe", {"use_qk_norm": True, "first_k_dense_replace": 2}),
+    ("seed_oss", {"attention_out_bias": True, "attention_bias": False}),
+    ("phimoe", {"lm_head_bias": True}), ("granitemoeshared", {"shared_intermediate_size": 64}),
 ]
 
 

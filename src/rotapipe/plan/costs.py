@@ -283,8 +283,7 @@ def _check_moe(cfg: Mapping, where: str) -> None:
     """The MoE sizes agree where the model itself would fail: no more experts per token
     than experts (``topk`` refuses it), a sparse step of at least 1 (``% 0``). A count
     of 0 experts is a dense model (Qwen3-MoE builds dense blocks then)."""
-    key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                if cfg.get(k) is not None), "num_experts")
+    key = next((k for k in _EXPERTS if cfg.get(k) is not None), "num_experts")
     experts = cfg.get(key)
     top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
     if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int)
@@ -337,8 +336,7 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
     gpt_oss = kind == "gpt_oss"
     attn = _attention(cfg, kind, h, nh)
     block_norms, final_norm = _norms(cfg, kind, h)
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or \
-        cfg.get("n_routed_experts") or 0
+    experts = next((cfg[k] for k in _EXPERTS if cfg.get(k)), 0)
     types = cfg.get("layer_types") or ()
     window = cfg.get("sliding_window")
     if adapters is not None and len(adapters) != layers + 2:
@@ -360,17 +358,25 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
         moe = bool(experts) and _is_moe(cfg, kind, i)
         if moe:
             inter = cfg.get("moe_intermediate_size") or _get(cfg, "intermediate_size")
-            top_k = cfg.get("num_experts_per_tok") or _get(cfg, "experts_per_token")
+            top_k = cfg.get("num_experts_per_tok") or cfg.get("moe_k") or \
+                _get(cfg, "experts_per_token")
+            # Shared experts: one MLP of their own width (Qwen2-MoE, Llama 4) or a count
+            # of expert-wide ones (DeepSeek, GLM-4.5, ERNIE 4.5).
             shared = cfg.get("shared_expert_intermediate_size") or \
-                (cfg.get("n_shared_experts") or 0) * inter
+                cfg.get("shared_intermediate_size") or \
+                (inter if kind == "llama4_text" else 0) or \
+                (cfg.get("n_shared_experts") or cfg.get("moe_num_shared_experts") or 0) * inter
             # GPT-OSS: biased router and experts (gate_up 2 * inter, down h per expert);
-            # Qwen2-MoE: a one-output gate on the shared expert.
+            # ERNIE 4.5: a score-correction bias per expert on the router; Qwen2-MoE: a
+            # one-output gate on the shared expert.
             expert = 3 * h * inter + ((2 * inter + h) if gpt_oss else 0)
-            router = h * experts + (experts if gpt_oss else 0)
-            shared_gate = h if shared and kind == "qwen2_moe" else 0
-            mlp_params = experts * expert + router + 3 * h * shared + shared_gate
+            router = h * experts + (experts if gpt_oss or kind == "ernie4_5_moe" else 0)
+            shared_extra = h if shared and kind == "qwen2_moe" else 0
+            if shared and kind == "ernie4_5_moe" and cfg.get("use_bias"):
+                shared_extra += 2 * shared + h          # the shared experts' biases
+            mlp_params = experts * expert + router + 3 * h * shared + shared_extra
             mlp_flops = 2 * (h * experts + top_k * 3 * h * inter + 3 * h * shared +
-                             shared_gate)
+                             shared_extra)
             mlp_saved = h + top_k * (h + 4 * inter) + 4 * shared
         else:
             mlp_params, mlp_saved = _dense_mlp(cfg, kind, h)
@@ -381,10 +387,13 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
             attn.params + late_bias + attn.extra + mlp_params + block_norms,
             (attn.saved + mlp_saved) * dtype_bytes + (4 * experts if moe else 0),
             h * dtype_bytes))
-    # Head: final norm, output projection (with its bias in Phi and CodeGen),
+    # Head: final norm, output projection (with its bias in Phi and CodeGen, and where
+    # PhiMoE's lm_head_bias or ERNIE-4.5-MoE's use_bias says),
     # cross-entropy over the vocabulary (logits in the compute dtype, log-softmax kept
     # in fp32 for the backward).
-    head_bias = vocab if kind in ("phi", "codegen") else 0
+    head_bias = vocab if kind in ("phi", "codegen") or (
+        kind == "phimoe" and cfg.get("lm_head_bias")) or (
+        kind == "ernie4_5_moe" and cfg.get("use_bias")) else 0
     works.append(LayerWork("head", 2 * h * vocab, grads * 2 * h * vocab,
                            vocab * h + head_bias + final_norm,
                            2 * h * dtype_bytes + vocab * (dtype_bytes + 4), 0.0))
@@ -398,18 +407,25 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
             "phi3", "granite", "olmo", "olmo2", "cohere", "cohere2", "gpt_neox", "phi",
             "stablelm", "starcoder2", "glm4", "mpt", "falcon", "gpt_neox_japanese",
-            "codegen", "smollm3", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3")
+            "codegen", "smollm3", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3",
+            "mixtral", "llama4_text", "glm4_moe", "ernie4_5", "ernie4_5_moe", "olmo3",
+            "olmoe", "flex_olmo", "phimoe", "exaone", "exaone4", "seed_oss", "minimax_m2",
+            "arcee", "apertus", "granitemoe", "granitemoeshared", "helium", "internlm3",
+            "ministral3", "minicpm3", "vaultgemma", "cwm", "solar_open", "youtu")
 """``model_type`` values whose blocks :func:`model_work` counts as their family builds
-them (``transformers`` 5); another ``model_type`` is counted as a Llama-style block
-(pre-norms, gated MLP, ``attention_bias`` on all four projections)."""
+them (``transformers`` 5.24; ``tests/test_sim_costs.py`` builds each family's default
+config on the meta device and compares every block); another ``model_type`` is
+counted as a Llama-style block (pre-norms, gated MLP, ``attention_bias`` on all four
+projections), and ``rotapipe plan`` says so."""
 
 _PLAIN_MLP = frozenset({"gpt_neox", "gpt_neox_japanese", "phi", "starcoder2", "mpt",
-                        "falcon", "codegen"})
+                        "falcon", "codegen", "arcee", "apertus"})
 """Families whose MLP is two matrices (up, activation, down), not gated."""
 
 _TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3_text", "starcoder2", "mpt",
                               "falcon", "gpt_neox_japanese", "cohere", "cohere2",
-                              "smollm3"})
+                              "smollm3", "ernie4_5", "ernie4_5_moe", "vaultgemma", "youtu",
+                              "minicpm3"})
 """Families whose LM head is tied to the embedding when ``config.json`` does not say
 (their ``transformers`` config default; every other family is untied)."""
 
@@ -464,15 +480,20 @@ def _attention(cfg: Mapping, kind: str, h: int, nh: int) -> _Attention:
         "starcoder2": every if cfg.get("use_bias", True) else 0,
         "falcon": every if cfg.get("bias") else 0,
         "gpt_neox_japanese": 0, "codegen": 0, "mpt": 0,
+        "seed_oss": (qkv if cfg.get("attention_bias") else 0) +
+                    (h if cfg.get("attention_out_bias") else 0),
+        "ernie4_5": every if cfg.get("use_bias") else 0,
+        "ernie4_5_moe": every if cfg.get("use_bias") else 0,
     }.get(kind, every if cfg.get("attention_bias") else 0)
     # Per-head or whole-width norms on queries and keys.
-    if kind.startswith("qwen3") or kind == "gemma3_text":
+    if kind.startswith("qwen3") or kind in ("gemma3_text", "exaone4", "apertus") or (
+            kind == "glm4_moe" and cfg.get("use_qk_norm")):
         qk_norm = 2 * hd
     elif kind == "phi":
         qk_norm = 4 * hd if cfg.get("qk_layernorm") else 0       # LayerNorms with bias
-    elif kind in ("olmo2", "cohere", "stablelm"):
-        on = {"olmo2": True, "cohere": cfg.get("use_qk_norm"),
-              "stablelm": cfg.get("qk_layernorm")}[kind]
+    elif kind in ("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2", "cohere", "stablelm"):
+        on = {"cohere": cfg.get("use_qk_norm"),
+              "stablelm": cfg.get("qk_layernorm")}.get(kind, True)
         qk_norm = q + kv if on else 0
     else:
         qk_norm = 0
@@ -492,14 +513,19 @@ def _dense_mlp(cfg: Mapping, kind: str, h: int) -> tuple[int, int]:
         inter = h * (cfg.get("intermediate_multiple_size") or 4)
     elif kind == "codegen":
         inter = cfg.get("n_inner") or 4 * h
+    elif kind == "llama4_text":
+        inter = cfg.get("intermediate_size_mlp") or _get(cfg, "intermediate_size")
     else:
         inter = _get(cfg, "intermediate_size")
     if kind in _PLAIN_MLP:
         bias = {"gpt_neox": True, "phi": True, "codegen": True,
                 "starcoder2": cfg.get("use_bias", True), "falcon": cfg.get("bias")
                 }.get(kind, False)
-        return 2 * h * inter + (inter + h if bias else 0), 2 * inter
-    bias = 2 * inter + h if cfg.get("mlp_bias") else 0
+        # Apertus: xIELU's two learned slopes.
+        act = 2 if kind == "apertus" else 0
+        return 2 * h * inter + (inter + h if bias else 0) + act, 2 * inter
+    bias = 2 * inter + h if cfg.get("mlp_bias") or (
+        kind.startswith("ernie4_5") and cfg.get("use_bias")) else 0
     return 3 * h * inter + bias, 4 * inter
 
 
@@ -516,6 +542,8 @@ def _norms(cfg: Mapping, kind: str, h: int) -> tuple[int, int]:
         return 2 * ln, ln
     if kind in ("phi", "codegen"):
         return ln, ln
+    if kind == "phimoe":
+        return 2 * ln, ln
     if kind == "stablelm":
         return (ln if cfg.get("use_parallel_residual") else 2 * ln), ln
     if kind == "falcon":
@@ -526,12 +554,27 @@ def _norms(cfg: Mapping, kind: str, h: int) -> tuple[int, int]:
 
 
 def _is_moe(cfg: Mapping, kind: str, i: int) -> bool:
-    """Whether block ``i`` of a model with experts routes to them."""
-    if kind.startswith("deepseek"):
-        return i >= (cfg.get("first_k_dense_replace") or 0) and \
-            i % (cfg.get("moe_layer_freq") or 1) == 0
-    return i not in set(cfg.get("mlp_only_layers") or ()) and \
+    """Whether block ``i`` of a model with experts routes to them: the family's own
+    rule (Llama 4's ``moe_layers``, ERNIE 4.5's index range), else dense first blocks
+    (``first_k_dense_replace``, every ``moe_layer_freq``-th after them: DeepSeek,
+    GLM-4.5) and Qwen's dense list and sparse step."""
+    if kind == "llama4_text":
+        listed = cfg.get("moe_layers")
+        return i in listed if listed is not None else \
+            (i + 1) % (cfg.get("interleave_moe_layer_step") or 1) == 0
+    if kind == "ernie4_5_moe":
+        end = cfg.get("moe_layer_end_index", -1)
+        end = _get(cfg, "num_hidden_layers") - 1 if end == -1 else end
+        return (i + 1) % (cfg.get("moe_layer_interval") or 1) == 0 and \
+            (cfg.get("moe_layer_start_index") or 0) <= i <= end
+    return i >= (cfg.get("first_k_dense_replace") or 0) and \
+        i % (cfg.get("moe_layer_freq") or 1) == 0 and \
+        i not in set(cfg.get("mlp_only_layers") or ()) and \
         (i + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
+
+
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Config keys of the routed expert count, by family."""
 
 
 def _attended(seq: int, window: int | None) -> float:

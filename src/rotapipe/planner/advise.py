@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from .._enums import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import Hardware, ModelCosts, model_costs, model_work
-from ..plan.costs import load_config, text_settings
+from ..plan.costs import FAMILIES, load_config, text_settings
 from ..plan.hostmem import (GB, SHARD_MODES, HostMemory, bytes_sent, host_memory,
                             lora_params, per_server)
 from ..plan.partitioner import Direction, Footprint, assemble_plan
@@ -98,6 +98,9 @@ class PlanAnalysis:
     grad_dtype: str = "float32"
     """``nodes`` > 1: dtype the sharded modes send gradients in
     (``DataParallelConfig.grad_dtype``; ``"none"`` always sends fp32)."""
+    family: str = ""
+    """The config's ``model_type``; one outside :data:`rotapipe.plan.costs.FAMILIES` is
+    priced as a Llama-style block, and the text says so."""
     modes: ModeSteps | None = None
     """The plan's step in each optimizer mode with the host optimizer's time
     (``overlap`` and ``stale`` only with ``--modes``); ``None`` when no plan fits."""
@@ -126,6 +129,7 @@ class PlanAnalysis:
         c = self.choice
         out = {"model": self.model, "hardware": self.hardware, "seq": self.seq,
                "global_batch": self.global_batch, "lora": self.lora, "qlora": self.qlora,
+               "model_type": self.family, "counted_exactly": self.family in FAMILIES,
                "layout": self.host.layout, "fits": self.fits,
                "fits_device": self.fits_device, "fits_host": self.fits_host,
                "binding": self.binding, "device_limit_bytes": self.device_limit,
@@ -163,6 +167,11 @@ class PlanAnalysis:
         c, gib = self.choice, 2**30
         lines = [f"{self.model} on {self.hardware}, {self.global_batch} x {self.seq} tokens "
                  f"per step, {'QLoRA (NF4 base)' if self.qlora else 'LoRA' if self.lora else 'full fine-tuning'}"]
+        if self.family not in FAMILIES:
+            lines.append(f"cost model: model_type {self.family!r} is not a family it counts "
+                         "block by block; its blocks are priced as Llama-style (pre-norms, "
+                         "gated MLP), so sizes and times may be off (docs/simulate.md, "
+                         "\"The cost model\")")
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"verdict: {verdict} (binding constraint: {self.binding} memory)")
         if c is not None:
@@ -474,7 +483,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
                                                          pipelined=modes, clip=clip)
     analysis = PlanAnalysis(str(model), hw.name, seq, global_batch, lora_rank is not None,
                             device_limit, host_limit, choice, host, error, longest,
-                            longest_host, mfu, qlora=qlora, modes=steps)
+                            longest_host, mfu, qlora=qlora, modes=steps,
+                            family=str(text_settings(load_config(model)).get("model_type", "")))
     return _with_suggestions(analysis, model, hw, lora_rank, counts)
 
 
