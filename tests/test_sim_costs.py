@@ -87,6 +87,30 @@ def test_every_family_is_counted_as_transformers_builds_it(family):
     assert work[1].forward_flops == 2 * multiplied + 4 * width
 
 
+
+DENSE = sorted(f for f in hf_models.FAMILIES
+               if f not in ("qwen3moe", "qwen2moe", "gpt_oss", "deepseek_v3"))
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_lora_params_equal_peft_all_linear_on_every_dense_family(family):
+    """The planner's LoRA adapters per layer (rotapipe.plan.lora_params, from the config)
+    equal what PEFT's target_modules="all-linear" (rotapipe train --lora's default)
+    puts on the model, layer by layer: fused projections, two-matrix MLPs, biases
+    and norms left alone. (MoE models: PEFT 0.21 adapts the routed experts and the
+    router and, on Qwen3-MoE and DeepSeek-V3, not the dense MLPs or shared experts;
+    the planner does the opposite: docs/planning.md.)"""
+    peft = pytest.importorskip("peft")
+    from rotapipe.plan import lora_params
+    torch.manual_seed(0)
+    model = hf_models.FAMILIES[family]()
+    config = model.config.to_dict()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear",
+                                                       lora_dropout=0.0))
+    real = [sum(p.numel() for p in layer.parameters() if p.requires_grad)
+            for layer in rotapipe.adapters.wrap_hf(model).layers]
+    assert list(lora_params(config, 4)) == real
+
 VARIANTS = [(family, {}) for family in FAMILIES] + [
     ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 8}),
     ("falcon", {"multi_query": False, "parallel_attn": False, "bias": True}),

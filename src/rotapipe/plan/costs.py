@@ -460,14 +460,7 @@ def _attention(cfg: Mapping, kind: str, h: int, nh: int) -> _Attention:
         return _Attention(params, (ql or 0) + kvl, qk, nh * v_hd,
                           4 * h + 2 * qk + 2 * nh * v_hd + (ql or 0) + kvl)
     hd = cfg.get("head_dim") or h // nh
-    if kind in ("gpt_neox", "gpt_neox_japanese", "codegen", "mpt"):
-        nkv = nh                                   # no grouped-query attention
-    elif kind == "falcon":
-        nkv = (cfg.get("num_kv_heads") or nh) if cfg.get("new_decoder_architecture") \
-            else 1 if cfg.get("multi_query", True) else nh
-    else:
-        nkv = cfg.get("num_key_value_heads") or nh
-    q, kv = nh * hd, nkv * hd
+    q, kv = nh * hd, _kv_heads(cfg, kind, nh) * hd
     # Biases on q, k, v (qkv) or on all four projections (all).
     qkv, every = q + 2 * kv, q + 2 * kv + h
     bias = {
@@ -502,21 +495,84 @@ def _attention(cfg: Mapping, kind: str, h: int, nh: int) -> _Attention:
                       4 * h + 2 * q + 2 * kv + (q + kv if qk_norm else 0))
 
 
+def _kv_heads(cfg: Mapping, kind: str, nh: int) -> int:
+    """Key and value heads: grouped-query where the family has it."""
+    if kind in ("gpt_neox", "gpt_neox_japanese", "codegen", "mpt"):
+        return nh                                   # no grouped-query attention
+    if kind == "falcon":
+        return (cfg.get("num_kv_heads") or nh) if cfg.get("new_decoder_architecture") \
+            else 1 if cfg.get("multi_query", True) else nh
+    return cfg.get("num_key_value_heads") or nh
+
+
+_FUSED_QKV = frozenset({"phi3", "gpt_neox", "gpt_neox_japanese", "falcon", "mpt", "codegen"})
+"""Families whose query, key and value projections are one matrix."""
+_FUSED_GATE_UP = frozenset({"phi3", "glm4"})
+"""Families whose dense MLP's gate and up projections are one matrix."""
+
+
+def block_linears(config, i: int) -> list[tuple[str, int, int]]:
+    """The weight matrices of decoder block ``i`` as ``(role, fan_in, fan_out)``, the
+    ones PEFT's ``target_modules="all-linear"`` adapts other than the routed experts
+    and their router: attention (``q``, ``k``, ``v``, ``o``; ``qkv`` where the family
+    fuses them; DeepSeek's latent projections as ``q`` and ``kv``), the dense MLP or
+    the MoE block's shared experts (``gate``, ``up``, ``down``; ``gate_up`` fused),
+    and Qwen2-MoE's shared-expert gate (``gate``)."""
+    cfg = text_settings(load_config(config))
+    h, nh = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
+    kind = str(cfg.get("model_type", ""))
+    out = []
+    if cfg.get("kv_lora_rank"):
+        rope, nope = _get(cfg, "qk_rope_head_dim"), _get(cfg, "qk_nope_head_dim")
+        v_hd, kvl, ql = _get(cfg, "v_head_dim"), cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+        qk = nh * (rope + nope)
+        out += [("q", h, ql), ("q", ql, qk)] if ql else [("q", h, qk)]
+        out += [("kv", h, kvl + rope), ("kv", kvl, nh * (nope + v_hd)), ("o", nh * v_hd, h)]
+    else:
+        hd = cfg.get("head_dim") or h // nh
+        q, kv = nh * hd, _kv_heads(cfg, kind, nh) * hd
+        out += [("qkv", h, q + 2 * kv)] if kind in _FUSED_QKV else \
+            [("q", h, q), ("k", h, kv), ("v", h, kv)]
+        out.append(("o", q, h))
+    experts = next((cfg[k] for k in _EXPERTS if cfg.get(k)), 0)
+    if experts and _is_moe(cfg, kind, i):
+        inter = cfg.get("moe_intermediate_size") or _get(cfg, "intermediate_size")
+        shared = cfg.get("shared_expert_intermediate_size") or \
+            cfg.get("shared_intermediate_size") or \
+            (inter if kind == "llama4_text" else 0) or \
+            (cfg.get("n_shared_experts") or cfg.get("moe_num_shared_experts") or 0) * inter
+        if shared:
+            out += [("gate", h, shared), ("up", h, shared), ("down", shared, h)]
+        if shared and kind == "qwen2_moe":
+            out.append(("gate", h, 1))
+        return out
+    inter = _dense_width(cfg, kind, h)
+    if kind in _PLAIN_MLP:
+        return out + [("up", h, inter), ("down", inter, h)]
+    gate_up = [("gate_up", h, 2 * inter)] if kind in _FUSED_GATE_UP else \
+        [("gate", h, inter), ("up", h, inter)]
+    return out + gate_up + [("down", inter, h)]
+
+
+def _dense_width(cfg: Mapping, kind: str, h: int) -> int:
+    """A dense block's MLP width, by family."""
+    if kind == "falcon":
+        return cfg.get("ffn_hidden_size") or 4 * h
+    if kind == "mpt":
+        return 4 * h                       # transformers' MPT ignores expansion_ratio
+    if kind == "gpt_neox_japanese":
+        return h * (cfg.get("intermediate_multiple_size") or 4)
+    if kind == "codegen":
+        return cfg.get("n_inner") or 4 * h
+    if kind == "llama4_text":
+        return cfg.get("intermediate_size_mlp") or _get(cfg, "intermediate_size")
+    return _get(cfg, "intermediate_size")
+
+
 def _dense_mlp(cfg: Mapping, kind: str, h: int) -> tuple[int, int]:
     """A dense block's MLP: its parameters (all multiplied per token) and the elements
     per token it saves for the backward."""
-    if kind == "falcon":
-        inter = cfg.get("ffn_hidden_size") or 4 * h
-    elif kind == "mpt":
-        inter = 4 * h                       # transformers' MPT ignores expansion_ratio
-    elif kind == "gpt_neox_japanese":
-        inter = h * (cfg.get("intermediate_multiple_size") or 4)
-    elif kind == "codegen":
-        inter = cfg.get("n_inner") or 4 * h
-    elif kind == "llama4_text":
-        inter = cfg.get("intermediate_size_mlp") or _get(cfg, "intermediate_size")
-    else:
-        inter = _get(cfg, "intermediate_size")
+    inter = _dense_width(cfg, kind, h)
     if kind in _PLAIN_MLP:
         bias = {"gpt_neox": True, "phi": True, "codegen": True,
                 "starcoder2": cfg.get("use_bias", True), "falcon": cfg.get("bias")

@@ -199,26 +199,24 @@ def lora_params(config, rank: int = 16,
                 targets: Sequence[str] = ("q", "k", "v", "o", "gate", "up", "down")
                 ) -> tuple[int, ...]:
     """Trainable parameters of LoRA adapters of ``rank`` per layer (embedding, decoder
-    blocks, LM head: the layers of :func:`~rotapipe.plan.model_work`). Adapters sit on
-    the attention projections and on dense MLPs; MoE experts are left frozen (the
-    router and experts keep their weights), the embedding and head are frozen."""
+    blocks, LM head: the layers of :func:`~rotapipe.plan.model_work`): ``rank x (fan_in
+    + fan_out)`` on each of a block's matrices (:func:`rotapipe.plan.costs.block_linears`)
+    whose role is in ``targets``, as PEFT's ``target_modules="all-linear"`` puts them
+    with the default targets: attention projections (a fused ``qkv`` matrix when any
+    of ``q``, ``k``, ``v`` is targeted, DeepSeek's latent projections under ``q`` and
+    ``k``/``v``), dense MLPs and shared experts (a fused ``gate_up`` under ``gate`` or
+    ``up``). Routed MoE experts and their router are left frozen (PEFT adapts them:
+    ``docs/planning.md``); the embedding and head are frozen."""
+    from .costs import block_linears
     if rank < 1:
         raise ConfigError(f"LoRA rank must be >= 1, got {rank}")
     cfg = text_settings(load_config(config))
-    h, nh = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
-    hd = cfg.get("head_dim") or h // nh
-    q, kv = nh * hd, (cfg.get("num_key_value_heads") or nh) * hd
-    shapes = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h)}
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-    moe_every = cfg.get("decoder_sparse_step") or 1
-    dense_only = set(cfg.get("mlp_only_layers") or ())
+    wanted = set(targets)
+    roles = {"qkv": {"q", "k", "v"}, "kv": {"k", "v"}, "gate_up": {"gate", "up"}}
     out = [0]
     for i in range(_get(cfg, "num_hidden_layers")):
-        moe = experts and i not in dense_only and (i + 1) % moe_every == 0
-        inter = cfg.get("intermediate_size") or 0
-        mlp = {} if moe else {"gate": (h, inter), "up": (h, inter), "down": (inter, h)}
-        out.append(sum(rank * (a + b) for t, (a, b) in {**shapes, **mlp}.items()
-                       if t in targets))
+        out.append(sum(rank * (a + b) for role, a, b in block_linears(cfg, i)
+                       if roles.get(role, {role}) & wanted))
     return tuple(out + [0])
 
 
