@@ -12,7 +12,7 @@ import rotapipe
 from rotapipe import ConfigError
 from rotapipe.plan import (DEVICES, Hardware, LayerCost, ModelCosts, hardware, load_config,
                            model_costs, model_work)
-from rotapipe.plan.costs import FAMILIES, KNOWN_MODELS, tied_head
+from rotapipe.plan.configs import FAMILIES, KNOWN_MODELS, tied_head
 
 transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402 - needs transformers

@@ -86,7 +86,8 @@ from dataclasses import dataclass, replace
 
 from .._enums import PinMode
 from ..errors import ConfigError
-from .costs import ModelCosts, _get, load_config, nf4_bytes, text_settings
+from .configs import _get, block_linears, load_config, text_settings
+from .costs import ModelCosts, nf4_bytes
 from .partition import Plan
 
 __all__ = ["HostMemory", "host_memory", "lora_params", "GB", "LAYOUTS", "STATE_BYTES"]
@@ -200,14 +201,13 @@ def lora_params(config, rank: int = 16,
                 ) -> tuple[int, ...]:
     """Trainable parameters of LoRA adapters of ``rank`` per layer (embedding, decoder
     blocks, LM head: the layers of :func:`~rotapipe.plan.model_work`): ``rank x (fan_in
-    + fan_out)`` on each of a block's matrices (:func:`rotapipe.plan.costs.block_linears`)
+    + fan_out)`` on each of a block's matrices (:func:`rotapipe.plan.configs.block_linears`)
     whose role is in ``targets``, as PEFT's ``target_modules="all-linear"`` puts them
     with the default targets: attention projections (a fused ``qkv`` matrix when any
     of ``q``, ``k``, ``v`` is targeted, DeepSeek's latent projections under ``q`` and
     ``k``/``v``), dense MLPs and shared experts (a fused ``gate_up`` under ``gate`` or
     ``up``). Routed MoE experts and their router are left frozen (PEFT adapts them:
     ``docs/planning.md``); the embedding and head are frozen."""
-    from .costs import block_linears
     if rank < 1:
         raise ConfigError(f"LoRA rank must be >= 1, got {rank}")
     cfg = text_settings(load_config(config))

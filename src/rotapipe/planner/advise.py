@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from .._enums import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import Hardware, ModelCosts, model_costs, model_work
-from ..plan.costs import FAMILIES, load_config, text_settings
+from ..plan.configs import FAMILIES, load_config, text_settings
 from ..plan.hostmem import (GB, SHARD_MODES, HostMemory, bytes_sent, host_memory,
                             lora_params, per_server)
 from ..plan.partitioner import Direction, Footprint, assemble_plan
@@ -99,7 +99,7 @@ class PlanAnalysis:
     """``nodes`` > 1: dtype the sharded modes send gradients in
     (``DataParallelConfig.grad_dtype``; ``"none"`` always sends fp32)."""
     family: str = ""
-    """The config's ``model_type``; one outside :data:`rotapipe.plan.costs.FAMILIES` is
+    """The config's ``model_type``; one outside :data:`rotapipe.plan.configs.FAMILIES` is
     priced as a Llama-style block, and the text says so."""
     modes: ModeSteps | None = None
     """The plan's step in each optimizer mode with the host optimizer's time

@@ -233,7 +233,7 @@ def plan_memory(cfg: TrainConfig, pipe, tokenizer):
     from the model's config), or ``None`` when the cost model cannot price the model's
     activations."""
     from ..plan import hardware, model_costs
-    from ..plan.costs import load_config
+    from ..plan.configs import load_config
 
     config = _scratch_config(cfg, tokenizer) if cfg.model is None else \
         load_config(_model_dir(cfg))

@@ -1,0 +1,377 @@
+"""Hugging Face model configs as the cost model reads them: loading and checking a
+``config.json``, and how each family builds its decoder blocks (which projections,
+biases, norms and MLP matrices, dense or MoE), so that a block's parameters are
+counted from the config alone, exactly for the families in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["KNOWN_MODELS", "FAMILIES", "load_config", "text_settings", "tied_head",
+           "check_architecture", "block_linears"]
+
+_CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "data" / "configs"
+KNOWN_MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b", "qwen3-235b-a22b", "gpt-oss-20b")
+"""Model configs shipped with rotapipe (``data/configs/NAME.json``)."""
+
+
+def load_config(model: str | pathlib.Path | Mapping | object) -> dict:
+    """A model config as a dict: a known name (:data:`KNOWN_MODELS`), a path to a
+    ``config.json`` (or to a folder holding one), a dict, or a ``transformers``
+    config object."""
+    if isinstance(model, Mapping):
+        check_architecture(model)
+        return dict(model)
+    if hasattr(model, "to_dict"):
+        cfg = model.to_dict()
+        check_architecture(cfg)
+        return cfg
+    name = str(model)
+    path = pathlib.Path(name)
+    if name.lower() in KNOWN_MODELS:
+        path = _CONFIGS / f"{name.lower()}.json"
+    elif path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no model config at {name!r}: give a config.json path or one "
+                          f"of {', '.join(KNOWN_MODELS)}")
+    try:
+        cfg = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a JSON text file") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not an object: a "
+                          "model config.json is an object of settings (hidden_size, ...)")
+    check_architecture(cfg, str(path))
+    return cfg
+
+
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "vocab_size", "intermediate_size", "moe_intermediate_size",
+          "num_experts_per_tok", "shared_expert_intermediate_size", "ffn_hidden_size",
+          "n_inner", "num_kv_heads", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+          "qk_nope_head_dim", "v_head_dim", "intermediate_multiple_size")
+
+
+_ALIASES = {"hidden_size": ("d_model", "n_embd"), "num_hidden_layers": ("n_layers", "n_layer"),
+            "num_attention_heads": ("n_heads", "n_head"),
+            "max_position_embeddings": ("n_positions", "max_seq_len")}
+"""Older families' names for the sizes the cost model reads (MPT, CodeGen)."""
+
+
+def text_settings(cfg: Mapping) -> dict:
+    """A config's settings with its ``text_config`` (a multimodal model's language
+    model) merged over the top level, and the sizes older families name differently
+    (:data:`_ALIASES`) under their usual names."""
+    text = cfg.get("text_config")
+    merged = {**cfg, **text} if isinstance(text, Mapping) else dict(cfg)
+    for key, names in _ALIASES.items():
+        if merged.get(key) is None:
+            merged[key] = next((merged[n] for n in names if merged.get(n) is not None), None)
+    return merged
+
+
+def tied_head(config) -> bool:
+    """Whether the model's LM head holds the embedding's weight: the config's
+    ``tie_word_embeddings``, else its family's default (:data:`_TIED_BY_DEFAULT`)."""
+    cfg = text_settings(load_config(config))
+    tied = cfg.get("tie_word_embeddings")
+    return cfg.get("model_type") in _TIED_BY_DEFAULT if tied is None else bool(tied)
+
+
+def check_architecture(cfg: Mapping, where: str = "model config") -> None:
+    """Fail with :class:`ConfigError` when a size the cost model reads is not a positive
+    int (``num_attention_heads: 0``, a string, ...) or the heads do not group (absent
+    sizes are reported where they are needed)."""
+    merged = text_settings(cfg)
+    for key in _SIZES:
+        v = merged.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{where}: {key}={v!r}: use a positive int")
+    heads, kv = merged.get("num_attention_heads"), merged.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv}")
+    _check_moe(merged, where)
+
+
+def _check_moe(cfg: Mapping, where: str) -> None:
+    """The MoE sizes agree where the model itself would fail: no more experts per token
+    than experts (``topk`` refuses it), a sparse step of at least 1 (``% 0``). A count
+    of 0 experts is a dense model (Qwen3-MoE builds dense blocks then)."""
+    key = next((k for k in _EXPERTS if cfg.get(k) is not None), "num_experts")
+    experts = cfg.get(key)
+    top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
+    if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int)
+                                or experts < 0):
+        raise ConfigError(f"{where}: {key}={experts!r}: use an int >= 0 (0: dense)")
+    if experts and isinstance(top_k, int) and top_k > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok={top_k} is more than {key}="
+                          f"{experts}: a token is routed to at most every expert")
+    for name in ("decoder_sparse_step", "moe_layer_freq"):
+        step = cfg.get(name)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)
+                                 or step < 1):
+            raise ConfigError(f"{where}: {name}={step!r}: use an int >= 1 (every that many "
+                              "layers is MoE)")
+
+
+def _get(cfg: Mapping, key: str, default=None):
+    value = cfg.get(key, default)
+    if value is None:
+        raise ConfigError(f"model config (model_type={cfg.get('model_type')!r}) has no "
+                          f"{key!r}: rotapipe needs it to count FLOPs")
+    return value
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+            "phi3", "granite", "olmo", "olmo2", "cohere", "cohere2", "gpt_neox", "phi",
+            "stablelm", "starcoder2", "glm4", "mpt", "falcon", "gpt_neox_japanese",
+            "codegen", "smollm3", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3",
+            "mixtral", "llama4_text", "glm4_moe", "ernie4_5", "ernie4_5_moe", "olmo3",
+            "olmoe", "flex_olmo", "phimoe", "exaone", "exaone4", "seed_oss", "minimax_m2",
+            "arcee", "apertus", "granitemoe", "granitemoeshared", "helium", "internlm3",
+            "ministral3", "minicpm3", "vaultgemma", "cwm", "solar_open", "youtu")
+"""``model_type`` values whose blocks :func:`~rotapipe.plan.model_work` counts as their family builds
+them (``transformers`` 5.24; ``tests/test_sim_costs.py`` builds each family's default
+config on the meta device and compares every block); another ``model_type`` is
+counted as a Llama-style block (pre-norms, gated MLP, ``attention_bias`` on all four
+projections), and ``rotapipe plan`` says so."""
+
+_PLAIN_MLP = frozenset({"gpt_neox", "gpt_neox_japanese", "phi", "starcoder2", "mpt",
+                        "falcon", "codegen", "arcee", "apertus"})
+"""Families whose MLP is two matrices (up, activation, down), not gated."""
+
+_TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3_text", "starcoder2", "mpt",
+                              "falcon", "gpt_neox_japanese", "cohere", "cohere2",
+                              "smollm3", "ernie4_5", "ernie4_5_moe", "vaultgemma", "youtu",
+                              "minicpm3"})
+"""Families whose LM head is tied to the embedding when ``config.json`` does not say
+(their ``transformers`` config default; every other family is untied)."""
+
+
+@dataclass(frozen=True)
+class _Attention:
+    params: int
+    """Weights and biases a token is multiplied by (2 FLOPs each)."""
+    extra: int
+    """Parameters without FLOPs here: QK-norms, latent norms, attention sinks."""
+    qk_width: int
+    """Query width a token's scores are computed over (heads x query head size)."""
+    v_width: int
+    """Value width a token's output sums (heads x value head size)."""
+    saved: int
+    """Elements per token autograd keeps for the attention's backward."""
+
+
+def _attention(cfg: Mapping, kind: str, h: int, nh: int) -> _Attention:
+    """A block's attention, as its family builds it."""
+    if cfg.get("kv_lora_rank"):
+        # Multi-head latent attention (DeepSeek-V2/V3): queries through a rank-q_lora
+        # bottleneck (or one projection), keys and values from a normalised rank-kv_lora
+        # latent plus one shared rotary key.
+        rope, nope, v_hd, kvl, ql = _latent(cfg)
+        qk = nh * (rope + nope)
+        bias = 1 if cfg.get("attention_bias") else 0
+        q_params = (h * ql + bias * ql + ql * qk) if ql else h * qk
+        params = q_params + h * (kvl + rope) + bias * (kvl + rope) + \
+            kvl * nh * (nope + v_hd) + nh * v_hd * h + bias * h
+        return _Attention(params, (ql or 0) + kvl, qk, nh * v_hd,
+                          4 * h + 2 * qk + 2 * nh * v_hd + (ql or 0) + kvl)
+    hd = cfg.get("head_dim") or h // nh
+    q, kv = nh * hd, _kv_heads(cfg, kind, nh) * hd
+    # Biases on q, k, v (qkv) or on all four projections (all).
+    qkv, every = q + 2 * kv, q + 2 * kv + h
+    bias = {
+        "qwen2": qkv,
+        "qwen2_moe": qkv if cfg.get("qkv_bias", True) else 0,
+        "glm4": qkv if cfg.get("attention_bias") else 0,
+        "stablelm": qkv if cfg.get("use_qkv_bias") else 0,
+        "phi": every,
+        "gpt_neox": every if cfg.get("attention_bias", True) else 0,
+        "starcoder2": every if cfg.get("use_bias", True) else 0,
+        "falcon": every if cfg.get("bias") else 0,
+        "gpt_neox_japanese": 0, "codegen": 0, "mpt": 0,
+        "seed_oss": (qkv if cfg.get("attention_bias") else 0) +
+                    (h if cfg.get("attention_out_bias") else 0),
+        "ernie4_5": every if cfg.get("use_bias") else 0,
+        "ernie4_5_moe": every if cfg.get("use_bias") else 0,
+    }.get(kind, every if cfg.get("attention_bias") else 0)
+    # Per-head or whole-width norms on queries and keys.
+    if kind.startswith("qwen3") or kind in ("gemma3_text", "exaone4", "apertus") or (
+            kind == "glm4_moe" and cfg.get("use_qk_norm")):
+        qk_norm = 2 * hd
+    elif kind == "phi":
+        qk_norm = 4 * hd if cfg.get("qk_layernorm") else 0       # LayerNorms with bias
+    elif kind in ("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2", "cohere", "stablelm"):
+        on = {"cohere": cfg.get("use_qk_norm"),
+              "stablelm": cfg.get("qk_layernorm")}.get(kind, True)
+        qk_norm = q + kv if on else 0
+    else:
+        qk_norm = 0
+    sinks = nh if kind == "gpt_oss" else 0   # one attention-sink logit per head
+    return _Attention(2 * h * q + 2 * h * kv + bias, qk_norm + sinks, q, q,
+                      4 * h + 2 * q + 2 * kv + (q + kv if qk_norm else 0))
+
+
+def _latent(cfg: Mapping) -> tuple[int, int, int, int, int | None]:
+    """Multi-head latent attention's sizes: rotary and non-rotary query/key head size,
+    value head size, key-value rank, query rank (``None``: one query projection)."""
+    return (_get(cfg, "qk_rope_head_dim"), _get(cfg, "qk_nope_head_dim"),
+            _get(cfg, "v_head_dim"), cfg["kv_lora_rank"], cfg.get("q_lora_rank"))
+
+
+def _kv_heads(cfg: Mapping, kind: str, nh: int) -> int:
+    """Key and value heads: grouped-query where the family has it."""
+    if kind in ("gpt_neox", "gpt_neox_japanese", "codegen", "mpt"):
+        return nh                                   # no grouped-query attention
+    if kind == "falcon":
+        return (cfg.get("num_kv_heads") or nh) if cfg.get("new_decoder_architecture") \
+            else 1 if cfg.get("multi_query", True) else nh
+    return cfg.get("num_key_value_heads") or nh
+
+
+_FUSED_QKV = frozenset({"phi3", "gpt_neox", "gpt_neox_japanese", "falcon", "mpt", "codegen"})
+"""Families whose query, key and value projections are one matrix."""
+_FUSED_GATE_UP = frozenset({"phi3", "glm4"})
+"""Families whose dense MLP's gate and up projections are one matrix."""
+
+
+def block_linears(config, i: int) -> list[tuple[str, int, int]]:
+    """The weight matrices of decoder block ``i`` as ``(role, fan_in, fan_out)``, the
+    ones PEFT's ``target_modules="all-linear"`` adapts other than the routed experts
+    and their router: attention (``q``, ``k``, ``v``, ``o``; ``qkv`` where the family
+    fuses them; DeepSeek's latent projections as ``q`` and ``kv``), the dense MLP or
+    the MoE block's shared experts (``gate``, ``up``, ``down``; ``gate_up`` fused),
+    and Qwen2-MoE's shared-expert gate (``gate``)."""
+    cfg = text_settings(load_config(config))
+    h, nh = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
+    kind = str(cfg.get("model_type", ""))
+    out = []
+    if cfg.get("kv_lora_rank"):
+        rope, nope, v_hd, kvl, ql = _latent(cfg)
+        qk = nh * (rope + nope)
+        out += [("q", h, ql), ("q", ql, qk)] if ql else [("q", h, qk)]
+        out += [("kv", h, kvl + rope), ("kv", kvl, nh * (nope + v_hd)), ("o", nh * v_hd, h)]
+    else:
+        hd = cfg.get("head_dim") or h // nh
+        q, kv = nh * hd, _kv_heads(cfg, kind, nh) * hd
+        out += [("qkv", h, q + 2 * kv)] if kind in _FUSED_QKV else \
+            [("q", h, q), ("k", h, kv), ("v", h, kv)]
+        out.append(("o", q, h))
+    experts = _experts(cfg)
+    if experts and _is_moe(cfg, kind, i):
+        inter = cfg.get("moe_intermediate_size") or _get(cfg, "intermediate_size")
+        shared = _shared_width(cfg, kind, inter)
+        if shared:
+            out += [("gate", h, shared), ("up", h, shared), ("down", shared, h)]
+        if shared and kind == "qwen2_moe":
+            out.append(("gate", h, 1))
+        return out
+    inter = _dense_width(cfg, kind, h)
+    if kind in _PLAIN_MLP:
+        return out + [("up", h, inter), ("down", inter, h)]
+    gate_up = [("gate_up", h, 2 * inter)] if kind in _FUSED_GATE_UP else \
+        [("gate", h, inter), ("up", h, inter)]
+    return out + gate_up + [("down", inter, h)]
+
+
+def _shared_width(cfg: Mapping, kind: str, inter: int) -> int:
+    """An MoE block's shared-expert width: one MLP of its own width (Qwen2-MoE,
+    GraniteMoE-shared, Llama 4's expert-wide one) or a count of expert-wide ones
+    (DeepSeek, GLM-4.5, ERNIE 4.5); 0 without."""
+    return cfg.get("shared_expert_intermediate_size") or \
+        cfg.get("shared_intermediate_size") or (inter if kind == "llama4_text" else 0) or \
+        (cfg.get("n_shared_experts") or cfg.get("moe_num_shared_experts") or 0) * inter
+
+
+def _dense_width(cfg: Mapping, kind: str, h: int) -> int:
+    """A dense block's MLP width, by family."""
+    if kind == "falcon":
+        return cfg.get("ffn_hidden_size") or 4 * h
+    if kind == "mpt":
+        return 4 * h                       # transformers' MPT ignores expansion_ratio
+    if kind == "gpt_neox_japanese":
+        return h * (cfg.get("intermediate_multiple_size") or 4)
+    if kind == "codegen":
+        return cfg.get("n_inner") or 4 * h
+    if kind == "llama4_text":
+        return cfg.get("intermediate_size_mlp") or _get(cfg, "intermediate_size")
+    return _get(cfg, "intermediate_size")
+
+
+def _dense_mlp(cfg: Mapping, kind: str, h: int) -> tuple[int, int]:
+    """A dense block's MLP: its parameters (all multiplied per token) and the elements
+    per token it saves for the backward."""
+    inter = _dense_width(cfg, kind, h)
+    if kind in _PLAIN_MLP:
+        bias = {"gpt_neox": True, "phi": True, "codegen": True,
+                "starcoder2": cfg.get("use_bias", True), "falcon": cfg.get("bias")
+                }.get(kind, False)
+        # Apertus: xIELU's two learned slopes.
+        act = 2 if kind == "apertus" else 0
+        return 2 * h * inter + (inter + h if bias else 0) + act, 2 * inter
+    bias = 2 * inter + h if cfg.get("mlp_bias") or (
+        kind.startswith("ernie4_5") and cfg.get("use_bias")) else 0
+    return 3 * h * inter + bias, 4 * inter
+
+
+def _norms(cfg: Mapping, kind: str, h: int) -> tuple[int, int]:
+    """Norm parameters of one block and of the final norm (in the head)."""
+    ln = 2 * h                                     # a LayerNorm with a bias
+    if kind == "olmo":
+        return 0, 0                                # parameter-free LayerNorms
+    if kind in ("gemma2", "gemma3_text", "glm4"):
+        return 4 * h, h                            # pre- and post-norms, both sublayers
+    if kind in ("cohere", "cohere2"):
+        return h, h                                # one norm, parallel sublayers
+    if kind in ("gpt_neox", "gpt_neox_japanese", "starcoder2"):
+        return 2 * ln, ln
+    if kind in ("phi", "codegen"):
+        return ln, ln
+    if kind == "phimoe":
+        return 2 * ln, ln
+    if kind == "stablelm":
+        return (ln if cfg.get("use_parallel_residual") else 2 * ln), ln
+    if kind == "falcon":
+        lns = cfg.get("num_ln_in_parallel_attn") or \
+            (2 if cfg.get("new_decoder_architecture") else 1)
+        return (ln if cfg.get("parallel_attn", True) and lns != 2 else 2 * ln), ln
+    return 2 * h, h                                # RMSNorms (MPT: LayerNorms, no bias)
+
+
+def _is_moe(cfg: Mapping, kind: str, i: int) -> bool:
+    """Whether block ``i`` of a model with experts routes to them: the family's own
+    rule (Llama 4's ``moe_layers``, ERNIE 4.5's index range), else dense first blocks
+    (``first_k_dense_replace``, every ``moe_layer_freq``-th after them: DeepSeek,
+    GLM-4.5) and Qwen's dense list and sparse step."""
+    if kind == "llama4_text":
+        listed = cfg.get("moe_layers")
+        return i in listed if listed is not None else \
+            (i + 1) % (cfg.get("interleave_moe_layer_step") or 1) == 0
+    if kind == "ernie4_5_moe":
+        end = cfg.get("moe_layer_end_index", -1)
+        end = _get(cfg, "num_hidden_layers") - 1 if end == -1 else end
+        return (i + 1) % (cfg.get("moe_layer_interval") or 1) == 0 and \
+            (cfg.get("moe_layer_start_index") or 0) <= i <= end
+    return i >= (cfg.get("first_k_dense_replace") or 0) and \
+        i % (cfg.get("moe_layer_freq") or 1) == 0 and \
+        i not in set(cfg.get("mlp_only_layers") or ()) and \
+        (i + 1) % (cfg.get("decoder_sparse_step") or 1) == 0
+
+
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Config keys of the routed expert count, by family."""
+
+
+def _experts(cfg: Mapping) -> int:
+    """Routed experts per MoE block (0: a dense model)."""
+    return next((cfg[k] for k in _EXPERTS if cfg.get(k)), 0)
