@@ -204,10 +204,10 @@ def test_plan_prices_each_optimizer_mode_with_the_host_optimizer(capsys):
     assert m["stale_ms"] < clipped["stale_ms"] < clipped["overlap_ms"]
 
 
-def test_plan_prints_the_host_optimizer_and_leaves_it_out_with_data_parallelism(capsys):
+def test_plan_prints_the_host_optimizer_and_each_servers_share(capsys):
     """Text: the optimizer's step and sync's always, overlap and stale with
-    ``--modes``; LoRA steps its adapters only; per-server data parallelism (calls one
-    at a time, sharded steps) is not priced; a rate of 0 is refused."""
+    ``--modes``; LoRA steps its adapters only; with data parallelism (calls one at a
+    time) each server's row adds the host step on its share; a rate of 0 is refused."""
     from rotapipe.plan import lora_params
     rc = main(["plan", "qwen3-1.7b", "--microbatches", "16"])
     text = capsys.readouterr().out
@@ -223,6 +223,14 @@ def test_plan_prints_the_host_optimizer_and_leaves_it_out_with_data_parallelism(
     assert out["optimizer"]["overlap_ms"] is None
     rc, out = _json(capsys, "qwen3-1.7b", "--nodes", "2", "--modes")
     assert rc == 0 and "optimizer" not in out
+    # Each server's row: the call, the exposed traffic and the host step on its share
+    # (all 1.72e9 parameters unsharded, half of them sharded over 2 servers).
+    rows = {m["shard"]: m for m in out["servers"]}
+    assert rows["none"]["optimizer_s"] == pytest.approx(1.72e9 / 5e9, rel=0.01)
+    assert rows["optimizer"]["optimizer_s"] == pytest.approx(rows["none"]["optimizer_s"] / 2)
+    for m in rows.values():
+        assert m["step_s"] == pytest.approx(out["step_ms"] / 1e3 + m["exposed_s"] +
+                                            m["optimizer_s"])
     with pytest.raises(SystemExit) as exc:
         main(["plan", "qwen3-1.7b", "--optimizer-rate", "0"])
     assert exc.value.code == 2

@@ -199,8 +199,11 @@ def test_planner_per_server_memory_and_traffic():
         assert m.host.gradients == -(-one.host.masters // 2) + stage + 100 * 2**20
     assert slow.servers[1].host == opt.host
     assert slow.servers[1].exposed_s > opt.exposed_s > 0
+    # and the host step on the server's half of the parameters comes on top (the
+    # unsharded row steps them all)
+    assert opt.optimizer_s == pytest.approx(none.optimizer_s / 2) and opt.optimizer_s > 0
     assert slow.servers[1].step_s == pytest.approx(
-        slow.servers[1].compute_s + slow.servers[1].exposed_s)
+        slow.servers[1].compute_s + slow.servers[1].exposed_s + opt.optimizer_s)
     small = analyze("qwen3-32b", hw, seq=2048, global_batch=16, host_ram=384 * GB, nodes=2,
                     inflight_mb=10)
     assert small.servers[1].host.gradients == opt.host.gradients - 90 * 2**20

@@ -41,6 +41,10 @@ class ServerMode:
     gather_bytes: int = 0
     """Of ``sent_bytes``, the all-gather of the updated weights: after the whole step
     (the exact optimizer with clipping), so never hidden."""
+    optimizer_s: float = 0.0
+    """The host optimizer's step on the parameters this server steps (all of them
+    unsharded, its 1/N share sharded), after the gradients arrive and before the
+    weights are gathered: calls run one at a time under data parallelism (``sync``)."""
 
     @property
     def comm_s(self) -> float:
@@ -57,8 +61,9 @@ class ServerMode:
 
     @property
     def step_s(self) -> float:
-        """Predicted step time with the data-parallel communication."""
-        return self.compute_s + self.exposed_s
+        """Predicted step time: the call, the communication it does not hide, and the
+        host optimizer's step on this server's share."""
+        return self.compute_s + self.exposed_s + self.optimizer_s
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,8 @@ class PlanAnalysis:
                             "host_bytes": m.host.as_dict(),
                             "sent_bytes_per_step": m.sent_bytes, "comm_s": m.comm_s,
                             "network_gbps": m.network_gbps, "exposed_s": m.exposed_s,
-                            "step_s": m.step_s} for m in self.servers]}
+                            "optimizer_s": m.optimizer_s, "step_s": m.step_s}
+                           for m in self.servers]}
         if c is not None:
             r = c.report
             out.update({"plan": c.plan.to_text(), "forward_stages": len(c.plan.forward),
@@ -204,12 +210,13 @@ class PlanAnalysis:
                      f"({host_note})")
         if self.nodes > 1:
             lines.append(f"per server ({self.nodes} servers, data parallel, "
-                         f"{self.servers[0].network_gbps:g} Gb/s each; exact optimizer; "
-                         f"sharded gradients sent in {self.grad_dtype}):")
+                         f"{self.servers[0].network_gbps:g} Gb/s each; exact optimizer, "
+                         "a step = the call + exposed traffic + the host step on the "
+                         f"server's share; sharded gradients sent in {self.grad_dtype}):")
             lines.append(f"  {'shard':>10} {'layout':>7} {'host RAM (GB)':>14} {'masters':>8} "
                          f"{'optimizer':>10} {'gradients':>10} {'sent/step (GB)':>15} "
-                         f"{'comm (s)':>9} {'exposed (s)':>12} {'step (s)':>9} "
-                         f"{'tokens/s':>9}")
+                         f"{'comm (s)':>9} {'exposed (s)':>12} {'host step (s)':>14} "
+                         f"{'step (s)':>9} {'tokens/s':>9}")
             tokens = self.nodes * self.global_batch * self.seq
             for m in self.servers:
                 mark = "  <- fits" if m.shard == self.shard and self.fits_host else ""
@@ -217,8 +224,8 @@ class PlanAnalysis:
                 lines.append(f"  {m.shard:>10} {m.host.layout:>7} {m.host.total / GB:>14.1f} "
                              f"{m.host.masters / GB:>8.1f} {m.host.optimizer / GB:>10.1f} "
                              f"{m.host.gradients / GB:>10.1f} {m.sent_bytes / GB:>15.1f} "
-                             f"{m.comm_s:>9.2f} {m.exposed_s:>12.2f} {m.step_s:>9.2f} "
-                             f"{rate:>9,.0f}{mark}")
+                             f"{m.comm_s:>9.2f} {m.exposed_s:>12.2f} "
+                             f"{m.optimizer_s:>14.2f} {m.step_s:>9.2f} {rate:>9,.0f}{mark}")
             lines.append(f"  gradients in flight capped at {self.inflight_mb:g} MiB per server "
                          "(DataParallelConfig.inflight_mb): a slower link makes the backward "
                          "wait (exposed) instead of queueing gradients in host RAM")
@@ -421,7 +428,7 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
         modes = tuple(server_mode(m) for m in SHARD_MODES)
         pick = next((m for m in modes if m.host.total <= a.host_limit), modes[-1])
         # The optimizer modes are priced for one server: with data parallelism calls
-        # run one at a time and the sharded modes step a share each (not modelled).
+        # run one at a time, so each server's row prices sync with its share's step.
         out = PlanAnalysis(**{**a.__dict__, "host": pick.host, "nodes": nodes,
                               "shard": pick.shard, "servers": modes, "modes": None,
                               "suggestions": (), "inflight_mb": inflight_mb,
@@ -531,8 +538,11 @@ def _server_mode(a: PlanAnalysis, hw, nodes: int, shard: str, gbps: float,
         window_s = compute_s * back / max(1e-9, back + sum(l.forward_ms for l in layers))
     gather = 0 if shard == "none" or nodes == 1 else \
         int((nodes - 1) / nodes * 2 * trainable)             # compute dtype (bf16)
+    # The host step: every stepped parameter unsharded, this server's share sharded.
+    optimizer_s = 0.0 if a.modes is None else \
+        a.modes.params / (1 if shard == "none" else nodes) / a.modes.rate
     return ServerMode(shard, per_server(a.host, nodes, shard, cap, stage=stage), sent, gbps,
-                      compute_s, window_s, gather)
+                      compute_s, window_s, gather, optimizer_s)
 
 
 def _with_suggestions(a: PlanAnalysis, model, hw, lora_rank, counts) -> PlanAnalysis:
