@@ -308,7 +308,8 @@ def _check_same_resume(dinfo, resume) -> None:
 def _check_host_ram_everywhere(cfg: TrainConfig, tokenizer, dinfo) -> str:
     """:func:`check_host_ram` on every rank, and every rank stops when one refuses (its
     machine may have less RAM free than the others): a rank that stopped alone would
-    leave the rest waiting in the next collective until ``dist_timeout``."""
+    leave the rest to load the model and then fail in their next collective, on a
+    closed connection or at ``dist_timeout``."""
     try:
         ram, refusal = check_host_ram(cfg, tokenizer, dinfo.world_size,
                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), None
