@@ -322,3 +322,17 @@ def test_lora_memory_model_sizes_gradients_as_the_adapters():
             "lora": simulate(s, lora).report.peak_bytes}
     assert sizes.stage_grads(plan.backward[1]) == sum(2 * p for p in adapters[4:n - 1])
     assert peak["lora"] < 0.8 * peak["full"]
+
+
+def test_linear_attention_layers_cost_the_same_at_any_length():
+    """Qwen3.5's Gated DeltaNet layers: the core per token does not grow with the
+    sequence, the full-attention layers' does; both count their parameters exactly
+    (test_full_size_configs_and_their_switches_count_exactly)."""
+    cfg = transformers.AutoConfig.for_model("qwen3_5_text", num_hidden_layers=4).to_dict()
+    assert cfg["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+    short, long = model_work(cfg, 2048), model_work(cfg, 8192)
+    assert long[1].forward_flops == short[1].forward_flops
+    assert long[4].forward_flops > short[4].forward_flops
+    # the linear core is a small share of the layer's projections at this width
+    proj = 2 * short[1].params
+    assert 0 < short[1].forward_flops - proj < 0.2 * proj

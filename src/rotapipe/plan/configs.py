@@ -139,7 +139,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
             "mixtral", "llama4_text", "glm4_moe", "ernie4_5", "ernie4_5_moe", "olmo3",
             "olmoe", "flex_olmo", "phimoe", "exaone", "exaone4", "seed_oss", "minimax_m2",
             "arcee", "apertus", "granitemoe", "granitemoeshared", "helium", "internlm3",
-            "ministral3", "minicpm3", "vaultgemma", "cwm", "solar_open", "youtu")
+            "ministral3", "minicpm3", "vaultgemma", "cwm", "solar_open", "youtu",
+            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 """``model_type`` values whose blocks :func:`~rotapipe.plan.model_work` counts as their family builds
 them (``transformers`` 5.24; ``tests/test_sim_costs.py`` builds each family's default
 config on the meta device and compares every block); another ``model_type`` is
@@ -170,10 +171,44 @@ class _Attention:
     """Value width a token's output sums (heads x value head size)."""
     saved: int
     """Elements per token autograd keeps for the attention's backward."""
+    linear_core: float = 0.0
+    """Forward FLOPs per token of a linear-attention core (independent of the sequence
+    length; 0 for softmax attention, whose core :func:`~rotapipe.plan.model_work`
+    prices from ``qk_width`` and ``v_width``)."""
 
 
-def _attention(cfg: Mapping, kind: str, h: int, nh: int) -> _Attention:
-    """A block's attention, as its family builds it."""
+_GATED_DELTA = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+"""Hybrid families: Gated DeltaNet linear attention in the ``linear_attention`` layers,
+softmax attention with an output gate (``q_proj`` twice as wide) in the others."""
+DELTA_CHUNK = 64
+"""Tokens per chunk of the chunked gated delta rule (fla's kernels and transformers'
+torch fallback)."""
+
+
+def _linear_attention(cfg: Mapping, h: int) -> _Attention:
+    """A Gated DeltaNet layer: queries, keys, values, the output gate ``z`` and the
+    per-head ``b``/``a`` projections from the hidden state, a causal depthwise
+    convolution over q, k, v, per-head decay (``A_log``, ``dt_bias``), a gated norm of
+    the head size, and the output projection. Its core per token and value head: the
+    state update and read (about 3 multiply-adds per state element, dk x dv) and the
+    chunk-local attention of the chunked form (dk + dv per position of the chunk): an
+    estimate, the parameters are exact."""
+    nk, nv = _get(cfg, "linear_num_key_heads"), _get(cfg, "linear_num_value_heads")
+    dk, dv = _get(cfg, "linear_key_head_dim"), _get(cfg, "linear_value_head_dim")
+    kernel = cfg.get("linear_conv_kernel_dim") or 4
+    key, value = nk * dk, nv * dv
+    conv = 2 * key + value
+    params = h * (2 * key + 2 * value + 2 * nv) + value * h
+    core = nv * (2 * 3 * dk * dv + 2 * DELTA_CHUNK * (dk + dv)) + 2 * conv * kernel
+    return _Attention(params, conv * kernel + 2 * nv + dv, 0, 0,
+                      4 * h + 2 * (2 * key + 2 * value) + conv, core)
+
+
+def _attention(cfg: Mapping, kind: str, h: int, nh: int, layer: int = 0) -> _Attention:
+    """Block ``layer``'s attention, as its family builds it."""
+    types = cfg.get("layer_types") or ()
+    if kind in _GATED_DELTA and layer < len(types) and types[layer] == "linear_attention":
+        return _linear_attention(cfg, h)
     if cfg.get("kv_lora_rank"):
         # Multi-head latent attention (DeepSeek-V2/V3): queries through a rank-q_lora
         # bottleneck (or one projection), keys and values from a normalised rank-kv_lora
@@ -218,7 +253,8 @@ def _attention(cfg: Mapping, kind: str, h: int, nh: int) -> _Attention:
     else:
         qk_norm = 0
     sinks = nh if kind == "gpt_oss" else 0   # one attention-sink logit per head
-    return _Attention(2 * h * q + 2 * h * kv + bias, qk_norm + sinks, q, q,
+    gate = h * q if kind in _GATED_DELTA else 0   # q_proj also computes the output gate
+    return _Attention(2 * h * q + 2 * h * kv + bias + gate, qk_norm + sinks, q, q,
                       4 * h + 2 * q + 2 * kv + (q + kv if qk_norm else 0))
 
 
@@ -239,6 +275,8 @@ def _kv_heads(cfg: Mapping, kind: str, nh: int) -> int:
     return cfg.get("num_key_value_heads") or nh
 
 
+_SHARED_GATE = frozenset({"qwen2_moe", "qwen3_next", "qwen3_5_moe_text"})
+"""MoE families with a one-output gate on the shared expert."""
 _FUSED_QKV = frozenset({"phi3", "gpt_neox", "gpt_neox_japanese", "falcon", "mpt", "codegen"})
 """Families whose query, key and value projections are one matrix."""
 _FUSED_GATE_UP = frozenset({"phi3", "glm4"})
@@ -256,7 +294,17 @@ def block_linears(config, i: int) -> list[tuple[str, int, int]]:
     h, nh = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
     kind = str(cfg.get("model_type", ""))
     out = []
-    if cfg.get("kv_lora_rank"):
+    types = cfg.get("layer_types") or ()
+    if kind in _GATED_DELTA and i < len(types) and types[i] == "linear_attention":
+        nk, nv = _get(cfg, "linear_num_key_heads"), _get(cfg, "linear_num_value_heads")
+        key = nk * _get(cfg, "linear_key_head_dim")
+        value = nv * _get(cfg, "linear_value_head_dim")
+        # Qwen3-Next fuses q, k, v, z and b, a; Qwen3.5 keeps qkv, z, b and a apart.
+        out += [("qkv", h, 2 * key + 2 * value), ("qkv", h, 2 * nv)] \
+            if kind == "qwen3_next" else \
+            [("qkv", h, 2 * key + value), ("qkv", h, value), ("qkv", h, nv), ("qkv", h, nv)]
+        out.append(("o", value, h))
+    elif cfg.get("kv_lora_rank"):
         rope, nope, v_hd, kvl, ql = _latent(cfg)
         qk = nh * (rope + nope)
         out += [("q", h, ql), ("q", ql, qk)] if ql else [("q", h, qk)]
@@ -264,8 +312,9 @@ def block_linears(config, i: int) -> list[tuple[str, int, int]]:
     else:
         hd = cfg.get("head_dim") or h // nh
         q, kv = nh * hd, _kv_heads(cfg, kind, nh) * hd
+        gated = 2 if kind in _GATED_DELTA else 1         # the output gate rides on q
         out += [("qkv", h, q + 2 * kv)] if kind in _FUSED_QKV else \
-            [("q", h, q), ("k", h, kv), ("v", h, kv)]
+            [("q", h, gated * q), ("k", h, kv), ("v", h, kv)]
         out.append(("o", q, h))
     experts = _experts(cfg)
     if experts and _is_moe(cfg, kind, i):
@@ -273,7 +322,7 @@ def block_linears(config, i: int) -> list[tuple[str, int, int]]:
         shared = _shared_width(cfg, kind, inter)
         if shared:
             out += [("gate", h, shared), ("up", h, shared), ("down", shared, h)]
-        if shared and kind == "qwen2_moe":
+        if shared and kind in _SHARED_GATE:
             out.append(("gate", h, 1))
         return out
     inter = _dense_width(cfg, kind, h)

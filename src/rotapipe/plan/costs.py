@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
-from .configs import (KNOWN_MODELS, _attention, _dense_mlp, _experts, _get, _is_moe,
-                      _norms, _shared_width, load_config, text_settings, tied_head)
+from .configs import (_SHARED_GATE, KNOWN_MODELS, _attention, _dense_mlp, _experts, _get,
+                      _is_moe, _norms, _shared_width, load_config, text_settings,
+                      tied_head)
 from .hardware import Hardware
 
 __all__ = ["LayerCost", "ModelCosts", "LayerWork", "KNOWN_MODELS", "ROWS_FIRST_COST",
@@ -220,7 +221,6 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
     vocab = _get(cfg, "vocab_size")
     kind = str(cfg.get("model_type", ""))
     gpt_oss = kind == "gpt_oss"
-    attn = _attention(cfg, kind, h, nh)
     block_norms, final_norm = _norms(cfg, kind, h)
     experts = _experts(cfg)
     types = cfg.get("layer_types") or ()
@@ -235,10 +235,13 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
     works = [LayerWork("embed", 0.0, 0.0, vocab * h, 0.0, h * dtype_bytes,
                        memory_bytes=2 * h * dtype_bytes)]
     for i in range(layers):
+        attn = _attention(cfg, kind, h, nh, i)
         sliding = window and i < len(types) and types[i] == "sliding_attention"
         # QK^T and AV, 2 FLOPs per multiply-add each, over the positions a token attends
         # to on average; flash attention's backward recomputes the scores: 2.5x forward.
-        core = 2 * (attn.qk_width + attn.v_width) * _attended(seq, window if sliding else None)
+        # A linear-attention layer's core costs the same per token at any length.
+        core = 2 * (attn.qk_width + attn.v_width) * \
+            _attended(seq, window if sliding else None) + attn.linear_core
         # GPT-NeoX-Japanese: the last block's attention output has a bias.
         late_bias = h if kind == "gpt_neox_japanese" and i == layers - 1 else 0
         moe = bool(experts) and _is_moe(cfg, kind, i)
@@ -252,7 +255,7 @@ def model_work(config, seq: int, dtype_bytes: int = 2,
             # one-output gate on the shared expert.
             expert = 3 * h * inter + ((2 * inter + h) if gpt_oss else 0)
             router = h * experts + (experts if gpt_oss or kind == "ernie4_5_moe" else 0)
-            shared_extra = h if shared and kind == "qwen2_moe" else 0
+            shared_extra = h if shared and kind in _SHARED_GATE else 0
             if shared and kind == "ernie4_5_moe" and cfg.get("use_bias"):
                 shared_extra += 2 * shared + h          # the shared experts' biases
             mlp_params = experts * expert + router + 3 * h * shared + shared_extra
