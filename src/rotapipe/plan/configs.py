@@ -185,7 +185,44 @@ DELTA_CHUNK = 64
 torch fallback)."""
 
 
-def _linear_attention(cfg: Mapping, h: int) -> _Attention:
+def _is_linear(cfg: Mapping, kind: str, layer: int) -> bool:
+    """Whether block ``layer`` of a hybrid family is a Gated DeltaNet layer."""
+    types = cfg.get("layer_types") or ()
+    return kind in _GATED_DELTA and layer < len(types) and types[layer] == "linear_attention"
+
+
+def _attention_linears(cfg: Mapping, kind: str, h: int, nh: int,
+                       layer: int) -> list[tuple[str, int, int]]:
+    """Block ``layer``'s attention matrices as ``(role, fan_in, fan_out)``
+    (:func:`block_linears`); :func:`_attention` counts their weights."""
+    if _is_linear(cfg, kind, layer):
+        nk, nv = _get(cfg, "linear_num_key_heads"), _get(cfg, "linear_num_value_heads")
+        key = nk * _get(cfg, "linear_key_head_dim")
+        value = nv * _get(cfg, "linear_value_head_dim")
+        # Qwen3-Next fuses q, k, v, z and b, a; Qwen3.5 keeps qkv, z, b and a apart.
+        ins = [("qkv", h, 2 * key + 2 * value), ("qkv", h, 2 * nv)] if kind == "qwen3_next" \
+            else [("qkv", h, 2 * key + value), ("qkv", h, value), ("qkv", h, nv),
+                  ("qkv", h, nv)]
+        return ins + [("o", value, h)]
+    if cfg.get("kv_lora_rank"):
+        rope, nope, v_hd, kvl, ql = _latent(cfg)
+        qk = nh * (rope + nope)
+        q = [("q", h, ql), ("q", ql, qk)] if ql else [("q", h, qk)]
+        return q + [("kv", h, kvl + rope), ("kv", kvl, nh * (nope + v_hd)),
+                    ("o", nh * v_hd, h)]
+    hd = cfg.get("head_dim") or h // nh
+    q, kv = nh * hd, _kv_heads(cfg, kind, nh) * hd
+    gated = 2 if kind in _GATED_DELTA else 1         # the output gate rides on q
+    qkv = [("qkv", h, q + 2 * kv)] if kind in _FUSED_QKV else \
+        [("q", h, gated * q), ("k", h, kv), ("v", h, kv)]
+    return qkv + [("o", q, h)]
+
+
+def _weights(linears: list[tuple[str, int, int]]) -> int:
+    return sum(a * b for _, a, b in linears)
+
+
+def _linear_attention(cfg: Mapping, h: int, weights: int) -> _Attention:
     """A Gated DeltaNet layer: queries, keys, values, the output gate ``z`` and the
     per-head ``b``/``a`` projections from the hidden state, a causal depthwise
     convolution over q, k, v, per-head decay (``A_log``, ``dt_bias``), a gated norm of
@@ -198,28 +235,25 @@ def _linear_attention(cfg: Mapping, h: int) -> _Attention:
     kernel = cfg.get("linear_conv_kernel_dim") or 4
     key, value = nk * dk, nv * dv
     conv = 2 * key + value
-    params = h * (2 * key + 2 * value + 2 * nv) + value * h
     core = nv * (2 * 3 * dk * dv + 2 * DELTA_CHUNK * (dk + dv)) + 2 * conv * kernel
-    return _Attention(params, conv * kernel + 2 * nv + dv, 0, 0,
+    return _Attention(weights, conv * kernel + 2 * nv + dv, 0, 0,
                       4 * h + 2 * (2 * key + 2 * value) + conv, core)
 
 
 def _attention(cfg: Mapping, kind: str, h: int, nh: int, layer: int = 0) -> _Attention:
-    """Block ``layer``'s attention, as its family builds it."""
-    types = cfg.get("layer_types") or ()
-    if kind in _GATED_DELTA and layer < len(types) and types[layer] == "linear_attention":
-        return _linear_attention(cfg, h)
+    """Block ``layer``'s attention, as its family builds it: the weights of its
+    matrices (:func:`_attention_linears`), the biases and norms around them."""
+    weights = _weights(_attention_linears(cfg, kind, h, nh, layer))
+    if _is_linear(cfg, kind, layer):
+        return _linear_attention(cfg, h, weights)
     if cfg.get("kv_lora_rank"):
         # Multi-head latent attention (DeepSeek-V2/V3): queries through a rank-q_lora
         # bottleneck (or one projection), keys and values from a normalised rank-kv_lora
-        # latent plus one shared rotary key.
+        # latent plus one shared rotary key; attention_bias on q_a, kv_a and o.
         rope, nope, v_hd, kvl, ql = _latent(cfg)
         qk = nh * (rope + nope)
-        bias = 1 if cfg.get("attention_bias") else 0
-        q_params = (h * ql + bias * ql + ql * qk) if ql else h * qk
-        params = q_params + h * (kvl + rope) + bias * (kvl + rope) + \
-            kvl * nh * (nope + v_hd) + nh * v_hd * h + bias * h
-        return _Attention(params, (ql or 0) + kvl, qk, nh * v_hd,
+        bias = ((ql or 0) + kvl + rope + h) if cfg.get("attention_bias") else 0
+        return _Attention(weights + bias, (ql or 0) + kvl, qk, nh * v_hd,
                           4 * h + 2 * qk + 2 * nh * v_hd + (ql or 0) + kvl)
     hd = cfg.get("head_dim") or h // nh
     q, kv = nh * hd, _kv_heads(cfg, kind, nh) * hd
@@ -253,8 +287,7 @@ def _attention(cfg: Mapping, kind: str, h: int, nh: int, layer: int = 0) -> _Att
     else:
         qk_norm = 0
     sinks = nh if kind == "gpt_oss" else 0   # one attention-sink logit per head
-    gate = h * q if kind in _GATED_DELTA else 0   # q_proj also computes the output gate
-    return _Attention(2 * h * q + 2 * h * kv + bias + gate, qk_norm + sinks, q, q,
+    return _Attention(weights + bias, qk_norm + sinks, q, q,
                       4 * h + 2 * q + 2 * kv + (q + kv if qk_norm else 0))
 
 
@@ -293,29 +326,7 @@ def block_linears(config, i: int) -> list[tuple[str, int, int]]:
     cfg = text_settings(load_config(config))
     h, nh = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
     kind = str(cfg.get("model_type", ""))
-    out = []
-    types = cfg.get("layer_types") or ()
-    if kind in _GATED_DELTA and i < len(types) and types[i] == "linear_attention":
-        nk, nv = _get(cfg, "linear_num_key_heads"), _get(cfg, "linear_num_value_heads")
-        key = nk * _get(cfg, "linear_key_head_dim")
-        value = nv * _get(cfg, "linear_value_head_dim")
-        # Qwen3-Next fuses q, k, v, z and b, a; Qwen3.5 keeps qkv, z, b and a apart.
-        out += [("qkv", h, 2 * key + 2 * value), ("qkv", h, 2 * nv)] \
-            if kind == "qwen3_next" else \
-            [("qkv", h, 2 * key + value), ("qkv", h, value), ("qkv", h, nv), ("qkv", h, nv)]
-        out.append(("o", value, h))
-    elif cfg.get("kv_lora_rank"):
-        rope, nope, v_hd, kvl, ql = _latent(cfg)
-        qk = nh * (rope + nope)
-        out += [("q", h, ql), ("q", ql, qk)] if ql else [("q", h, qk)]
-        out += [("kv", h, kvl + rope), ("kv", kvl, nh * (nope + v_hd)), ("o", nh * v_hd, h)]
-    else:
-        hd = cfg.get("head_dim") or h // nh
-        q, kv = nh * hd, _kv_heads(cfg, kind, nh) * hd
-        gated = 2 if kind in _GATED_DELTA else 1         # the output gate rides on q
-        out += [("qkv", h, q + 2 * kv)] if kind in _FUSED_QKV else \
-            [("q", h, gated * q), ("k", h, kv), ("v", h, kv)]
-        out.append(("o", q, h))
+    out = _attention_linears(cfg, kind, h, nh, i)
     experts = _experts(cfg)
     if experts and _is_moe(cfg, kind, i):
         inter = cfg.get("moe_intermediate_size") or _get(cfg, "intermediate_size")
