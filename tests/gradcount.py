@@ -86,6 +86,10 @@ class GradCount:
         gc.collect()
         # Weak references: a storage freed later may have its address reused.
         self._before = [weakref.ref(t) for t in self._grad_like()]
+        # Everything alive now (the test process's whole heap) moves to the permanent
+        # generation: each sample's collection and walk then see only what the run made
+        # since, which is what they count (the tensors above are excluded anyway).
+        gc.freeze()
         meter = self
 
         def patch(owner, name, before):
@@ -106,6 +110,7 @@ class GradCount:
         return self
 
     def __exit__(self, *exc):
+        gc.unfreeze()
         for owner, name, orig in reversed(self._undo):
             setattr(owner, name, orig)
         self._undo.clear()

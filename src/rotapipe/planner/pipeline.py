@@ -49,7 +49,8 @@ __all__ = ["work_costs", "parameter_costs", "emulation_costs", "stage_samples",
 log = logging.getLogger(__name__)
 
 RUNTIME_EXHAUSTIVE = 400
-"""Plan-space size up to which the runtime's planner is exact (6 layers, milliseconds);
+"""Plan-space size up to which the runtime's planner is exact for one call at a time
+(6 layers, milliseconds; overlapping calls: 4 layers, ``autoplan._STALE_EXHAUSTIVE``);
 larger models take the ranked candidates (see :class:`PlannerConfig`)."""
 
 _MS_PER_FLOP = 1e-9
