@@ -27,7 +27,11 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 120):
                           text=True, timeout=timeout)
 
 
-def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path):
+def test_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path):
+    """2 ranks end where 1 process with the global batch does; the 2-rank step-2
+    checkpoint resumes in 1 process and the 1-process one on 2 ranks, and both end
+    there too."""
+    import shutil
     data = text_jsonl(tmp_path / "d.jsonl", 300)
     common = dict(data=str(data), steps=3, batch=8, eval_interval=2, save_interval=2,
                   dist_timeout=60, lr=2e-3)
@@ -50,11 +54,27 @@ def test_two_ranks_equal_one_process_with_the_global_batch(tmp_path):
     names = sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir())
     assert names == ["step-00000002", "step-00000003"]          # no .tmp- leftovers
 
-    fa = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
-    fb = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
+    fa = _final(tmp_path / "one")
+    fb = _final(tmp_path / "two")
     assert fa.keys() == fb.keys()
     for k in fa:
         torch.testing.assert_close(fb[k], fa[k], rtol=1e-5, atol=1e-6, msg=k)
+
+    # Across world sizes: 2 ranks -> 1 process, 1 process -> 2 ranks, from step 2.
+    for src, out, world, mb in (("two", "a", 1, 4), ("one", "b", 2, 2)):
+        shutil.copytree(tmp_path / src / "checkpoints" / "step-00000002",
+                        tmp_path / out / "checkpoints" / "step-00000002")
+        args = flags(out_dir=str(tmp_path / out), microbatches=mb, resume=True, **common)
+        then = torchrun(args) if world > 1 else run(args)
+        assert then.returncode == 0, then.stdout + then.stderr
+        assert then.stdout.count("resumed from") == 1, then.stdout
+        got = _final(tmp_path / out)
+        for k in fa:
+            torch.testing.assert_close(got[k], fa[k], rtol=1e-5, atol=1e-6,
+                                       msg=f"{src} -> {world}: {k}")
+        steps = [json.loads(l)["step"] for l in (tmp_path / out / "metrics.jsonl")
+                 .read_text().splitlines()]
+        assert steps == [3], (out, steps)
 
 
 def test_a_batch_that_does_not_split_over_the_ranks_is_one_line(tmp_path):
@@ -64,35 +84,6 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_one_line(tmp_path):
     assert bad.returncode != 0
     lines = [l for l in bad.stderr.splitlines() if l.startswith("rotapipe train: error")]
     assert lines and "batch=6" in lines[0] and "2 ranks" in lines[0], bad.stderr
-
-
-def test_checkpoints_resume_across_world_sizes(tmp_path):
-    """A 2-rank checkpoint resumes on 1 process and a 1-process one on 2 ranks; both
-    end where a straight 1-process run does."""
-    data = text_jsonl(tmp_path / "d.jsonl", 300)
-    common = dict(data=str(data), batch=8, eval_interval=0, dist_timeout=60, lr=2e-3)
-    straight = run(flags(out_dir=str(tmp_path / "s"), microbatches=4, steps=3, **common))
-    assert straight.returncode == 0, straight.stdout + straight.stderr
-    first = torchrun(flags(out_dir=str(tmp_path / "a"), microbatches=2, steps=2, **common))
-    assert first.returncode == 0, first.stdout + first.stderr
-    then = run(flags(out_dir=str(tmp_path / "a"), microbatches=4, steps=3, resume=True,
-                     **common))
-    assert then.returncode == 0, then.stdout + then.stderr
-    first = run(flags(out_dir=str(tmp_path / "b"), microbatches=4, steps=2, **common))
-    assert first.returncode == 0, first.stdout + first.stderr
-    then = torchrun(flags(out_dir=str(tmp_path / "b"), microbatches=2, steps=3, resume=True,
-                          **common))
-    assert then.returncode == 0, then.stdout + then.stderr
-    assert then.stdout.count("resumed from") == 1, then.stdout
-    want = load_file(str(tmp_path / "s" / "final" / "model.safetensors"))
-    for out in ("a", "b"):
-        got = load_file(str(tmp_path / out / "final" / "model.safetensors"))
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6,
-                                       msg=f"{out}: {k}")
-        steps = [json.loads(l)["step"] for l in (tmp_path / out / "metrics.jsonl")
-                 .read_text().splitlines()]
-        assert steps == [1, 2, 3], (out, steps)
 
 
 def test_a_time_limit_stops_every_rank_at_the_same_step(tmp_path):
