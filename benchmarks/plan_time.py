@@ -12,6 +12,8 @@ tails split up to 8 jobs; Qwen3-235B-A22B with ``--lora``, rank 8):
 - ``python -m rotapipe plan MODEL`` as a user runs it (imports included: the plan
   command imports neither torch nor transformers), wall and CPU seconds, the best of
   ``--runs`` runs (the machine may be shared);
+- the ranked candidates alone on 100 layers (Qwen3-32B's blocks repeated), CPU seconds
+  (tests/test_planner.py bounds the number of estimates this takes, not its time);
 - last, ``python -m rotapipe simulate --model qwen3-32b --hardware rtx4090x8`` (every
   schedule side by side) the same way.
 
@@ -28,7 +30,8 @@ import sys
 import time
 from dataclasses import replace
 
-from rotapipe.plan import hardware
+from rotapipe.plan import ModelCosts, hardware, model_costs
+from rotapipe.plan.partitioner import Footprint, candidate_plans
 from rotapipe.planner.advise import _costs, _trainable
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 
@@ -77,6 +80,12 @@ def main(argv=None) -> None:
         print(f"{name:22s} {t_pruned:9.2f} {pruned.simulated:5d} {t_every:8.2f} "
               f"{every.simulated:5d} {t_every / t_pruned:7.1f}x {'yes' if same else 'NO':>5s} "
               f"{min(w for w, _ in cli):11.2f} {min(c for _, c in cli):10.2f}")
+    base = model_costs("qwen3-32b", hw).layers
+    costs = ModelCosts((base[0],) + tuple(base[1 + i % 64] for i in range(98)) + (base[-1],),
+                       2048)
+    t = time.process_time()
+    candidate_plans(Footprint.of(costs, 16), 8, int(21.6 * 2**30))
+    print(f"candidate plans, 100 layers: CPU {time.process_time() - t:.2f} s")
     sim = [_cli("simulate", "--model", "qwen3-32b", "--hardware", "rtx4090x8")
            for _ in range(args.runs)]
     print(f"rotapipe simulate --model qwen3-32b: wall {min(w for w, _ in sim):.2f} s, "

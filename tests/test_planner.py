@@ -3,7 +3,6 @@ force, whole plans against exhaustive simulation, coverage and memory properties
 planning time, host-memory arithmetic and measured-cost refinement."""
 
 import random
-import time
 from dataclasses import replace
 
 import pytest
@@ -320,17 +319,22 @@ def test_planner_chooses_layer_grain_when_its_longer_stages_are_faster():
     assert both.step_ms == pytest.approx(min(stage.step_ms, layer.step_ms))
 
 
-def test_planning_100_layers_takes_under_a_second():
+def test_planning_100_layers_stays_within_a_fixed_number_of_estimates(monkeypatch):
+    """The candidate search on 100 layers (Qwen3-32B's blocks) stays polynomial: a
+    fixed budget of job-grain estimates (374 today, about 1 ms each on 2 cores;
+    ``benchmarks/plan_time.py`` prints the CPU time), not a timed assertion."""
+    import rotapipe.plan.partitioner as partitioner
     hw = hardware("rtx4090x8")
     base = model_costs("qwen3-32b", hw).layers
     layers = tuple(base[1 + i % 64] for i in range(98))
     costs = ModelCosts((base[0],) + layers + (base[-1],), 2048)
     assert len(costs.layers) == 100
-    t = time.process_time()   # CPU time: robust to other processes on a shared machine
+    calls = []
+    estimate = partitioner._estimate
+    monkeypatch.setattr(partitioner, "_estimate",
+                        lambda *a, **k: calls.append(1) or estimate(*a, **k))
     cands = candidate_plans(Footprint.of(costs, 16), 8, int(21.6 * 2**30))
-    took = time.process_time() - t
-    assert took < 1.0, f"planning 100 layers took {took:.2f} s"
-    assert cands
+    assert cands and 0 < len(calls) <= 1000, len(calls)
 
 
 def test_planner_beats_the_compute_only_greedy_on_qwen3_32b():
