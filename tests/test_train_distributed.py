@@ -265,12 +265,16 @@ def test_sharded_training_resumes_exactly_and_reshards_2_3_1(tmp_path):
     assert steps == [2, 3], steps
 
 
-def test_shard_without_torchrun_is_one_line(tmp_path):
+def test_shard_without_torchrun_is_one_line(tmp_path, capsys):
+    from rotapipe.cli import main       # in this process: exit code and stderr
     data = text_jsonl(tmp_path / "d.jsonl", 50)
-    r = run(flags(data=str(data), out_dir=str(tmp_path / "o"), steps=1, shard="optimizer"))
-    assert r.returncode == 2
-    lines = [l for l in r.stderr.splitlines() if l.startswith("rotapipe train: error")]
-    assert lines and "torchrun --nproc-per-node" in lines[0] and "--shard" in lines[0], \
-        r.stderr
-    r = run(flags(data=str(data), out_dir=str(tmp_path / "o"), steps=1, grad_dtype="bf16"))
-    assert r.returncode == 2 and "--shard optimizer" in r.stderr, r.stderr
+    rc = main(["train", *flags(data=str(data), out_dir=str(tmp_path / "o"), steps=1,
+                               shard="optimizer")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = [l for l in err.splitlines() if l.startswith("rotapipe train: error")]
+    assert lines and "torchrun --nproc-per-node" in lines[0] and "--shard" in lines[0], err
+    rc = main(["train", *flags(data=str(data), out_dir=str(tmp_path / "o"), steps=1,
+                               grad_dtype="bf16")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--shard optimizer" in err, err

@@ -89,7 +89,7 @@ def test_pretrained_defaults_and_epochs_set_the_schedule(tmp_path, model_dir):
     assert TrainConfig(model="m", lora=True).effective().lr == 2e-4
 
 
-def test_holdout_0_with_eval_data_trains_on_3000_records(tmp_path, model_dir):
+def test_holdout_0_with_eval_data_trains_on_3000_records(tmp_path, model_dir, capsys):
     data = sft_jsonl(tmp_path / "train.jsonl", 3000, seed=1)
     other = sft_jsonl(tmp_path / "other.jsonl", 20, seed=2)
     out = tmp_path / "o"
@@ -108,12 +108,15 @@ def test_holdout_0_with_eval_data_trains_on_3000_records(tmp_path, model_dir):
     # No held-out split: every record trains (3000 records, none held out).
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert count_split([data], tok, holdout=0.0, fields=TextFields())[0] == 3000
-    # holdout 0 and no eval_data: trains without evaluating.
-    p = run(["--model", str(model_dir), "--data", str(data), "--holdout", "0",
-             "--steps", "2", "--out-dir", str(tmp_path / "o2"), "--seq", "48",
-             "--batch", "4", "--microbatches", "2", "--backend", "emulated",
-             "--no-progress"], timeout=300)
-    assert p.returncode == 0 and "no evaluation" in p.stdout, p.stdout + p.stderr
+    # holdout 0 and no eval_data: trains without evaluating (in this process).
+    from rotapipe.cli import main
+    capsys.readouterr()
+    rc = main(["train", "--model", str(model_dir), "--data", str(data), "--holdout", "0",
+               "--steps", "2", "--out-dir", str(tmp_path / "o2"), "--seq", "48",
+               "--batch", "4", "--microbatches", "2", "--backend", "emulated",
+               "--no-progress"])
+    got = capsys.readouterr()
+    assert rc == 0 and "no evaluation" in got.out, got.out + got.err
 
 
 def _hub_cache(root: pathlib.Path, repo: str, model_dir: pathlib.Path,

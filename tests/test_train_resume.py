@@ -121,18 +121,21 @@ def test_sigkill_during_checkpoint_writes_leaves_a_complete_checkpoint(tmp_path)
         assert torch.equal(state["opt"]["m"], torch.full((256, 1024), float(step)))
 
 
-def test_checkpoint_from_a_different_model_is_refused(tmp_path):
+def test_checkpoint_from_a_different_model_is_refused(tmp_path, capsys):
+    """In this process (``rotapipe.cli.main``: the exit code and stderr a shell sees;
+    the commands above run as processes)."""
+    from rotapipe.cli import main
     data = text_jsonl(tmp_path / "d.jsonl", 200)
     out = str(tmp_path / "o")
-    first = run(flags(data=str(data), out_dir=out, steps=2, eval_interval=0))
-    assert first.returncode == 0, first.stdout + first.stderr
-    again = run(flags(data=str(data), out_dir=out, steps=4, dim=48, resume=True))
-    assert again.returncode == 2                   # a setting is wrong: usage
-    err = again.stderr.strip()
+    assert main(["train", *flags(data=str(data), out_dir=out, steps=2, eval_interval=0)]) == 0
+    capsys.readouterr()
+    rc = main(["train", *flags(data=str(data), out_dir=out, steps=4, dim=48, resume=True)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2                   # a setting is wrong: usage
     assert len(err.splitlines()) == 1 and "dim=32" in err and "--dim 32" in err, err
     # Fresh run into a directory that holds checkpoints: refused, with the fix.
-    fresh = run(flags(data=str(data), out_dir=out, steps=2))
-    assert fresh.returncode == 2 and "--resume" in fresh.stderr
+    rc = main(["train", *flags(data=str(data), out_dir=out, steps=2)])
+    assert rc == 2 and "--resume" in capsys.readouterr().err
 
 
 def test_resumed_summary_counts_this_runs_tokens(tmp_path):
