@@ -440,6 +440,40 @@ def test_lora_base_loads_in_the_compute_dtype(tmp_path, model_dir):
     assert result.step == 2 and math.isfinite(result.eval_last)
 
 
+def test_lora_on_fused_experts_is_named_in_the_summary(tmp_path):
+    """PEFT's all-linear adapts Qwen3-MoE's fused expert stacks by folding B·A into each
+    whole stack per forward (work the planner does not price): the run's summary says
+    so and names the targets that leave the experts frozen; with those, no expert
+    trains and the note is gone."""
+    from rotapipe.train.model import build_model, folded_expert_note
+    tok = chat_tokenizer()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=64, moe_intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+        tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "moe")
+    tok.save_pretrained(tmp_path / "moe")
+    data = sft_jsonl(tmp_path / "s.jsonl", 60)
+    lines = []
+    train(TrainConfig(**RUN, model=str(tmp_path / "moe"), data=str(data), lora=True,
+                      holdout=0, steps=1, out_dir=str(tmp_path / "o")), echo=lines.append)
+    notes = [l for l in lines if l.startswith("note: LoRA adapts")]
+    # 2 blocks x (gate_up_proj, down_proj); a block's stacks: 4 experts x 3 x 256 x 64
+    # weights in the compute dtype (fp32 here) = 786,432 bytes.
+    assert len(notes) == 1 and "4 fused expert stacks" in notes[0], lines
+    assert "at least 0.8 MB per block" in notes[0], notes[0]
+    assert "--lora-targets k_proj,o_proj,q_proj,v_proj adapts those layers alone" in notes[0]
+    cfg = TrainConfig(model=str(tmp_path / "moe"), lora=True,
+                      lora_targets="k_proj,o_proj,q_proj,v_proj").effective()
+    model = build_model(cfg, tok)
+    assert folded_expert_note(model) is None
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and not [n for n in trained if "expert" in n or ".gate." in n], trained
+
+
 def test_missing_paths_are_path_errors_not_hub_lookups(tmp_path, monkeypatch):
     from rotapipe.train.data import source_files
     from rotapipe.train.model import resolve_model

@@ -37,7 +37,7 @@ from .records import (IGNORE, TextFields, check_chats, describe_sources, iter_re
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
 from .model import (adapter_dir, build_model, build_tokenizer, check_host_ram,
-                    check_run_ram, check_sequence_length, fingerprint)
+                    check_run_ram, check_sequence_length, fingerprint, folded_expert_note)
 
 __all__ = ["train", "TrainResult", "RESUME_FIXED"]
 
@@ -464,6 +464,10 @@ def _describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) 
          f"({cfg.packing}), {evaluation}; setup {setup_s:.1f} s")
     echo(f"pipeline: {len(pipe.devices)} {kind} workers, {cfg.microbatches} microbatches "
          f"of {cfg.batch // cfg.microbatches}, plan {pipe.plan.to_text()}")
+    note = folded_expert_note(wrapped.model) if cfg.lora or cfg.qlora or \
+        cfg.resume_from_adapter else None
+    if note:
+        echo(f"note: {note}")
 
 
 class _Job:

@@ -17,6 +17,7 @@ from .data import TextFields, train_tokenizer
 from .hub import is_hub_id, snapshot
 
 __all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
+           "folded_expert_note",
            "resolve_model", "adapter_dir", "host_state", "check_host_ram", "plan_memory",
            "check_run_ram"]
 
@@ -141,6 +142,43 @@ def _with_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return peft.get_peft_model(model, peft.LoraConfig(
         r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
         lora_dropout=0.0, task_type="CAUSAL_LM"))
+
+
+def folded_expert_note(model: nn.Module) -> str | None:
+    """What LoRA on fused expert stacks costs, or ``None`` when no adapter wraps one.
+
+    PEFT adapts a whole parameter (``target_parameters``, and ``all-linear`` on the fused
+    ``experts.gate_up_proj`` / ``down_proj`` of Qwen3-MoE, Mixtral, DeepSeek-V3 and
+    others in transformers 5) with a ``ParamWrapper``: every forward call adds the
+    product of its low-rank factors to the whole stack, a temporary as large as the
+    stack, and runs the stack's matrix product with it, for every microbatch and
+    recompute. rotapipe's planner prices LoRA as adapters on linear layers, so this
+    is work and device memory it does not see; the note says so and names the targets
+    that leave the experts frozen."""
+    try:
+        from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+    except ImportError:
+        return None
+    stacks: dict[str, int] = {}
+    count, others = 0, set()
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper):
+            param = module.get_param()
+            if param.dim() == 3 and param.shape[0] > 1:        # experts x in x out
+                count += 1
+                block = name.rsplit(".experts", 1)[0]
+                stacks[block] = stacks.get(block, 0) + param.numel() * param.element_size()
+        elif isinstance(module, LoraLayer):
+            others.add(name.rsplit(".", 1)[-1])
+    if not count:
+        return None
+    keep = f"--lora-targets {','.join(sorted(others))}" if others else \
+        "--lora-targets with the attention's layer names"
+    return (f"LoRA adapts {count} fused expert stacks: on every forward and recompute PEFT "
+            "adds B·A to each whole stack (device temporaries of at least "
+            f"{size_text(max(stacks.values()))} per block, and the matching compute), which "
+            f"the planner does not price; {keep} adapts those layers alone (the experts "
+            "frozen)")
 
 
 # -- host RAM, before any weight is loaded -------------------------------------------------
