@@ -17,7 +17,12 @@ the same plan in the exact mode's pipelined calls (``overlap``: six calls, stead
 state between the last five losses, no optimizer time, a LoRA base uploaded without
 waiting for the optimizer: ``roundpipe_stale_schedule(staleness=0, frozen=...)``).
 
-    python benchmarks/paper_bubbles.py [--fp16-accumulate]
+    python benchmarks/paper_bubbles.py [--fp16-accumulate] [--rounds R]
+
+``--rounds R`` adds a column: the planner's plan run as ``R`` accumulating calls of
+``16 / R`` microbatches (what the exact mode runs for ``forward_backward`` calls
+followed by ``train_step``: nothing is stepped between them, so no call waits for an
+update), its bubble over the whole makespan.
 
 GPT-OSS-20B is the shipped config (``gpt-oss-20b``). The last column's planning time
 runs in this process (``rotapipe plan`` adds about 0.1 s of imports: no torch).
@@ -33,6 +38,8 @@ from rotapipe.planner import analyze
 from rotapipe.planner.advise import _costs, _trainable
 from rotapipe.planner.autoplan import PlannerConfig, choose_plan
 from rotapipe.schedule import roundpipe_stale_schedule
+from rotapipe.schedule.actions import COMPUTE_PASSES
+from rotapipe.schedule.timeline import Resource
 from rotapipe.sim import ActionTimes, run
 from rotapipe.sim.report import steady_bubble
 
@@ -54,15 +61,29 @@ def pipelined_bubble(choice) -> float:
     return steady_bubble(run(s, ActionTimes(plan, costs)), plan, CALLS - 2)[1]
 
 
+def rounds_bubble(choice, rounds: int) -> float:
+    """Idle share of ``rounds`` accumulating calls of ``M / rounds`` microbatches of
+    ``choice``'s plan, over their whole makespan."""
+    plan, costs = choice.plan, choice.costs
+    s = roundpipe_stale_schedule(plan, 8, M // rounds, calls=rounds, staleness=rounds,
+                                 frozen=costs.frozen)
+    tl = run(s, ActionTimes(plan, costs))
+    busy = sum(sp.end - sp.start for sp in tl.spans
+               if sp.resource == Resource.COMPUTE and sp.action.kind in COMPUTE_PASSES)
+    return 1 - busy / (8 * tl.makespan)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fp16-accumulate", action="store_true")
+    ap.add_argument("--rounds", type=int, default=0)
     args = ap.parse_args(argv)
     hw = hardware("rtx4090x8", fp16_accumulate=args.fp16_accumulate)
     print(f"8x RTX 4090 ({hw.flops / 1e12:.0f} TFLOPS sustained), seq {SEQ}, {M} "
           "microbatches, exact optimizer, one call simulated")
     head = (f"{'model':22s} {'1 tail job':>18s} {'planner':>24s} {'paper':>6s} "
-            f"{'goal':>6s} {'met':>4s} {'plan s':>7s} {'cpu s':>6s} {'pipelined':>9s}")
+            f"{'goal':>6s} {'met':>4s} {'plan s':>7s} {'cpu s':>6s} {'pipelined':>9s}"
+            + (f" {f'{args.rounds} rounds':>9s}" if args.rounds else ""))
     print(head)
     print(f"{'':22s} {'step ms':>9s} {'bubble':>8s} {'step ms':>9s} {'bubble':>8s} "
           f"{'tail':>6s}")
@@ -80,7 +101,8 @@ def main(argv=None) -> None:
         print(f"{name:22s} {one.step_ms:9.1f} {100 * one.report.bubble.total:7.1f}% "
               f"{best.step_ms:9.1f} {100 * best.bubble.total:7.1f}% "
               f"{'x' + str(c.plan.tail_jobs):>6s} {paper:5.1f}% {goal:5.1f}% {met:>4s} "
-              f"{seconds:7.2f} {cpu:6.2f} {100 * pipelined_bubble(c):8.1f}%")
+              f"{seconds:7.2f} {cpu:6.2f} {100 * pipelined_bubble(c):8.1f}%"
+              + (f" {100 * rounds_bubble(c, args.rounds):8.1f}%" if args.rounds else ""))
 
 
 if __name__ == "__main__":
