@@ -271,3 +271,18 @@ def test_plan_says_when_the_cost_model_does_not_count_the_family(capsys, tmp_pat
     assert "cost model:" not in capsys.readouterr().out
     _, out = _json(capsys, "qwen3-1.7b")
     assert out["model_type"] == "qwen3" and out["counted_exactly"]
+
+
+def test_plan_lora_names_the_expert_stacks_train_would_also_adapt(capsys):
+    """On a family whose fused experts PEFT's all-linear adapts, ``--lora`` says the
+    plan prices them frozen and how to train what it prices; a dense model, full
+    a family PEFT leaves alone plan silently."""
+    assert main(["plan", "qwen3-235b-a22b", "--lora", "--lora-rank", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("note: this plan prices LoRA with the routed experts "
+                               "frozen") and "188 fused expert stacks" in lines[1]
+    _, out = _json(capsys, "qwen3-235b-a22b", "--lora")
+    assert out["lora_folded_expert_stacks"] == 188
+    for argv in (["qwen3-1.7b", "--lora"], ["gpt-oss-20b", "--lora"]):
+        main(["plan", *argv])
+        assert "fused expert stacks" not in capsys.readouterr().out, argv

@@ -12,7 +12,8 @@ import rotapipe
 from rotapipe import ConfigError
 from rotapipe.plan import (DEVICES, Hardware, LayerCost, ModelCosts, hardware, load_config,
                            model_costs, model_work)
-from rotapipe.plan.configs import FAMILIES, KNOWN_MODELS, tied_head
+from rotapipe.plan.configs import (FAMILIES, KNOWN_MODELS, PEFT_FOLDED_EXPERTS, _experts,
+                                   folded_expert_stacks, tied_head)
 
 transformers = pytest.importorskip("transformers")
 import hf_models  # noqa: E402 - needs transformers
@@ -110,6 +111,40 @@ def test_lora_params_equal_peft_all_linear_on_every_dense_family(family):
     real = [sum(p.numel() for p in layer.parameters() if p.requires_grad)
             for layer in rotapipe.adapters.wrap_hf(model).layers]
     assert list(lora_params(config, 4)) == real
+
+
+MOE = [f for f in FAMILIES
+       if _experts(transformers.AutoConfig.for_model(f, num_hidden_layers=4).to_dict())]
+
+
+def test_peft_folds_the_experts_of_the_families_the_planner_names():
+    """Which MoE families' fused expert stacks PEFT's all-linear adapts (and
+    ``rotapipe plan --lora`` warns about): every MoE family of FAMILIES, its default
+    config with 4 blocks on the meta device, against PEFT's own wrappers; the targets
+    ``rotapipe train``'s note suggests adapt no stack (nor the router)."""
+    peft = pytest.importorskip("peft")
+    from peft.tuners.lora.layer import ParamWrapper
+    from rotapipe.train.model import folded_expert_note
+    assert len(MOE) >= 15
+    for family in MOE:
+        cfg = transformers.AutoConfig.for_model(family, num_hidden_layers=4)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, target_modules="all-linear", lora_dropout=0.0), low_cpu_mem_usage=True)
+        stacks = sum(isinstance(m, ParamWrapper) and m.get_param().dim() == 3
+                     for m in model.modules())
+        assert folded_expert_stacks(cfg) == stacks, family
+        assert (family in PEFT_FOLDED_EXPERTS) == (stacks > 0), family
+        if stacks:      # rotapipe train's note names targets that leave the experts frozen
+            targets = folded_expert_note(model).split("--lora-targets ")[1].split(" ")[0]
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(cfg)
+            model = peft.get_peft_model(model, peft.LoraConfig(
+                r=4, target_modules=targets.split(","), lora_dropout=0.0),
+                low_cpu_mem_usage=True)
+            assert not any(isinstance(m, ParamWrapper) for m in model.modules()), family
+
 
 VARIANTS = [(family, {}) for family in FAMILIES] + [
     ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 8}),

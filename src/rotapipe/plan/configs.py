@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 __all__ = ["KNOWN_MODELS", "FAMILIES", "load_config", "text_settings", "tied_head",
-           "check_architecture", "block_linears"]
+           "check_architecture", "block_linears", "PEFT_FOLDED_EXPERTS",
+           "folded_expert_stacks"]
 
 _CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "data" / "configs"
 KNOWN_MODELS = ("qwen3-1.7b", "llama-3.1-8b", "qwen3-32b", "qwen3-235b-a22b", "gpt-oss-20b")
@@ -435,3 +436,27 @@ _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_exp
 def _experts(cfg: Mapping) -> int:
     """Routed experts per MoE block (0: a dense model)."""
     return next((cfg[k] for k in _EXPERTS if cfg.get(k)), 0)
+
+
+PEFT_FOLDED_EXPERTS = frozenset({
+    "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "ernie4_5_moe", "olmoe",
+    "flex_olmo", "minimax_m2", "solar_open", "qwen3_next"})
+"""MoE families whose fused routed-expert stacks (``experts.gate_up_proj`` and
+``experts.down_proj``, one ``experts x out x in`` parameter each) PEFT's
+``target_modules="all-linear"`` adapts (PEFT 0.21 on transformers 5.24: its
+conversion of transformers-4 expert names targets the stacks' parameters, and it
+folds ``B·A`` into each whole stack on every forward). It leaves the experts of
+Qwen2-MoE, GPT-OSS, Llama 4, PhiMoE, Granite-MoE and Qwen3.5-MoE alone.
+``tests/test_sim_costs.py`` checks the set against PEFT on every MoE family of
+:data:`FAMILIES`. :func:`lora_params` prices the experts frozen either way."""
+
+
+def folded_expert_stacks(config) -> int:
+    """Fused expert stacks ``rotapipe train --lora``'s default targets (PEFT
+    ``all-linear``) adapt in ``config``'s model: two per routed-expert block of a
+    family in :data:`PEFT_FOLDED_EXPERTS`, else 0."""
+    cfg = text_settings(load_config(config))
+    kind = str(cfg.get("model_type", ""))
+    if kind not in PEFT_FOLDED_EXPERTS or not _experts(cfg):
+        return 0
+    return 2 * sum(_is_moe(cfg, kind, i) for i in range(_get(cfg, "num_hidden_layers")))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from .._enums import RecomputeGrain
 from ..errors import ConfigError, PlanError
 from ..plan import Hardware, ModelCosts, model_costs, model_work
-from ..plan.configs import FAMILIES, load_config, text_settings
+from ..plan.configs import FAMILIES, folded_expert_stacks, load_config, text_settings
 from ..plan.hostmem import (GB, SHARD_MODES, HostMemory, bytes_sent, host_memory,
                             lora_params, per_server)
 from ..plan.partitioner import Direction, Footprint, assemble_plan
@@ -109,6 +109,10 @@ class PlanAnalysis:
     modes: ModeSteps | None = None
     """The plan's step in each optimizer mode with the host optimizer's time
     (``overlap`` and ``stale`` only with ``--modes``); ``None`` when no plan fits."""
+    folded_stacks: int = 0
+    """LoRA: the fused expert stacks ``rotapipe train --lora``'s default targets (PEFT
+    ``all-linear``) would adapt, which this plan prices frozen
+    (:func:`rotapipe.plan.configs.folded_expert_stacks`); the text says so."""
 
     @property
     def fits_device(self) -> bool:
@@ -135,6 +139,7 @@ class PlanAnalysis:
         out = {"model": self.model, "hardware": self.hardware, "seq": self.seq,
                "global_batch": self.global_batch, "lora": self.lora, "qlora": self.qlora,
                "model_type": self.family, "counted_exactly": self.family in FAMILIES,
+               "lora_folded_expert_stacks": self.folded_stacks,
                "layout": self.host.layout, "fits": self.fits,
                "fits_device": self.fits_device, "fits_host": self.fits_host,
                "binding": self.binding, "device_limit_bytes": self.device_limit,
@@ -178,6 +183,15 @@ class PlanAnalysis:
                          "block by block; its blocks are priced as Llama-style (pre-norms, "
                          "gated MLP), so sizes and times may be off (docs/simulate.md, "
                          "\"The cost model\")")
+        if self.folded_stacks:
+            lines.append(f"note: this plan prices LoRA with the routed experts frozen; "
+                         f"rotapipe train --lora's default targets (PEFT all-linear) also "
+                         f"adapt this model's {self.folded_stacks} fused expert stacks, "
+                         f"folding B·A into each whole stack on every forward "
+                         f"(docs/training.md); --lora-targets with the attention's "
+                         f"projection names only (q_proj,k_proj,v_proj,o_proj on "
+                         f"Qwen3-MoE; rotapipe train's summary prints them) leaves the "
+                         f"experts frozen")
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"verdict: {verdict} (binding constraint: {self.binding} memory)")
         if c is not None:
@@ -491,7 +505,9 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     analysis = PlanAnalysis(str(model), hw.name, seq, global_batch, lora_rank is not None,
                             device_limit, host_limit, choice, host, error, longest,
                             longest_host, mfu, qlora=qlora, modes=steps,
-                            family=str(text_settings(load_config(model)).get("model_type", "")))
+                            family=str(text_settings(load_config(model)).get("model_type", "")),
+                            folded_stacks=0 if lora_rank is None else
+                            folded_expert_stacks(model))
     return _with_suggestions(analysis, model, hw, lora_rank, counts)
 
 
