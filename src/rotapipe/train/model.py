@@ -17,9 +17,8 @@ from .data import TextFields, train_tokenizer
 from .hub import is_hub_id, snapshot
 
 __all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
-           "folded_expert_note",
            "resolve_model", "adapter_dir", "host_state", "check_host_ram", "plan_memory",
-           "check_run_ram"]
+           "check_run_ram", "folded_expert_note"]
 
 
 def _model_dir(cfg: TrainConfig) -> pathlib.Path:
