@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train_util import env, flags, free_port, run, text_jsonl
+from train_util import env, flags, free_port, run_here, text_jsonl
 
 pytest.importorskip("transformers")
 if not torch.distributed.is_available():
@@ -40,7 +40,7 @@ def test_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path):
     # rank 0 alone prints: each progress line once
     assert two.stdout.count("exported model to") == 1, two.stdout
     assert "data parallel: 2 ranks" in two.stdout
-    one = run(flags(out_dir=str(tmp_path / "one"), microbatches=4, **common))
+    one = run_here(flags(out_dir=str(tmp_path / "one"), microbatches=4, **common))
     assert one.returncode == 0, one.stdout + one.stderr
 
     steps = [json.loads(l)["step"] for l in (tmp_path / "two" / "metrics.jsonl")
@@ -65,7 +65,7 @@ def test_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path):
         shutil.copytree(tmp_path / src / "checkpoints" / "step-00000002",
                         tmp_path / out / "checkpoints" / "step-00000002")
         args = flags(out_dir=str(tmp_path / out), microbatches=mb, resume=True, **common)
-        then = torchrun(args) if world > 1 else run(args)
+        then = torchrun(args) if world > 1 else run_here(args)
         assert then.returncode == 0, then.stdout + then.stderr
         assert then.stdout.count("resumed from") == 1, then.stdout
         got = _final(tmp_path / out)
@@ -238,7 +238,7 @@ def test_sharded_training_resumes_exactly_and_reshards(tmp_path):
         shutil.copytree(ck / f"step-{step:08d}",
                         tmp_path / name / "checkpoints" / f"step-{step:08d}")
         args = flags(out_dir=str(tmp_path / name), resume=True, **{**common, **extra})
-        r = torchrun(args, nproc=world) if world > 1 else run(args)
+        r = torchrun(args, nproc=world) if world > 1 else run_here(args)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "resumed from" in r.stdout, r.stdout
         return r

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from rotapipe.train import latest_checkpoint, load_checkpoint
-from train_util import env, flags, popen, run, text_jsonl
+from train_util import env, flags, popen, run_here, text_jsonl
 
 N = 6
 
@@ -41,9 +41,10 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, mode):
     data = text_jsonl(tmp_path / "d.jsonl", 400)
     common = dict(data=str(data), steps=2 * N, save_interval=N, eval_interval=4, lr=5e-3,
                   optimizer_mode=mode)
-    straight = run(flags(out_dir=str(tmp_path / "a"), **common))
+    straight = run_here(flags(out_dir=str(tmp_path / "a"), **common))   # the reference
     assert straight.returncode == 0, straight.stdout + straight.stderr
-    # Train again, SIGKILL at a random moment after the step-N checkpoint is complete.
+    # Train again in a process of its own, SIGKILL at a random moment after the step-N
+    # checkpoint is complete; resume here.
     proc = popen(flags(out_dir=str(tmp_path / "b"), **common))
     _wait_for(tmp_path / "b" / "checkpoints" / f"step-{N:08d}", proc)
     metrics = [json.loads(l) for l in (tmp_path / "a" / "metrics.jsonl").read_text()
@@ -53,7 +54,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, mode):
     time.sleep(random.uniform(0, 0.8 * second_half))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    resumed = run(flags(out_dir=str(tmp_path / "b"), resume=True, **common))
+    resumed = run_here(flags(out_dir=str(tmp_path / "b"), resume=True, **common))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     a, b = _masters(tmp_path / "a"), _masters(tmp_path / "b")
     assert a.keys() == b.keys()
