@@ -71,12 +71,13 @@ def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_here(args: list[str]) -> subprocess.CompletedProcess:
+def run_here(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     """``rotapipe train ARGS`` in this process (``rotapipe.cli.main``), as :func:`run`
-    reports it: exit code, stdout, stderr. One intra-op thread while it runs, as in
-    :func:`env`'s processes, so its results compare with theirs bit for bit. For runs
-    that need no process of their own (no signal, no environment read at import):
-    each saves an interpreter start (about 6 s of imports)."""
+    reports it: exit code, stdout, stderr; a run still going after ``timeout`` seconds
+    fails the test (:func:`deadline`), as :func:`run`'s does. One intra-op thread while
+    it runs, as in :func:`env`'s processes, so its results compare with theirs bit for
+    bit. For runs that need no process of their own (no signal, no environment read at
+    import): each saves an interpreter start (about 6 s of imports)."""
     import io
     import torch
     from rotapipe.cli import main
@@ -84,7 +85,8 @@ def run_here(args: list[str]) -> subprocess.CompletedProcess:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with deadline(timeout), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
             rc = main(["train", *args])
     finally:
         torch.set_num_threads(threads)
