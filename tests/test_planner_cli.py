@@ -275,8 +275,8 @@ def test_plan_says_when_the_cost_model_does_not_count_the_family(capsys, tmp_pat
 
 def test_plan_lora_names_the_expert_stacks_train_would_also_adapt(capsys):
     """On a family whose fused experts PEFT's all-linear adapts, ``--lora`` says the
-    plan prices them frozen and how to train what it prices; a dense model, full
-    a family PEFT leaves alone plan silently."""
+    plan prices them frozen and which targets leave the experts frozen; a dense model
+    and a family PEFT leaves alone plan silently."""
     assert main(["plan", "qwen3-235b-a22b", "--lora", "--lora-rank", "16"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("note: this plan prices LoRA with the routed experts "
