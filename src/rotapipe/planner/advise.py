@@ -502,12 +502,13 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
         mfu = flops * choice.report.tokens_per_s / (hw.count * peak)
     steps = None if choice is None else optimizer_modes(choice, hw.count, optimizer_rate,
                                                          pipelined=modes, clip=clip)
+    settings = text_settings(load_config(model))      # read once: family and experts
     analysis = PlanAnalysis(str(model), hw.name, seq, global_batch, lora_rank is not None,
                             device_limit, host_limit, choice, host, error, longest,
                             longest_host, mfu, qlora=qlora, modes=steps,
-                            family=str(text_settings(load_config(model)).get("model_type", "")),
+                            family=str(settings.get("model_type", "")),
                             folded_stacks=0 if lora_rank is None else
-                            folded_expert_stacks(model))
+                            folded_expert_stacks(settings))
     return _with_suggestions(analysis, model, hw, lora_rank, counts)
 
 
