@@ -80,6 +80,43 @@ def _train_bf16(mode: str, clip, calls: int, monkeypatch=None, keep_dtype=True,
         return {k: v.clone() for k, v in pipe.state_dict().items()}, meter, stage
 
 
+@pytest.mark.parametrize("mode,want", [
+    # sync: each step's first call widens on arrival, the calls that accumulate keep bf16
+    ("sync", [False, True, True, False, True, True]),
+    # the asynchronous modes: every later call is issued behind an uncommitted one
+    ("stale", [False, True, True, True, True, True]),
+    ("overlap", [False, True, True, True, True, True])])
+def test_a_call_that_starts_a_step_widens_its_gradients_on_arrival(monkeypatch, mode, want):
+    """Only a call with nothing to keep apart from (no .grad held, no call in flight
+    before it) stages in fp32; the others keep the compute dtype (docs/memory.md)."""
+    seen = []
+    init = CallGrads.__init__
+
+    def spy(self, inv_scale, keep_dtype=False):
+        seen.append(keep_dtype)
+        init(self, inv_scale, keep_dtype)
+    monkeypatch.setattr(CallGrads, "__init__", spy)
+    _train_bf16(mode, None, 3)
+    assert seen == want
+
+
+def test_widening_into_a_reused_buffer_gives_the_same_tensor():
+    g = torch.Generator().manual_seed(0)
+    grads = CallGrads(0.25, keep_dtype=True)
+    parts = [torch.randn(5, 7, generator=g).bfloat16() for _ in range(3)]
+    for p in parts:
+        grads.add(0, p)
+    grads.add(1, torch.randn(3, generator=g).bfloat16())
+    scratch = torch.full((64,), float("nan"))
+    for pid in (0, 1):
+        want = grads.get(pid)
+        got = grads.get(pid, scratch)
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert got.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()
+    checked = grads.checked()
+    assert torch.equal(checked[0], grads.get(0)) and sorted(checked) == [0, 1]
+
+
 @pytest.mark.parametrize("mode,clip,calls", [("sync", 1e-3, 3), ("overlap", 1e-3, 2),
                                              ("overlap", None, 4), ("stale", 1e3, 3)])
 def test_bf16_staging_gives_the_same_bits(monkeypatch, mode, clip, calls):

@@ -380,9 +380,15 @@ class RoundPipe:
                 tail_barrier=self.tail_context is not None, prefetch=cfg.prefetch,
                 grad_window=grad_window(cfg.prefetch), frozen=self._frozen,
                 rows_first=self._rows_first), "roundpipe-stale")
-        # Without data parallelism (whose all-reduce works on fp32 staged gradients)
-        # a call's gradients wait for its commit in the compute dtype (docs/memory.md).
-        grads = CallGrads(1.0 / self.scaler.scale, keep_dtype=dp is None)
+        # A call's gradients wait for its commit in fp32 when nothing else will hold
+        # gradients by then: they become ``param.grad`` as they are, and widening them
+        # on arrival (host lane, while the workers compute) takes that pass and its
+        # page faults off the end of the call. A call that accumulates, or one behind
+        # a call not yet committed, keeps them in the compute dtype: a second fp32
+        # copy beside ``param.grad`` would double the gradients' bytes
+        # (docs/memory.md). Data parallelism's all-reduce works on fp32 staged ones.
+        accumulates = self.host.samples > 0 or any(not c.committed for c in stream.inflight)
+        grads = CallGrads(1.0 / self.scaler.scale, keep_dtype=dp is None and accumulates)
         ctx = self._calls.context(stream.next_number, True, [u / total for u in units],
                                   grads, M, self.scaler.scale)
         reduce = None

@@ -123,10 +123,17 @@ class HostState:
         of the mean loss over every sample since the last step."""
         total = self.samples + samples
         keep, new = self.samples / total, samples / total
+        params = self.layerset.params
+        # A narrow gradient merged into an existing .grad is widened into one reused
+        # buffer (a new tensor per parameter pays its page faults every call).
+        sizes = [params[pid].numel() for pid in self.trainable
+                 if params[pid].grad is not None and grads.narrow(pid)]
+        scratch = torch.empty(max(sizes), dtype=torch.float32) if sizes else None
         with torch.no_grad():
             for pid in self.trainable:
-                p = self.layerset.params[pid]
-                g = grads.pop(pid)       # fp32; a staged bf16 one is widened here
+                p = params[pid]
+                # fp32; a staged bf16 one is widened here
+                g = grads.pop(pid, scratch if p.grad is not None else None)
                 if p.grad is None:
                     if g is not None:
                         p.grad = g.mul_(new) if new != 1.0 else g
@@ -194,8 +201,10 @@ class CallGrads:
         widens it into a new tensor; ``staged`` ones are returned themselves)."""
         return pid in self.parts
 
-    def get(self, pid: int) -> torch.Tensor | None:
-        """The fp32 gradient of ``pid`` (``None``: none arrived)."""
+    def get(self, pid: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The fp32 gradient of ``pid`` (``None``: none arrived). A narrow one is
+        widened into ``out`` (a flat fp32 buffer of at least its size, whose first
+        elements the result then views) when given, else into a new tensor."""
         with self._lock:
             g, parts = self.staged.get(pid), self.parts.get(pid)
         if parts is None:
@@ -203,11 +212,16 @@ class CallGrads:
         with torch.no_grad():
             # The operations CallGrads.add's fp32 path runs on arrival, in its order.
             first = parts[0]
+            n = first.shape.numel()
+            if out is not None:
+                out = out[:n].view(first.shape)
             if isinstance(first, RowGrad):
-                g32 = torch.zeros(first.shape, dtype=torch.float32)
+                g32 = torch.zeros(first.shape, dtype=torch.float32) if out is None \
+                    else out.zero_()
                 first.into(g32, self.inv_scale, first=True)
             else:
-                g32 = torch.empty(first.shape, dtype=torch.float32).copy_(first)
+                g32 = (torch.empty(first.shape, dtype=torch.float32) if out is None
+                       else out).copy_(first)
                 if self.inv_scale != 1.0:
                     g32.mul_(self.inv_scale)
             for more in parts[1:]:
@@ -217,9 +231,9 @@ class CallGrads:
                     g32.add_(more, alpha=self.inv_scale)
         return g32
 
-    def pop(self, pid: int) -> torch.Tensor | None:
+    def pop(self, pid: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """:meth:`get`, then forget ``pid``."""
-        g = self.get(pid)
+        g = self.get(pid, out)
         self.discard(pid)
         return g
 
@@ -237,6 +251,13 @@ class CallGrads:
         """A read-only mapping pid -> fp32 gradient that widens each one when read (a
         pass over it holds one widened gradient at a time)."""
         return _Widened(self)
+
+    def checked(self) -> Mapping[int, torch.Tensor]:
+        """:meth:`fp32` for one look at each gradient (the finiteness check): narrow
+        ones are widened into one scratch buffer, reused for the next, so a value read
+        is valid until the next read. A new tensor per parameter costs its page faults
+        each call, several times the widening itself (benchmarks/host_grads.py)."""
+        return _Widened(self, scratch=True)
 
     # -- arrival (host lane) ---------------------------------------------------------
     def add(self, pid: int, grad: torch.Tensor | RowGrad) -> None:
@@ -272,11 +293,16 @@ class CallGrads:
 
 
 class _Widened(Mapping):
-    def __init__(self, grads: CallGrads):
+    def __init__(self, grads: CallGrads, scratch: bool = False):
         self.grads = grads
+        self.scratch: torch.Tensor | None = None
+        if scratch:
+            sizes = [p[0].shape.numel() for p in list(grads.parts.values())]
+            if sizes:
+                self.scratch = torch.empty(max(sizes), dtype=torch.float32)
 
     def __getitem__(self, pid: int) -> torch.Tensor:
-        g = self.grads.get(pid)
+        g = self.grads.get(pid, self.scratch)
         if g is None:
             raise KeyError(pid)
         return g

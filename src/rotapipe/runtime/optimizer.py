@@ -249,7 +249,7 @@ class CallHook:
         owner = self.owner
         if owner is not None and owner.nonfinite is NonFinite.RAISE \
                 and not owner.scaler.dynamic:
-            owner.finite(self.grads.fp32())    # raises before anything is merged
+            owner.finite(self.grads.checked())    # raises before anything is merged
         self.host.commit(self.grads, self.units)
 
     def abort(self) -> None:
@@ -276,7 +276,7 @@ class WholeStep(CallHook):
         # a non-finite step is skipped and its gradients dropped anyway.
         checked = owner.nonfinite is NonFinite.RAISE and not owner.scaler.dynamic
         if checked:
-            owner.finite(self.grads.fp32())
+            owner.finite(self.grads.checked())
         host.commit(self.grads, self.units)
         pids = list(host.trainable)
         step_params(owner, self.opt, pids, {pid: params[pid].grad for pid in pids
