@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -45,6 +46,16 @@ class Event(abc.ABC):
     def query(self) -> bool:
         """True once the work before the event has completed."""
 
+    def seconds(self) -> float:
+        """When the device reached the event, in ``time.perf_counter`` seconds (an
+        event recorded with ``timing=True``, read once complete)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no time")
+
+    def since(self, start: Event) -> float:
+        """Seconds the device took from ``start`` (an earlier timing event on the same
+        device) to this one."""
+        return self.seconds() - start.seconds()
+
 
 class Stream(abc.ABC):
     """An ordered queue of work on one device (a CUDA stream or an emulated one)."""
@@ -65,10 +76,12 @@ class Stream(abc.ABC):
         """Make later work on this stream wait until ``event`` completed."""
 
     @abc.abstractmethod
-    def record(self, notify: Callable[[], None] | None = None) -> Event:
+    def record(self, notify: Callable[[], None] | None = None,
+               timing: bool = False) -> Event:
         """An event that completes when the work submitted so far has completed.
         Backends whose ``Device.notifies`` is true call ``notify`` then (the emulated
-        one); on CUDA the dispatcher polls instead."""
+        one); on CUDA the dispatcher polls instead. ``timing``: the event keeps when
+        the device reached it (:meth:`Event.seconds`; a CUDA timing event)."""
 
     def host_wait(self, event: Event, abort: threading.Event | None = None) -> None:
         """Host thread feeding this stream waits for ``event`` (memory reuse, host work).
@@ -168,7 +181,7 @@ class HostStream(Stream):
     def wait(self, event):
         raise NotImplementedError("the host lane waits with host_wait")
 
-    def record(self, notify=None) -> Event:
+    def record(self, notify=None, timing=False) -> Event:
         return _DoneEvent()
 
     def host_wait(self, event, abort=None):
@@ -180,8 +193,14 @@ class HostStream(Stream):
 class _DoneEvent(Event):
     clock: dict = {}
 
+    def __init__(self):
+        self.at = time.perf_counter()
+
     def synchronize(self, abort=None):
         return None
 
     def query(self):
         return True
+
+    def seconds(self):
+        return self.at

@@ -19,10 +19,28 @@ from .backend import Aborted, Device, Event, Stream
 from .pool import BlockPool
 
 
-class CudaEvent(Event):
+class DeviceClock:
+    """Maps a GPU's timing events to the host clock: a reference event, recorded on
+    an idle stream and waited for, taken to have completed at the host time read
+    right after (CUDA events measure time between two events of one device:
+    ``cudaEventElapsedTime``)."""
+
     def __init__(self, stream: torch.cuda.Stream):
-        self.event = torch.cuda.Event()
+        self.ref = torch.cuda.Event(enable_timing=True)
+        self.ref.record(stream)
+        self.ref.synchronize()
+        self.host = time.perf_counter()
+
+    def seconds(self, event: torch.cuda.Event) -> float:
+        return self.host + self.ref.elapsed_time(event) / 1e3
+
+
+class CudaEvent(Event):
+    def __init__(self, stream: torch.cuda.Stream, timing: bool = False,
+                 clock: DeviceClock | None = None):
+        self.event = torch.cuda.Event(enable_timing=timing)
         self.event.record(stream)
+        self.clock = clock
 
     def synchronize(self, abort=None):
         # Poll so that an aborted call does not leave a host thread blocked forever.
@@ -34,12 +52,23 @@ class CudaEvent(Event):
     def query(self):
         return self.event.query()
 
+    def seconds(self):
+        return self.clock.seconds(self.event)
+
+    def since(self, start):
+        # Directly between the two events: exact to the event timer's resolution,
+        # where a difference of two times since the clock's reference would lose
+        # precision to the float milliseconds CUDA reports over a long run.
+        return start.event.elapsed_time(self.event) / 1e3
+
 
 class CudaStream(Stream):
-    def __init__(self, device: torch.device, name: str, priority: int = 0):
+    def __init__(self, device: torch.device, name: str, priority: int = 0,
+                 clock: DeviceClock | None = None):
         self.name = name
         self.device = device
         self.stream = torch.cuda.Stream(device=device, priority=priority)
+        self.clock = clock
 
     def submit(self, fn, on_error, abort, what=""):
         if abort.is_set():
@@ -53,8 +82,8 @@ class CudaStream(Stream):
     def wait(self, event):
         self.stream.wait_event(event.event)
 
-    def record(self, notify=None):
-        return CudaEvent(self.stream)
+    def record(self, notify=None, timing=False):
+        return CudaEvent(self.stream, timing, self.clock)
 
 
 class CudaDevice(Device):
@@ -70,6 +99,10 @@ class CudaDevice(Device):
         self._streams = {lane: CudaStream(self.torch_device, f"cuda{index}.{lane.value}")
                          for lane in (Lane.COMPUTE, Lane.WEIGHTS, Lane.TRAINED, Lane.UPLOAD,
                                       Lane.DOWNLOAD, Lane.GRADS)}
+        with torch.cuda.device(self.torch_device):
+            clock = DeviceClock(self._streams[Lane.COMPUTE].stream)
+        for s in self._streams.values():
+            s.clock = clock
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0

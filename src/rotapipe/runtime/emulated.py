@@ -36,6 +36,7 @@ class EmulatedEvent(Event):
         self._notify = notify
 
     def complete(self) -> None:
+        self.at = time.perf_counter()     # the stream thread reached it
         self.done.set()
         if self._notify is not None:
             self._notify()
@@ -47,6 +48,9 @@ class EmulatedEvent(Event):
 
     def query(self):
         return self.done.is_set()
+
+    def seconds(self):
+        return self.at
 
 
 class EmulatedStream(Stream):
@@ -89,7 +93,7 @@ class EmulatedStream(Stream):
                 self._waits += 1
             self._q.put(("wait", (event, blocking)))
 
-    def record(self, notify=None):
+    def record(self, notify=None, timing=False):
         ev = EmulatedEvent(notify)
         self._q.put(("record", ev))
         return ev

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 
 from ..errors import RotapipeError, WorkerError, worker_error_type
 from ..schedule import HOST, Action, ActionKind as K, Lane, Schedule
+from ..schedule.actions import COMPUTE_PASSES
 from .backend import Aborted, Device, HostStream
 from .store import Actor
 from .transfer import CHUNKED, CRITICAL, DOWN, UP, CopyGate, direction
@@ -50,8 +51,10 @@ class Executor:
         self.host_stream = HostStream(self.host_actor)
         self.last_spans: list[tuple[Action, float, float]] = []
         """``(action, start, end)`` in seconds (``time.perf_counter``) of the last run's
-        actions, as their bodies ran on their streams. On CUDA that is when the work
-        was *issued* (kernels run asynchronously), not when the device ran it."""
+        actions. Compute actions: when the device ran them (between timing events
+        around them; on CUDA the host only issues their kernels). Copies and host
+        work: when their bodies ran on their streams (on CUDA, when a copy was
+        issued)."""
         self.drain_timeout_s = timeout_s
         self.broken: str | None = None
         """Why the pipeline cannot run again (a worker stuck past the drain timeout)."""
@@ -163,6 +166,9 @@ class Session:
         self.events: dict[str, object] = {}
         self.last_progress = time.monotonic()
         self.spans: list[tuple[Action, float, float]] = []   # appended by stream threads
+        self._timed: dict[int, list] = {}
+        """call -> ``(action, start event, end event)`` of its compute actions, whose
+        device times become spans when the call completes (:meth:`wait_call`)."""
         self.running: dict[int, tuple[Action, float]] = {}
         """Thread id -> the action whose work that thread is running now, and since when
         (``time.monotonic``): emulated streams run the work itself; on CUDA it is the
@@ -220,6 +226,7 @@ class Session:
         """Block until every action of ``call`` has completed (see :meth:`wait_keys`);
         then forget the events of calls no later dependency can name."""
         self.wait_keys(self._lasts.get(call, ()))
+        self._resolve(call)
         self._done.add(call)
         self._prune()
 
@@ -307,6 +314,7 @@ class Session:
                 self.events.pop(a.key, None)
                 self._watchers.pop(a.key, None)
             self._lasts.pop(c, None)
+            self._timed.pop(c, None)
             self._done.discard(c)
         self.spans[:] = [s for s in self.spans if s[0].call not in old]
 
@@ -402,9 +410,15 @@ class Session:
             copies[lane] = _Copy(a, chunks, gates[direction(lane)])
             self._next_chunk(stream, lane, copies)
             return
-        stream.submit(self._runner(a, lambda: self.body(a)),
+        # A compute action's span is the device's (events around it, read once its
+        # call completed: wait_call): on CUDA its body only issues the kernels.
+        timed = a.kind in COMPUTE_PASSES and a.worker != HOST
+        start = stream.record(timing=True) if timed else None
+        stream.submit(self._runner(a, lambda: self.body(a), span=not timed),
                       lambda exc, a=a: self.fail(a, exc), self.abort, a.key)
-        ev = stream.record(self._notifier(a))
+        ev = stream.record(self._notifier(a), timing=timed)
+        if timed:
+            self._timed.setdefault(a.call, []).append((a, start, ev))
         if a.kind in CRITICAL:
             gates[direction(lane)].add(lane, ev, waits_on)
         self._recorded(a, ev)
@@ -463,9 +477,10 @@ class Session:
                 wake.set()
         return notify
 
-    def _runner(self, a: Action, work: Callable[[], None]):
-        """``work`` (the body of ``a``, or one of its chunks), recording its span and,
-        while it runs, that it is running (:attr:`running`)."""
+    def _runner(self, a: Action, work: Callable[[], None], span: bool = True):
+        """``work`` (the body of ``a``, or one of its chunks), recording its span
+        (``span``: the host time of the body) and, while it runs, that it is running
+        (:attr:`running`)."""
         running = self.running
 
         def run():
@@ -476,9 +491,17 @@ class Session:
                 work()
             finally:
                 running.pop(me, None)
-            self.spans.append((a, t0, time.perf_counter()))
+            if span:
+                self.spans.append((a, t0, time.perf_counter()))
             self.last_progress = time.monotonic()
         return run
+
+    def _resolve(self, call: int) -> None:
+        """The device spans of ``call``'s compute actions (all complete) into
+        :attr:`spans`."""
+        for a, start, end in self._timed.pop(call, ()):
+            t0 = start.seconds()
+            self.spans.append((a, t0, t0 + end.since(start)))
 
     def _check_timeout(self) -> None:
         idle = time.monotonic() - self.last_progress
