@@ -22,9 +22,10 @@ intermediate 6144, GQA 16/8 x 128, a 32k untied embedding and head: 332M paramet
 
 ``first`` is a step's first call (``param.grad`` is None), ``accumulating`` a later
 one (merged into the existing ``.grad``). Columns are ms, the best of ``--repeats``:
-``arrival`` (host lane, overlapped with compute), ``check``, ``merge`` and ``end``
-(check + merge: what the caller waits for after the last gradient), ``free``
-(``zero_grad`` dropping the gradients).
+``arrival`` (host lane, overlapped with compute), ``check`` (the pipeline takes it per
+stage at the hand-offs, overlapped with shallower stages' backward, except the last
+stage's), ``merge`` and ``end`` (check + merge: what the caller waits for after the
+last gradient when all land at once), ``free`` (``zero_grad`` dropping the gradients).
 
     python benchmarks/host_grads.py [--layers 4 --repeats 3]
 """

@@ -100,6 +100,26 @@ def test_a_call_that_starts_a_step_widens_its_gradients_on_arrival(monkeypatch, 
     assert seen == want
 
 
+@pytest.mark.parametrize("mode,clip,calls", [("sync", None, 1), ("sync", 1e-3, 3),
+                                             ("stale", 1e3, 2)])
+def test_the_finiteness_check_reads_norms_taken_at_the_hand_offs(monkeypatch, mode, clip,
+                                                                  calls):
+    """Each gradient's norm is taken on the host lane once its last stage handed off:
+    by the commit every parameter's is known, and the check reads no gradient (the
+    whole-step hooks; ``overlap`` and an unclipped ``stale`` check per stage as they
+    step)."""
+    from rotapipe.runtime.optimizer import HostOptimizer
+    seen = []
+    finite = HostOptimizer.finite
+
+    def spy(self, grads, norms=None):
+        seen.append((len(list(grads)), len(norms or {})))
+        return finite(self, grads, norms)
+    monkeypatch.setattr(HostOptimizer, "finite", spy)
+    _train_bf16(mode, clip, calls)
+    assert seen and all(n == arrived for arrived, n in seen), seen
+
+
 def test_widening_into_a_reused_buffer_gives_the_same_tensor():
     g = torch.Generator().manual_seed(0)
     grads = CallGrads(0.25, keep_dtype=True)

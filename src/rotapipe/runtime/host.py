@@ -295,13 +295,13 @@ class CallGrads:
 class _Widened(Mapping):
     def __init__(self, grads: CallGrads, scratch: bool = False):
         self.grads = grads
-        self.scratch: torch.Tensor | None = None
-        if scratch:
-            sizes = [p[0].shape.numel() for p in list(grads.parts.values())]
-            if sizes:
-                self.scratch = torch.empty(max(sizes), dtype=torch.float32)
+        self.reuse = scratch
+        self.scratch: torch.Tensor | None = None    # allocated at the first narrow read
 
     def __getitem__(self, pid: int) -> torch.Tensor:
+        if self.reuse and self.scratch is None and self.grads.narrow(pid):
+            sizes = [p[0].shape.numel() for p in list(self.grads.parts.values())]
+            self.scratch = torch.empty(max(sizes), dtype=torch.float32)
         g = self.grads.get(pid, self.scratch)
         if g is None:
             raise KeyError(pid)

@@ -177,15 +177,17 @@ class HostOptimizer:
             # undo; one exact whole step once the call is complete (not overlapped).
             # The same after a step whose clip took effect: the next one likely clips
             # too, and its speculative steps would only be undone and redone.
-            return WholeStep(self, optimizer, grads, units, cost, None, reduce)
+            return WholeStep(self, optimizer, grads, units, cost, None, reduce, schedule,
+                             stage_pids)
         if step and (self.mode is OptimizerMode.OVERLAP or stale and not self.whole_step):
             return OverlapStep(self, optimizer, schedule, stage_pids, grads, units, cost,
                                reduce, view=view if stale else None)
         if step:
             # sync: every set of compute copies; stale: the set two steps ahead reads.
             return WholeStep(self, optimizer, grads, units, cost,
-                             view if self.mode is OptimizerMode.STALE else None, reduce)
-        return CallHook(self.host, grads, units, reduce, self)
+                             view if self.mode is OptimizerMode.STALE else None, reduce,
+                             schedule, stage_pids)
+        return CallHook(self.host, grads, units, reduce, self, schedule, stage_pids)
 
     def sync_step(self, optimizer: torch.optim.Optimizer, cost: Cost,
                   view: int | None = None) -> bool:
@@ -233,23 +235,64 @@ class CallHook:
     """The optimizer work of one training call: :meth:`handoff` after each ``O`` action
     (host lane), :meth:`commit` once every gradient of the call is in (the call then
     changes the state), :meth:`abort` when it failed. This base only accumulates: the
-    call's gradients are merged into ``param.grad`` (:meth:`HostState.commit`)."""
+    call's gradients are merged into ``param.grad`` (:meth:`HostState.commit`).
+
+    A parameter is complete once every stage holding it has handed off (a tied
+    weight: after its shallowest stage; ``schedule`` and ``stage_pids`` say which
+    ``O`` hands off what). Under ``nonfinite="raise"`` (without data parallelism,
+    whose check reads the reduced gradients) each complete gradient's norm is taken
+    right there, on the host lane while shallower stages still run backward, so the
+    finiteness check at :meth:`commit` has only the last stage's left to read."""
 
     def __init__(self, host: HostState, grads: CallGrads, units: float, reduce=None,
-                 owner: HostOptimizer | None = None):
+                 owner: HostOptimizer | None = None, schedule: Schedule | None = None,
+                 stage_pids: Callable[[str], list[int]] | None = None):
         self.host, self.grads, self.units, self.reduce = host, grads, units, reduce
         self.owner = owner
+        trainable = set(host.trainable)
+        self.by_key = {} if schedule is None else {
+            a.key: [pid for pid in stage_pids(a.stage) if pid in trainable]
+            for a in schedule.actions if a.kind is K.OPTIMIZER}
+        self.left = Counter(pid for pids in self.by_key.values() for pid in pids)
+        self.norms: dict[int, torch.Tensor] = {}     # pid -> its L2 norm
+        self.checks = owner is not None and owner.nonfinite is NonFinite.RAISE \
+            and not owner.scaler.dynamic
+        self._room = _Room()
 
     def handoff(self, key: str) -> None:
         if self.reduce is not None:
             # Data parallel: all-reduce what is complete now, overlapping shallower stages.
             self.reduce.handoff(key)
+        elif self.checks:
+            for pid in self._complete(key):
+                g = self.grads.get(pid, self._scratch(pid))
+                if g is not None:
+                    self.norms[pid] = torch.linalg.vector_norm(g)
+
+    def _complete(self, key: str) -> list[int]:
+        """Count the hand-off ``key``; return the parameters it completes."""
+        done = []
+        for pid in self.by_key.get(key, ()):
+            self.left[pid] -= 1
+            if self.left[pid] == 0:
+                done.append(pid)
+        return done
+
+    def _scratch(self, pid: int) -> torch.Tensor | None:
+        """A reused buffer to widen ``pid``'s staged compute-dtype gradient into."""
+        if not self.grads.narrow(pid):
+            return None
+        return self._room.take("widen", (self.host.layerset.params[pid].numel(),),
+                               torch.float32)
+
+    def check(self) -> None:
+        """The finiteness check before anything is merged (``nonfinite="raise"``): the
+        norms taken at the hand-offs, the rest read now."""
+        if self.checks:
+            self.owner.finite(self.grads.checked(), self.norms)
 
     def commit(self) -> None:
-        owner = self.owner
-        if owner is not None and owner.nonfinite is NonFinite.RAISE \
-                and not owner.scaler.dynamic:
-            owner.finite(self.grads.checked())    # raises before anything is merged
+        self.check()    # raises before anything is merged
         self.host.commit(self.grads, self.units)
 
     def abort(self) -> None:
@@ -264,8 +307,9 @@ class WholeStep(CallHook):
     read the other). Nothing changes if the call fails."""
 
     def __init__(self, owner: HostOptimizer, optimizer, grads: CallGrads, units: float,
-                 cost: Cost, view: int | None, reduce=None):
-        super().__init__(owner.host, grads, units, reduce, owner)
+                 cost: Cost, view: int | None, reduce=None, schedule: Schedule | None = None,
+                 stage_pids: Callable[[str], list[int]] | None = None):
+        super().__init__(owner.host, grads, units, reduce, owner, schedule, stage_pids)
         self.opt, self.cost, self.view = optimizer, cost, view
 
     def commit(self) -> None:
@@ -274,9 +318,8 @@ class WholeStep(CallHook):
         # per parameter, never a merged copy beside it). Under nonfinite="raise" they
         # are checked first, so a NonFiniteError leaves param.grad as it was; otherwise
         # a non-finite step is skipped and its gradients dropped anyway.
-        checked = owner.nonfinite is NonFinite.RAISE and not owner.scaler.dynamic
-        if checked:
-            owner.finite(self.grads.checked())
+        checked = self.checks
+        self.check()
         host.commit(self.grads, self.units)
         pids = list(host.trainable)
         step_params(owner, self.opt, pids, {pid: params[pid].grad for pid in pids
@@ -423,17 +466,13 @@ class OverlapStep(CallHook):
                  grads: CallGrads, units: float, cost: Cost, reduce=None,
                  view: int | None = None):
         host = owner.host
-        super().__init__(host, grads, units, reduce, owner)
+        super().__init__(host, grads, units, reduce, owner, schedule, stage_pids)
         self.opt, self.view = optimizer, view
         self.max_norm, self.scaler, self.cost = owner.max_norm, owner.scaler, cost
         self.params = host.layerset.params
-        trainable = set(host.trainable)
-        self.by_key = {a.key: [pid for pid in stage_pids(a.stage) if pid in trainable]
-                       for a in schedule.actions if a.kind is K.OPTIMIZER}
-        self.left = Counter(pid for pids in self.by_key.values() for pid in pids)
         self.prev: dict[int, torch.Tensor | None] | None = None   # set by _begin
         self.final: dict[int, torch.Tensor] = {}     # pid -> gradient the step used
-        self.norms: dict[int, torch.Tensor] = {}     # pid -> its L2 norm (clipping)
+        # self.norms: pid -> the L2 norm of the gradient it was stepped on (clipping)
         self.snapshots: list[Snapshot] = []
         self.undo = owner.undo if owner is not None else True
         self.stepped: list[int] = []     # without undo: what a failure leaves stepped
@@ -467,15 +506,6 @@ class OverlapStep(CallHook):
         done = self._complete(key)
         if done or buckets:
             self._step(done, buckets)
-
-    def _complete(self, key: str) -> list[int]:
-        """Count the hand-off ``key``; return the parameters it completes."""
-        done = []
-        for pid in self.by_key.get(key, ()):
-            self.left[pid] -= 1
-            if self.left[pid] == 0:
-                done.append(pid)
-        return done
 
     def step_rows(self, key: str, nxt) -> None:
         """An ``OR`` action before the hand-off ``key`` (host lane): the next call
