@@ -18,7 +18,9 @@ intermediate 6144, GQA 16/8 x 128, a 32k untied embedding and head: 332M paramet
 - ``bf16, scratch check``: staged in bf16, the check widens into one reused buffer
   (what an accumulating call does now);
 - ``fp32 on arrival``: widened on arrival into the fp32 tensor that becomes
-  ``param.grad`` (what a call that starts a step does now);
+  ``param.grad`` (what a call that starts a step does now), ``new``: a new tensor
+  each call, ``pool``: in the storages of the previous step's gradients once
+  ``zero_grad`` dropped them (``HostState.grad_pool``, what the pipeline does);
 
 ``first`` is a step's first call (``param.grad`` is None), ``accumulating`` a later
 one (merged into the existing ``.grad``). Columns are ms, the best of ``--repeats``:
@@ -57,17 +59,18 @@ def qwen3_like(layers: int) -> list[nn.Module]:
         [holder([(h,), (vocab, h)])]
 
 
-LAYOUTS = {   # name -> (keep the compute dtype, check through one scratch buffer)
-    "bf16, widened twice": (True, False),
-    "bf16, scratch check": (True, True),
-    "fp32 on arrival": (False, False),
+LAYOUTS = {   # name -> (keep the compute dtype, check through one scratch buffer, pool)
+    "bf16, widened twice": (True, False, False),
+    "bf16, scratch check": (True, True, False),
+    "fp32 on arrival, new": (False, False, False),
+    "fp32 on arrival, pool": (False, False, True),
 }
 
 
-def one_call(host, opt, downloads, keep: bool, scratch: bool) -> dict[str, float]:
+def one_call(host, opt, downloads, keep: bool, scratch: bool, pool: bool) -> dict[str, float]:
     t = {}
     t0 = time.perf_counter()
-    grads = CallGrads(1.0, keep_dtype=keep)
+    grads = CallGrads(1.0, keep_dtype=keep, pool=host.grad_pool if pool else None)
     for pid, g in downloads.items():
         grads.add(pid, g)
     t1 = time.perf_counter()
@@ -97,14 +100,14 @@ def main() -> None:
           f"{torch.get_num_threads()}; ms, the best of {args.repeats}\n")
     cols = ("arrival", "check", "merge", "end", "free")
     print(f"{'layout':22s} {'case':13s} " + " ".join(f"{c:>8s}" for c in cols))
-    for name, (keep, scratch) in LAYOUTS.items():
+    for name, (keep, scratch, pool) in LAYOUTS.items():
         for case in ("first", "accumulating"):
             rows = []
             for _ in range(args.repeats):
                 host.zero_grad()
                 if case == "accumulating":
-                    one_call(host, opt, downloads, keep, scratch)
-                t = one_call(host, opt, downloads, keep, scratch)
+                    one_call(host, opt, downloads, keep, scratch, pool)
+                t = one_call(host, opt, downloads, keep, scratch, pool)
                 t0 = time.perf_counter()
                 host.zero_grad()
                 t["free"] = time.perf_counter() - t0

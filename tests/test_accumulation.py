@@ -50,7 +50,8 @@ def _train_bf16(mode: str, clip, calls: int, monkeypatch=None, keep_dtype=True,
     if not keep_dtype:      # the former layout: every gradient widened on arrival
         init = CallGrads.__init__
         monkeypatch.setattr(CallGrads, "__init__",
-                            lambda self, s, keep_dtype=False: init(self, s, False))
+                            lambda self, s, keep_dtype=False, **kw: init(self, s, False,
+                                                                         **kw))
     torch.manual_seed(0)
     dims = [(37, 41), (41, 43), (43, 47), (47, 53), (53, 59), (59, 61)]
     layers = [torch.nn.Linear(a, b) for a, b in dims]
@@ -92,9 +93,9 @@ def test_a_call_that_starts_a_step_widens_its_gradients_on_arrival(monkeypatch, 
     seen = []
     init = CallGrads.__init__
 
-    def spy(self, inv_scale, keep_dtype=False):
+    def spy(self, inv_scale, keep_dtype=False, **kw):
         seen.append(keep_dtype)
-        init(self, inv_scale, keep_dtype)
+        init(self, inv_scale, keep_dtype, **kw)
     monkeypatch.setattr(CallGrads, "__init__", spy)
     _train_bf16(mode, None, 3)
     assert seen == want
@@ -215,3 +216,30 @@ def test_failed_call_in_the_middle_of_accumulation_changes_nothing(mode, clip, l
         want = run(pipe, False)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_a_steps_gradients_reuse_the_storage_of_the_last_unless_it_is_held():
+    """Widened on arrival into HostState.grad_pool: the next step's gradients land in
+    the storages the last step dropped (no fresh memory to page-fault in), never in
+    one the caller still holds."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(160, 160) for _ in range(4)]     # 100 KiB weights: pooled
+    config = emulated(2, 2, precision="bf16")
+    g = torch.Generator().manual_seed(1)
+    with rotapipe.RoundPipe(layers, lambda y, t: ((y - t) ** 2).mean(), config=config,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        weights = [p for p in pipe.parameters() if p.dim() == 2]
+
+        def call():
+            pipe.forward_backward(torch.randn(8, 160, generator=g),
+                                  torch.randn(8, 160, generator=g))
+            return [p.grad.untyped_storage().data_ptr() for p in weights]
+        first = call()
+        pipe.step()
+        assert call() == first           # the dropped storages, reused
+        held = [p.grad for p in weights]
+        kept = [h.clone() for h in held]
+        pipe.step()
+        third = call()
+        assert not set(third) & set(first)
+        assert all(torch.equal(h, k) for h, k in zip(held, kept))

@@ -388,7 +388,8 @@ class RoundPipe:
         # copy beside ``param.grad`` would double the gradients' bytes
         # (docs/memory.md). Data parallelism's all-reduce works on fp32 staged ones.
         accumulates = self.host.samples > 0 or any(not c.committed for c in stream.inflight)
-        grads = CallGrads(1.0 / self.scaler.scale, keep_dtype=dp is None and accumulates)
+        grads = CallGrads(1.0 / self.scaler.scale, keep_dtype=dp is None and accumulates,
+                          pool=self.host.grad_pool)
         ctx = self._calls.context(stream.next_number, True, [u / total for u in units],
                                   grads, M, self.scaler.scale)
         reduce = None

@@ -25,6 +25,7 @@ from ..config import PrecisionConfig
 from ..model import LayerSet
 from ..model.quant import NF4Weight, quantized
 from .pinning import HostPinning
+from .pool import BlockPool
 
 
 class HostState:
@@ -87,6 +88,10 @@ class HostState:
                     view[pid].copy_(c)
             self.views.append(view)
         self.trainable = [pid for pid, p in enumerate(layerset.params) if p.requires_grad]
+        self.grad_pool = BlockPool()
+        """Storages of the fp32 gradients a call widens on arrival (:class:`CallGrads`):
+        once a step dropped them (``zero_grad``) and nothing else holds them, the next
+        call's reuse them instead of page-faulting fresh memory in."""
         self.samples = 0.0
         """Loss items (samples, or ``loss_weight`` units) whose gradients ``param.grad``
         holds since the last step/zero_grad."""
@@ -182,10 +187,14 @@ class CallGrads:
     same bits) as if it had been widened on arrival: the call's gradients then cost 2
     bytes per parameter (bf16) instead of 4 until the call commits."""
 
-    def __init__(self, inv_scale: float, keep_dtype: bool = False):
+    def __init__(self, inv_scale: float, keep_dtype: bool = False,
+                 pool: BlockPool | None = None):
         self.inv_scale = inv_scale
         self.staged: dict[int, torch.Tensor] = {}
         self.keep_dtype = keep_dtype
+        self.pool = pool
+        """Where gradients widened on arrival are allocated (:attr:`HostState.grad_pool`:
+        the storages of the last step's, once nothing holds them); ``None``: new ones."""
         self.parts: dict[int, list[torch.Tensor]] = {}
         """Compute-dtype contributions per parameter (``keep_dtype``), summed in fp32
         when read."""
@@ -285,7 +294,8 @@ class CallGrads:
                 if grad.dtype == torch.float32 and self.inv_scale == 1.0:
                     self.staged[pid] = grad
                 else:
-                    g32 = torch.empty(grad.shape, dtype=torch.float32).copy_(grad)
+                    g32 = (torch.empty(grad.shape, dtype=torch.float32) if self.pool is None
+                           else self.pool.empty(grad.shape, torch.float32)).copy_(grad)
                     self.staged[pid] = g32.mul_(self.inv_scale) if self.inv_scale != 1.0 \
                         else g32
             else:
