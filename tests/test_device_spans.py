@@ -18,24 +18,10 @@ from contextlib import nullcontext
 import torch
 
 import rotapipe
-from rotapipe.runtime.backend import Device, Event, HostStream
+from rotapipe.runtime.backend import Device, HostStream, _DoneEvent
 from rotapipe.runtime.executor import Executor
 from rotapipe.schedule import HOST, ActionKind as K, Lane
 from rotapipe.schedule.actions import COMPUTE_PASSES
-
-
-class _ClockEvent(Event):
-    def __init__(self, at: float):
-        self.at = at
-
-    def synchronize(self, abort=None):
-        return None
-
-    def query(self):
-        return True
-
-    def seconds(self):
-        return self.at
 
 
 class _InlineStream(HostStream):
@@ -51,7 +37,9 @@ class _InlineStream(HostStream):
         return None
 
     def record(self, notify=None, timing=False):
-        return _ClockEvent(self.device.clock)
+        ev = _DoneEvent()              # complete at once, at the device clock's time
+        ev.at = self.device.clock
+        return ev
 
 
 class _ClockDevice(Device):
