@@ -290,6 +290,7 @@ class CallHook:
         norms taken at the hand-offs, the rest read now."""
         if self.checks:
             self.owner.finite(self.grads.checked(), self.norms)
+        self._room.buffers.clear()      # the widening buffer dies with the check
 
     def commit(self) -> None:
         self.check()    # raises before anything is merged
