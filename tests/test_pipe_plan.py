@@ -126,6 +126,24 @@ def test_refinement_converges_then_freezes_and_stays_exact(monkeypatch):
         torch.testing.assert_close(grads[k], p.grad / len(losses), rtol=1e-4, atol=1e-6)
 
 
+def test_refinement_replans_take_the_ranked_candidates(monkeypatch):
+    """The first plan of a 6-layer model is exact; a re-plan, run in the caller's
+    thread between calls, is not (benchmarks/replan_time.py: 0.2-1.6 s a time with one
+    worker, against milliseconds)."""
+    import rotapipe.planner.autoplan as autoplan
+    searched = []
+    exact = autoplan.exact_search
+    monkeypatch.setattr(autoplan, "exact_search",
+                        lambda *a, **k: searched.append(1) or exact(*a, **k))
+    with rotapipe.RoundPipe(tiny_transformer(), lm_loss,
+                            config=emulated(1, 4, partition="refine")) as pipe:
+        assert searched                       # the first plan
+        searched.clear()
+        planner = pipe._planner
+        plan = planner.refiner.planner(planner.base)
+        assert not searched and plan.num_layers == len(planner.base.layers)
+
+
 def test_refinement_from_real_timings_runs_and_stops_after_its_calls():
     model = tiny_transformer()
     x, y = token_batch(8)

@@ -49,9 +49,11 @@ __all__ = ["work_costs", "parameter_costs", "emulation_costs", "stage_samples",
 log = logging.getLogger(__name__)
 
 RUNTIME_EXHAUSTIVE = 400
-"""Plan-space size up to which the runtime's planner is exact for one call at a time
-(6 layers, milliseconds; overlapping calls: 4 layers, ``autoplan._STALE_EXHAUSTIVE``);
-larger models take the ranked candidates (see :class:`PlannerConfig`)."""
+"""Plan-space size up to which the runtime's first plan is exact for one call at a
+time (6 layers: 10 ms to 1.7 s on this project's 2-core machine, the slowest with one
+worker; overlapping calls: 4 layers, ``autoplan._STALE_EXHAUSTIVE``); larger models,
+and every re-plan of ``partition="refine"``, take the ranked candidates (see
+:class:`PlannerConfig`)."""
 
 _MS_PER_FLOP = 1e-9
 """A nominal 1 TFLOP/s: without a hardware profile only the ratios between layers
@@ -196,7 +198,12 @@ class PipePlanner:
         self.source = "planner"
         if mode is PartitionMode.REFINE:
             self.measured = MeasuredCosts(n)
-            self.refiner = PlanRefiner(self._choose, self.base, chosen)
+            # Re-plans take the ranked candidates: they run in the caller's thread
+            # between calls, where the exact search of a small model costs 0.2-1.7 s
+            # a time (one worker: its bounds prune little) for a step within 2.5% of it
+            # (docs/planning.md, "Measured costs and refinement").
+            self.refiner = PlanRefiner(lambda c: self._choose(c, exhaustive=0), self.base,
+                                       chosen)
         return chosen
 
     def _even(self) -> Plan:
@@ -204,10 +211,10 @@ class PipePlanner:
         nf = c.forward_stages or 2 * w
         return even_plan(n, nf, c.backward_stages or 3 * nf, min(c.tail_layers or 1, n))
 
-    def _choose(self, costs: ModelCosts) -> Plan:
+    def _choose(self, costs: ModelCosts, exhaustive: int = RUNTIME_EXHAUSTIVE) -> Plan:
         memory = self.budget if self.budget is not None else 2 ** 62
         cfg = PlannerConfig(self.workers, memory, (self.config.microbatches,),
-                            grains=(self.config.grain,), exhaustive=RUNTIME_EXHAUSTIVE,
+                            grains=(self.config.grain,), exhaustive=exhaustive,
                             grad_bytes=self.grad_bytes, tail_layers=self.tail_layers,
                             tail_jobs=self.tail_jobs,
                             stale=self.config.optimizer_mode is OptimizerMode.STALE)
