@@ -226,18 +226,18 @@ def test_bad_settings_are_refused():
 def test_resume_checks_the_state_dtype(tmp_path):
     import dataclasses
     from rotapipe.train import TrainConfig
-    from rotapipe.train.loop import _check_resume_config
+    from rotapipe.train.resume import check_resume_config
     cfg = TrainConfig(optimizer_state="bf16")
     saved = dataclasses.asdict(cfg)
-    _check_resume_config(tmp_path, saved, cfg)
+    check_resume_config(tmp_path, saved, cfg)
     with pytest.raises(rotapipe.ConfigError, match="optimizer_state='bf16'.*"
                        "--optimizer-state bf16"):
-        _check_resume_config(tmp_path, saved, cfg.replace(optimizer_state="fp32"))
+        check_resume_config(tmp_path, saved, cfg.replace(optimizer_state="fp32"))
     # A checkpoint written before the setting existed had fp32 state.
     del saved["optimizer_state"]
-    _check_resume_config(tmp_path, saved, cfg.replace(optimizer_state="fp32"))
+    check_resume_config(tmp_path, saved, cfg.replace(optimizer_state="fp32"))
     with pytest.raises(rotapipe.ConfigError, match="--optimizer-state"):
-        _check_resume_config(tmp_path, saved, cfg)
+        check_resume_config(tmp_path, saved, cfg)
 
 
 def test_group_steps_keep_other_gradients():

@@ -124,12 +124,12 @@ def test_a_config_file_is_one_flat_table_or_one_train_table(tmp_path):
 
 def test_a_resume_refusal_gives_the_flag_that_resumes():
     """A boolean setting is fixed with --x / --no-x, an unset one by leaving it out."""
-    from rotapipe.train.loop import _check_resume_config
+    from rotapipe.train.resume import check_resume_config
     cfg = TrainConfig(lora=True, data="d.jsonl")
     cases = [({**dataclasses.asdict(cfg), "lora": False}, "pass --no-lora to resume it"),
              ({**dataclasses.asdict(cfg), "data": None}, "leave out --data to resume it"),
              ({**dataclasses.asdict(cfg), "seq": 64}, "pass --seq 64 to resume it")]
     for saved, fix in cases:
         with pytest.raises(ConfigError, match=re.escape(fix)):
-            _check_resume_config("ckpt", saved, cfg)
-    _check_resume_config("ckpt", dataclasses.asdict(cfg), cfg)
+            check_resume_config("ckpt", saved, cfg)
+    check_resume_config("ckpt", dataclasses.asdict(cfg), cfg)

@@ -8,7 +8,6 @@ step, saves a checkpoint and returns normally; a second Ctrl-C aborts.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -25,34 +24,24 @@ import torch
 import torch.nn.functional as F
 
 from .. import distributed
-from ..errors import (CheckpointError, ConfigError, DistributedError, NonFiniteError,
-                      RotapipeError)
+from ..errors import ConfigError, DistributedError, NonFiniteError, RotapipeError
 from ..sim.report import report
-from .checkpoint import (check_compatible, check_out_dir, is_sharded, latest_checkpoint,
-                         load_shards, resume_from, save_checkpoint, save_sharded_checkpoint)
+from .checkpoint import (check_compatible, check_out_dir, is_sharded, resume_from,
+                         save_checkpoint, save_sharded_checkpoint)
 from .config import TrainConfig
 from .data import Batch, TrainBatches, count_split, eval_set
 from .records import (IGNORE, TextFields, check_chats, describe_sources, iter_records,
                       record_parts, source_files)
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
+from .resume import (check_resume_config, masters_in_model, pipe_names, restore,
+                     restore_rest, restore_sharded, sharded)
 from .model import (adapter_dir, build_model, build_tokenizer, check_host_ram,
                     check_run_ram, check_sequence_length, fingerprint, folded_expert_note)
 
-__all__ = ["train", "TrainResult", "RESUME_FIXED"]
+__all__ = ["train", "TrainResult"]
 
 log = logging.getLogger("rotapipe.train")
-
-RESUME_FIXED = ("model", "layers", "dim", "heads", "kv_heads", "ffn", "vocab",
-                "tokenizer_bytes", "lora", "qlora", "lora_rank", "lora_alpha", "lora_targets",
-                "resume_from_adapter", "data", "data_config", "data_split", "text_field",
-                "prompt_field", "response_field", "messages_field", "seq", "packing",
-                "holdout", "batch", "seed", "optimizer", "optimizer_state")
-"""Fields a resumed run must share with its checkpoint (the rest may change, e.g. steps)."""
-
-_SAVED_DEFAULTS = {"optimizer_state": "fp32"}
-"""What a checkpoint written before a ``RESUME_FIXED`` field existed had."""
-
 
 @dataclasses.dataclass
 class TrainResult:
@@ -159,7 +148,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     if resume is not None and cfg.steps is None:       # the saved run's counted length
         cfg = cfg.with_steps(int(meta["config"]["steps"]))
     if resume is not None:
-        _check_resume_config(resume, meta["config"], cfg)
+        check_resume_config(resume, meta["config"], cfg)
     elif cfg.resume:
         echo(f"no checkpoint in {ckdir}: starting from step 0")
 
@@ -193,11 +182,11 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         held = _eval_set(cfg, files, eval_files, tokenizer, fields)
         start = 0
         if resume is not None:
-            if _sharded(pipe) or is_sharded(resume):
-                _restore_sharded(pipe, model, opt, resume, masters, state)
+            if sharded(pipe) or is_sharded(resume):
+                restore_sharded(pipe, model, opt, resume, masters, state)
             else:
-                _restore(pipe, model, opt, masters, state)
-            _restore_rest(pipe, sched, stream, state, cfg)
+                restore(pipe, model, opt, masters, state)
+            restore_rest(pipe, sched, stream, state, cfg)
             start = int(state["step"])
             echo(f"resumed from {resume} (step {start})")
         _describe(cfg, given, pipe, wrapped, tokenizer, files, held,
@@ -206,7 +195,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         if ram_plan:
             echo(ram_plan)
         if dinfo.distributed:
-            shard = "" if not _sharded(pipe) else \
+            shard = "" if not sharded(pipe) else \
                 f"; shard {cfg.shard.value}: each rank holds 1/{dinfo.world_size} of the " \
                 f"fp32 masters and optimizer state, gradients sent in {cfg.grad_dtype}"
             echo(f"data parallel: {dinfo.world_size} ranks (torchrun), "
@@ -344,95 +333,6 @@ def _optimizer(cfg: TrainConfig, pipe) -> torch.optim.Optimizer:
                              weight_decay=cfg.weight_decay, fused=True)
 
 
-def _check_resume_config(path, saved: dict, cfg: TrainConfig) -> None:
-    for name in RESUME_FIXED:
-        value = saved.get(name, _SAVED_DEFAULTS.get(name))
-        if value != getattr(cfg, name):
-            flag = "--" + name.replace("_", "-")
-            how = (f"pass {flag}" if value else f"pass --no-{flag[2:]}") \
-                if isinstance(value, bool) else f"leave out {flag}" if value is None \
-                else f"pass {flag} {value}"
-            raise ConfigError(f"checkpoint {path} was written with {name}={value!r}, this "
-                              f"run has {getattr(cfg, name)!r}: {how} to resume it, or use "
-                              "a new out_dir")
-
-
-def _restore(pipe, model, opt, masters, state) -> None:
-    """Masters and optimizer state of an unsharded checkpoint into an unsharded run
-    (the rest: :func:`_restore_rest`)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in masters:
-                p.copy_(masters[name])
-    pipe.host.write_back()               # compute-dtype copies follow the masters
-    opt.load_state_dict(state["optimizer"])
-
-
-def _sharded(pipe) -> bool:
-    """Whether ``pipe`` shards its optimizer state (``TrainConfig.shard``, torchrun)."""
-    return getattr(pipe, "_shard", None) is not None
-
-
-def _pipe_names(pipe, model) -> dict[str, str]:
-    """``{pipeline parameter name: the model's (Hugging Face) name}`` of the trainable
-    parameters (a tied weight under its first name, as ``named_parameters`` gives)."""
-    ls = pipe.layerset
-    by_id = {id(p): pid for pid, p in enumerate(ls.params)}
-    return {ls.param_names[by_id[id(p)]]: n for n, p in model.named_parameters()
-            if id(p) in by_id}
-
-
-def _restore_sharded(pipe, model, opt, path, masters, state) -> None:
-    """Masters and optimizer state from a sharded checkpoint (every rank's shard, cut
-    for this run's world size and sharding: resharding), or from an unsharded one into
-    a sharded run."""
-    if is_sharded(path):
-        try:
-            shards = load_shards(path, mmap=True)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{exc}; resuming needs every rank's shard: put out_dir "
-                                  "on storage every server sees") from None
-    else:
-        hf = {v: k for k, v in _pipe_names(pipe, model).items()}
-        shards = [distributed.shard_from_state(
-            pipe, {name: masters[hf[name]] for name in hf}, state["optimizer"])]
-    distributed.load_shard_state_dicts(pipe, opt, shards)
-
-
-def _restore_rest(pipe, sched, stream, state, cfg: TrainConfig) -> None:
-    """Scheduler, pipeline counters, RNG states, data cursor (the same on every rank);
-    then this run's optimizer settings (:func:`_apply_settings`)."""
-    sched.load_state_dict(state["scheduler"])
-    _apply_settings(sched, cfg)
-    pipe.load_pipeline_state(state["pipe"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(_tuples(state["rng"]["python"]))
-    stream.load_state_dict(state["data"])
-
-
-def _apply_settings(sched, cfg: TrainConfig) -> None:
-    """The learning rate, weight decay and betas of this run, not the checkpoint's:
-    loading the optimizer's and the scheduler's state brings back the settings they
-    were saved with, and a resume may change them (e.g. a lower --lr after a loss
-    spike). The schedule's position is kept; its shape (warmup, decay) is this run's."""
-    opt = sched.optimizer
-    for group in opt.param_groups:
-        group["initial_lr"] = cfg.lr
-        group["weight_decay"] = cfg.weight_decay
-        if "betas" in group:
-            group["betas"] = (cfg.beta1, cfg.beta2)
-        elif "momentum" in group:
-            group["momentum"] = cfg.beta1
-    sched.base_lrs = [cfg.lr] * len(opt.param_groups)
-    for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
-        group["lr"] = base * factor(sched.last_epoch)
-    sched._last_lr = [g["lr"] for g in opt.param_groups]
-
-
-def _tuples(x):
-    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
 def _describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) -> None:
     """The run's summary: model, effective settings (which ones are defaults chosen for
     this kind of run), data, evaluation, pipeline."""
@@ -501,7 +401,7 @@ class _Job:
         scale = pipe.scaler.scale
         # The pipeline clips (config.clip_grad_norm) and reports the norm, in every
         # optimizer mode; without clipping the norm is measured here (sync only).
-        if cfg.optimizer_mode == "sync" and not cfg.grad_clip and _sharded(pipe):
+        if cfg.optimizer_mode == "sync" and not cfg.grad_clip and sharded(pipe):
             loss = pipe.forward_backward(x, y)
             stepped = pipe.step()              # measures the global norm across the ranks
             norm = pipe._shard.last_global_norm
@@ -560,7 +460,7 @@ class _Job:
     def save(self) -> None:
         # Stale optimizer: every rank applies its pending step before the state is read.
         self.pipe.flush()
-        if _sharded(self.pipe):
+        if sharded(self.pipe):
             return self._save_sharded()
         if not self.dist.is_main:                    # rank 0 writes; the others wait for it
             self.checkpoint = self.out / "checkpoints" / f"step-{self.step:08d}"
@@ -607,7 +507,7 @@ class _Job:
                 "fingerprint": fingerprint(model), "config": dataclasses.asdict(self.cfg),
                 "shards": self.dist.world_size}
         self.checkpoint = save_sharded_checkpoint(
-            self.out / "checkpoints", self.step, shard=shard, names=_pipe_names(pipe, model),
+            self.out / "checkpoints", self.step, shard=shard, names=pipe_names(pipe, model),
             state=state, meta=meta, tokenizer=self.tokenizer, keep=self.cfg.keep,
             is_main=self.dist.is_main,
             barrier=lambda: _collective(pipe, "checkpoint barrier", distributed.barrier))
@@ -652,36 +552,16 @@ class _Job:
 
     def export(self) -> None:
         final = self.out / "final"
-        if _sharded(self.pipe):
+        if sharded(self.pipe):
             # The model's trainable weights are the compute-dtype copies: export the
             # fp32 masters, as an unsharded run does, from the last checkpoint's
             # consolidated masters (always written at the end of a run).
-            with _masters_in_model(self.wrapped.model, self.out / "checkpoints"):
+            with masters_in_model(self.wrapped.model, self.out / "checkpoints"):
                 self.wrapped.save_pretrained(str(final))
         else:
             self.wrapped.save_pretrained(str(final))
         self.tokenizer.save_pretrained(str(final))
         self.echo(f"exported {'LoRA adapter' if self.cfg.lora or self.cfg.qlora else 'model'} to {final}")
-
-
-@contextlib.contextmanager
-def _masters_in_model(model, ckdir: pathlib.Path):
-    """The latest checkpoint's consolidated fp32 masters in ``model``'s trainable
-    parameters for the block (the compute copies back after it)."""
-    from safetensors import safe_open
-    path = latest_checkpoint(ckdir)
-    swapped = []
-    try:
-        with safe_open(str(path / "masters.safetensors"), framework="pt") as f:
-            keys = set(f.keys())
-            for name, p in model.named_parameters():
-                if name in keys:
-                    swapped.append((p, p.data))
-                    p.data = f.get_tensor(name)
-        yield
-    finally:
-        for p, data in swapped:
-            p.data = data
 
 
 def _loop(job: _Job) -> TrainResult:
