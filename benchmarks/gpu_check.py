@@ -403,9 +403,15 @@ def timing(args, backend: str, devices: int) -> None:
                                   precision=rotapipe.PrecisionConfig(compute_dtype="bf16"))
         ids = torch.randint(0, config["vocab_size"], (M, args.seq))
         with wrapped.pipe(cfg) as pipe:
+            before = pipe.host_seconds()
             real_ms = median_call_s(pipe, wrapped.inputs(ids), ids, args.timing_steps) * 1e3
+            after = pipe.host_seconds()
             plan, schedule = pipe.plan, pipe.schedule()
         rows.append(("real CUDA", real_ms))
+        calls = args.timing_steps + 1                  # with the warm-up
+        print("the caller's thread per real call, ms (RoundPipe.host_seconds, mean of "
+              f"{calls}): " + ", ".join(f"{k} {(after[k] - before.get(k, 0)) * 1e3 / calls:.1f}"
+                                        for k in after))
     else:
         hw = hardware(f"rtx4090x{devices}")
         em = TimedEmulation.of(config, hw, seq=args.seq)

@@ -128,3 +128,22 @@ def test_emulated_compute_spans_still_cover_the_work():
     covered = [end - start for a, start, end in spans
                if a.kind in (K.FORWARD, K.RECOMPUTE) and a.stage in holding]
     assert covered and min(covered) >= slow, covered
+
+
+def test_host_seconds_split_the_callers_time_by_phase():
+    import models
+    x, y = models.token_batch(4, 6)
+    config = models.emulated(2, 2, partition="refine")
+    with rotapipe.RoundPipe(models.tiny_transformer(), models.lm_loss, config=config,
+                            optimizer=torch.optim.SGD) as pipe:
+        before = pipe.host_seconds()
+        t = time.perf_counter()
+        pipe.forward_backward(x, y)
+        pipe.train_step(x, y)
+        pipe.zero_grad()
+        wall = time.perf_counter() - t
+        got = {k: v - before.get(k, 0.0) for k, v in pipe.host_seconds().items()}
+    assert set(got) == {"wait for the loss", "wait for the rest of the call",
+                        "check, merge and step", "re-plan", "zero_grad"}, got
+    assert all(v >= 0 for v in got.values()) and got["wait for the loss"] > 0
+    assert sum(got.values()) <= wall

@@ -448,8 +448,22 @@ class RoundPipe:
 
     def _reaped(self, calls: list[Call]) -> None:
         """Calls that completed: ``partition="refine"`` learns from their timings."""
+        t = time.perf_counter()
         for call in calls:
             self._refine_plan(call)
+        self._stream.host_seconds["re-plan"] += time.perf_counter() - t
+
+    def host_seconds(self) -> dict[str, float]:
+        """Seconds the caller's thread has spent in each phase of the training calls
+        since construction: ``"wait for the loss"``, ``"wait for the rest of the call"``
+        (a call that returns before its backward drained waits here at the next
+        call), ``"check, merge and step"`` (what the caller does once every gradient is
+        in: the finiteness check, the merge into ``.grad`` and, for a call that ends a
+        ``sync`` step, the optimizer step; the asynchronous modes do it on the host
+        lane instead), ``"re-plan"`` (``partition="refine"``) and ``"zero_grad"``.
+        Differences over a few calls say where a slow step goes on the host side
+        (docs/gpu_check.md)."""
+        return dict(self._stream.host_seconds)
 
     def step(self) -> bool:
         """Run the optimizer on the accumulated gradients, refresh the compute-dtype
@@ -526,9 +540,11 @@ class RoundPipe:
         self._check_open()
         with self._lock:
             self._flush()
+            t = time.perf_counter()
             self.host.zero_grad()
             if self._shard is not None:
                 self._shard.zero_grad()
+            self._stream.host_seconds["zero_grad"] += time.perf_counter() - t
 
     @torch.no_grad()
     def __call__(self, inputs):
@@ -727,8 +743,9 @@ class RoundPipe:
         ``rotapipe.sim.trace.write_trace`` (Chrome/Perfetto JSON),
         ``rotapipe.sim.gantt.draw_gantt`` (PNG) and ``rotapipe.sim.report.report``
         (bubble). Calls still in flight are left out (:meth:`flush` completes them).
-        Emulated workers give the times the actions ran; on CUDA the times are when
-        their work was issued. With overlapping calls the timeline's schedule is what
+        Compute actions give the times the device ran them (timing events around
+        them); copies and host work the times their bodies ran (on CUDA, when a copy
+        was issued). With overlapping calls the timeline's schedule is what
         ran: :func:`rotapipe.schedule.roundpipe_stale_schedule`'s calls."""
         self._check_open()
         if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
@@ -414,6 +414,9 @@ class CallStream:
         self.results: dict[int, StepResult | None] = {}   # call number -> Call.result
         self.history: deque[tuple[Schedule, list]] = deque(maxlen=64)
         """``(schedule, spans)`` of the last calls completed, oldest first."""
+        self.host_seconds: Counter[str] = Counter()
+        """Seconds the caller's thread spent per phase of the calls, in total
+        (:meth:`rotapipe.RoundPipe.host_seconds`)."""
 
     @property
     def next_number(self) -> int:
@@ -434,10 +437,12 @@ class CallStream:
 
     def wait_loss(self, call: Call) -> float:
         """Block until ``call``'s loss is in host memory and return it."""
+        t = time.perf_counter()
         if call.loss_keys:
             self._guarded(lambda: self.session.wait_keys(call.loss_keys))
         else:
             self._guarded(lambda: self.session.wait_call(call.index))
+        self.host_seconds["wait for the loss"] += time.perf_counter() - t
         return call.read_loss()
 
     def reject(self, call: Call, exc: BaseException) -> NoReturn:
@@ -456,9 +461,13 @@ class CallStream:
         done = []
         while len(self.inflight) > keep:
             c = self.inflight[0]
+            t0 = time.perf_counter()
             self._guarded(lambda: self.session.wait_call(c.index))
+            t1 = time.perf_counter()
             if not c.committed:
                 self._guarded(c.commit)
+            self.host_seconds["wait for the rest of the call"] += t1 - t0
+            self.host_seconds["check, merge and step"] += time.perf_counter() - t1
             self.committed += 1
             self.inflight.pop(0)
             self.last_spans = [s for s in self.session.spans if s[0].call == c.index]
