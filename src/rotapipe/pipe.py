@@ -387,12 +387,14 @@ class RoundPipe:
         # a call not yet committed, keeps them in the compute dtype: a second fp32
         # copy beside ``param.grad`` would double the gradients' bytes
         # (docs/memory.md). Data parallelism's all-reduce works on fp32 staged ones.
-        # Their storages come back from the last step's when calls do not overlap: the
-        # asynchronous modes widen on arrival only their first call, whose storages no
-        # later call would reuse (the pool would keep them for good).
+        # The storages of a call that starts a step come back from the last step's
+        # when calls do not overlap (the asynchronous modes widen on arrival only their
+        # first call, whose storages no later call would reuse: the pool would keep them
+        # for good); a data-parallel call that accumulates stages fp32 beside .grad and
+        # frees it at the merge, which an idle pooled copy would not.
         accumulates = self.host.samples > 0 or any(not c.committed for c in stream.inflight)
         grads = CallGrads(1.0 / self.scaler.scale, keep_dtype=dp is None and accumulates,
-                          pool=None if overlap else self.host.grad_pool)
+                          pool=None if overlap or accumulates else self.host.grad_pool)
         ctx = self._calls.context(stream.next_number, True, [u / total for u in units],
                                   grads, M, self.scaler.scale)
         reduce = None
