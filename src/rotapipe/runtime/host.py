@@ -129,16 +129,12 @@ class HostState:
         total = self.samples + samples
         keep, new = self.samples / total, samples / total
         params = self.layerset.params
-        # A narrow gradient merged into an existing .grad is widened into one reused
-        # buffer (a new tensor per parameter pays its page faults every call).
-        sizes = [params[pid].numel() for pid in self.trainable
-                 if params[pid].grad is not None and grads.narrow(pid)]
-        scratch = torch.empty(max(sizes), dtype=torch.float32) if sizes else None
         with torch.no_grad():
             for pid in self.trainable:
                 p = params[pid]
-                # fp32; a staged bf16 one is widened here
-                g = grads.pop(pid, scratch if p.grad is not None else None)
+                # fp32; a staged bf16 one is widened here, into CallGrads' reused
+                # buffer where it is only added to an existing .grad
+                g = grads.pop(pid, reuse=p.grad is not None)
                 if p.grad is None:
                     if g is not None:
                         p.grad = g.mul_(new) if new != 1.0 else g
@@ -198,6 +194,10 @@ class CallGrads:
         self.parts: dict[int, list[torch.Tensor]] = {}
         """Compute-dtype contributions per parameter (``keep_dtype``), summed in fp32
         when read."""
+        self._widen: torch.Tensor | None = None
+        """The reused buffer narrow gradients are widened into (``reuse=True``): a new
+        tensor per parameter pays its page faults every call, several times the cast
+        itself (benchmarks/host_grads.py). Dropped by :meth:`clear`."""
         self._lock = threading.Lock()
 
     # -- reading (fp32) --------------------------------------------------------------
@@ -210,10 +210,11 @@ class CallGrads:
         widens it into a new tensor; ``staged`` ones are returned themselves)."""
         return pid in self.parts
 
-    def get(self, pid: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def get(self, pid: int, reuse: bool = False) -> torch.Tensor | None:
         """The fp32 gradient of ``pid`` (``None``: none arrived). A narrow one is
-        widened into ``out`` (a flat fp32 buffer of at least its size, whose first
-        elements the result then views) when given, else into a new tensor."""
+        widened into a new tensor, or with ``reuse`` into the call's one reused buffer
+        (the result is then valid until the next such read: for a caller that reads
+        it once)."""
         with self._lock:
             g, parts = self.staged.get(pid), self.parts.get(pid)
         if parts is None:
@@ -221,9 +222,7 @@ class CallGrads:
         with torch.no_grad():
             # The operations CallGrads.add's fp32 path runs on arrival, in its order.
             first = parts[0]
-            n = first.shape.numel()
-            if out is not None:
-                out = out[:n].view(first.shape)
+            out = self._buffer(first.shape) if reuse else None
             if isinstance(first, RowGrad):
                 g32 = torch.zeros(first.shape, dtype=torch.float32) if out is None \
                     else out.zero_()
@@ -240,11 +239,21 @@ class CallGrads:
                     g32.add_(more, alpha=self.inv_scale)
         return g32
 
-    def pop(self, pid: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    def pop(self, pid: int, reuse: bool = False) -> torch.Tensor | None:
         """:meth:`get`, then forget ``pid``."""
-        g = self.get(pid, out)
+        g = self.get(pid, reuse)
         self.discard(pid)
         return g
+
+    def _buffer(self, shape: torch.Size) -> torch.Tensor:
+        """A view of the reused widening buffer, sized at first use for the largest
+        narrow gradient."""
+        n = shape.numel()
+        if self._widen is None or self._widen.numel() < n:
+            with self._lock:
+                most = max([p[0].shape.numel() for p in self.parts.values()], default=0)
+            self._widen = torch.empty(max(n, most), dtype=torch.float32)
+        return self._widen[:n].view(shape)
 
     def discard(self, pid: int) -> None:
         with self._lock:
@@ -255,6 +264,7 @@ class CallGrads:
         with self._lock:
             self.staged.clear()
             self.parts.clear()
+        self._widen = None
 
     def fp32(self) -> Mapping[int, torch.Tensor]:
         """A read-only mapping pid -> fp32 gradient that widens each one when read (a
@@ -263,10 +273,9 @@ class CallGrads:
 
     def checked(self) -> Mapping[int, torch.Tensor]:
         """:meth:`fp32` for one look at each gradient (the finiteness check): narrow
-        ones are widened into one scratch buffer, reused for the next, so a value read
-        is valid until the next read. A new tensor per parameter costs its page faults
-        each call, several times the widening itself (benchmarks/host_grads.py)."""
-        return _Widened(self, scratch=True)
+        ones are widened into the reused buffer, so a value read is valid until the
+        next read."""
+        return _Widened(self, reuse=True)
 
     # -- arrival (host lane) ---------------------------------------------------------
     def add(self, pid: int, grad: torch.Tensor | RowGrad) -> None:
@@ -303,16 +312,11 @@ class CallGrads:
 
 
 class _Widened(Mapping):
-    def __init__(self, grads: CallGrads, scratch: bool = False):
-        self.grads = grads
-        self.reuse = scratch
-        self.scratch: torch.Tensor | None = None    # allocated at the first narrow read
+    def __init__(self, grads: CallGrads, reuse: bool = False):
+        self.grads, self.reuse = grads, reuse
 
     def __getitem__(self, pid: int) -> torch.Tensor:
-        if self.reuse and self.scratch is None and self.grads.narrow(pid):
-            sizes = [p[0].shape.numel() for p in list(self.grads.parts.values())]
-            self.scratch = torch.empty(max(sizes), dtype=torch.float32)
-        g = self.grads.get(pid, self.scratch)
+        g = self.grads.get(pid, self.reuse)
         if g is None:
             raise KeyError(pid)
         return g

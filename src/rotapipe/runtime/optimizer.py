@@ -257,7 +257,6 @@ class CallHook:
         self.norms: dict[int, torch.Tensor] = {}     # pid -> its L2 norm
         self.checks = owner is not None and owner.nonfinite is NonFinite.RAISE \
             and not owner.scaler.dynamic
-        self._room = _Room()
 
     def handoff(self, key: str) -> None:
         if self.reduce is not None:
@@ -265,7 +264,7 @@ class CallHook:
             self.reduce.handoff(key)
         elif self.checks:
             for pid in self._complete(key):
-                g = self.grads.get(pid, self._scratch(pid))
+                g = self.grads.get(pid, reuse=True)
                 if g is not None:
                     self.norms[pid] = torch.linalg.vector_norm(g)
 
@@ -278,19 +277,11 @@ class CallHook:
                 done.append(pid)
         return done
 
-    def _scratch(self, pid: int) -> torch.Tensor | None:
-        """A reused buffer to widen ``pid``'s staged compute-dtype gradient into."""
-        if not self.grads.narrow(pid):
-            return None
-        return self._room.take("widen", (self.host.layerset.params[pid].numel(),),
-                               torch.float32)
-
     def check(self) -> None:
         """The finiteness check before anything is merged (``nonfinite="raise"``): the
         norms taken at the hand-offs, the rest read now."""
         if self.checks:
             self.owner.finite(self.grads.checked(), self.norms)
-        self._room.buffers.clear()      # the widening buffer dies with the check
 
     def commit(self) -> None:
         self.check()    # raises before anything is merged
