@@ -1,0 +1,147 @@
+"""The CUDA backend's own code, run here on stand-ins for ``torch.cuda``'s primitives.
+
+No GPU is available in CI, so the emulated backend tests the runtime; but
+``runtime/cuda.py`` itself (its events, streams, device clock and the way the executor
+and the host lane use them) would otherwise run for the first time on a GPU machine.
+Session 15's first GPU run found exactly such a bug: the CUDA event kept its timing
+clock under the attribute the host lane reads as the race checker's vector clock, and
+every call that handed gradients to the host failed.
+
+Here ``torch.cuda.Event`` / ``Stream`` / ``device`` / ``stream`` and the generator and
+memory-statistics calls are replaced by CPU stand-ins that behave as the real ones do
+for work issued synchronously (an event is complete once recorded; ``elapsed_time``
+needs both events created with ``enable_timing``, as on CUDA). The real
+:class:`~rotapipe.runtime.cuda.CudaDevice` runs on CPU tensors, and a pipeline on two
+of them must compute what plain PyTorch computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import rotapipe
+from rotapipe.runtime.emulated import EmulatedDevice
+from models import lm_loss, tiny_transformer
+from test_exactness import OPTIMIZERS, assert_close_trained, step_batches, train_reference
+from test_exactness import Trained, _grads, _snapshot
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False, **_):
+        self.timing = enable_timing
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = time.perf_counter()
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def synchronize(self):
+        assert self.at is not None, "synchronize on an event never recorded"
+
+    def elapsed_time(self, end: _Event) -> float:
+        # cudaEventElapsedTime: both events need timing, both must have completed.
+        if not (self.timing and end.timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'")
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) * 1e3
+
+
+class _Stream:
+    def __init__(self, device=None, priority: int = 0):
+        self.device, self.priority = device, priority
+
+    def wait_event(self, event: _Event):
+        assert event.at is not None, "a stream waits on an event never recorded"
+
+
+@contextmanager
+def _within(_):
+    yield
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """CudaDevice factory on CPU stand-ins."""
+    from rotapipe.runtime import cuda
+    from rotapipe.runtime.pool import BlockPool
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "device", _within)
+    monkeypatch.setattr(torch.cuda, "stream", _within)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(device))
+    monkeypatch.setattr(torch.cuda, "default_generators",
+                        [torch.Generator() for _ in range(4)], raising=False)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+
+    def make(index: int) -> cuda.CudaDevice:
+        dev = cuda.CudaDevice(index)
+        dev.torch_device = torch.device("cpu")     # its tensors live on the CPU
+        dev._pinned = BlockPool()                  # no page-locking without a GPU
+        # Layers on a GPU draw from the GPU's generator, which CudaDevice.seeded seeds;
+        # on the CPU they draw from the CPU's, which the emulated device seeds.
+        dev.seeded = functools.partial(EmulatedDevice.seeded, dev)
+        return dev
+    return make
+
+
+def test_events_keep_the_vector_clock_attribute_free(fake_cuda):
+    """The host lane merges ``event.clock`` as a vector clock after waiting; a CUDA
+    event must not put anything else there."""
+    dev = fake_cuda(0)
+    ev = dev.stream(rotapipe.schedule.Lane.COMPUTE).record(timing=True)
+    assert not getattr(ev, "clock", None)
+    start = dev.stream(rotapipe.schedule.Lane.COMPUTE).record(timing=True)
+    time.sleep(0.002)
+    end = dev.stream(rotapipe.schedule.Lane.COMPUTE).record(timing=True)
+    assert end.since(start) >= 0.002
+    assert abs(end.seconds() - time.perf_counter()) < 1.0   # on the host clock
+
+
+def _train(mode: str, devices=None) -> Trained:
+    """Three AdamW steps of a tiny transformer (dropout, tied embedding), 2 workers,
+    2 microbatches, ``partition='refine'`` (the CUDA default, which reads the timing
+    events); ``devices``: the workers (default emulated ones)."""
+    config = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated",
+                                 partition="refine", optimizer_mode=mode)
+    model = tiny_transformer(dropout=0.1, tied=True)
+    losses, grads, first = [], None, None
+    with rotapipe.RoundPipe(model, lm_loss, config=config, devices=devices,
+                            optimizer=OPTIMIZERS["adamw"]) as pipe:
+        for (x, y), in step_batches((8,)):
+            losses.append(pipe.forward_backward(x, y))
+            first = first or _snapshot(model)
+            grads = grads or _grads(model)
+            assert pipe.step()
+        return Trained(tuple(losses), grads, first, pipe.state_dict())
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap", "stale"])
+def test_cuda_backend_trains_as_the_emulated_one(fake_cuda, mode):
+    """Two CudaDevices: the losses, gradients and weights of plain PyTorch (``sync``,
+    ``overlap``) and of the emulated backend (every mode; ``stale`` is checked against
+    its own definition on emulated workers in test_optimizer_modes)."""
+    devices = [fake_cuda(0), fake_cuda(1)]
+    try:
+        got = _train(mode, devices)
+    finally:
+        for d in devices:
+            d.stop()
+        for d in devices:
+            d.close()
+    assert_close_trained(got, _train(mode))
+    if mode != "stale":
+        want = train_reference(tiny_transformer(dropout=0.1, tied=True), (8,), 2, "adamw")
+        if mode == "overlap":     # the gradients go straight to the optimizer, not .grad
+            assert not got.grads
+            want = dataclasses.replace(want, grads={})
+        assert_close_trained(got, want)
+
