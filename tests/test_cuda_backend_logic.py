@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from contextlib import contextmanager
 
@@ -27,7 +28,7 @@ import torch
 
 import rotapipe
 from rotapipe.runtime.emulated import EmulatedDevice
-from models import lm_loss, tiny_transformer
+from models import lm_loss, tiny_transformer, token_batch
 from test_exactness import OPTIMIZERS, assert_close_trained, step_batches, train_reference
 from test_exactness import Trained, _grads, _snapshot
 
@@ -145,3 +146,44 @@ def test_cuda_backend_trains_as_the_emulated_one(fake_cuda, mode):
             want = dataclasses.replace(want, grads={})
         assert_close_trained(got, want)
 
+
+def test_a_worker_issues_every_call_from_one_thread(fake_cuda):
+    """CUDA libraries cache per thread (cuDNN's attention graphs): a worker's layers
+    run on the same dispatcher thread call after call, that thread ends with close(),
+    and a failed call retires it (the next call gets a fresh one)."""
+    model = tiny_transformer()
+    seen: list[threading.Thread] = []
+    fail = [False]
+
+    def hook(module, args):
+        seen.append(threading.current_thread())
+        if fail[0]:
+            raise RuntimeError("injected")
+    model[1].register_forward_pre_hook(hook)
+    devices = [fake_cuda(0)]
+    x, y = token_batch(4, 6)
+    config = rotapipe.PipeConfig(workers=1, microbatches=2, backend="emulated")
+    try:
+        with rotapipe.RoundPipe(model, lm_loss, config=config, devices=devices) as pipe:
+            for _ in range(3):
+                pipe.forward_backward(x, y)
+            assert len(set(seen)) == 1 and seen[0].is_alive(), seen
+            first = seen[0]
+            fail[0] = True
+            with pytest.raises(rotapipe.WorkerError, match="injected"):
+                pipe.forward_backward(x, y)
+            fail[0] = False
+            first.join(5.0)
+            assert not first.is_alive()        # retired after the failure
+            seen.clear()
+            pipe.forward_backward(x, y)
+            assert len(set(seen)) == 1 and seen[0] is not first
+            last = seen[0]
+        last.join(5.0)
+        assert not last.is_alive()             # close() ended it
+        assert not [t for t in threading.enumerate()
+                    if t.name.startswith("rotapipe-dispatch")]
+    finally:
+        for d in devices:
+            d.stop()
+            d.close()

@@ -788,6 +788,8 @@ class RoundPipe:
             self.data_parallel.close()
         if self._finalizer is not None:
             self._finalizer()
+        if getattr(self, "_calls", None) is not None:
+            self._calls.executor.close()      # the idle dispatcher threads
         if getattr(self, "pinning", None) is not None:
             self.pinning.close()       # after the workers stopped reading the weights
         if error is not None:
@@ -899,6 +901,7 @@ def _close(devices, streams=()) -> None:
     for stream in streams:
         if stream.session is not None:
             stream.session.kill()
+        stream.runner.executor.close()
     broken = next((s.runner.executor for s in streams if s.runner.executor.broken), None)
     deadline = time.monotonic() + ABANDON_S
     for d in devices:

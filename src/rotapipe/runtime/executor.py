@@ -1,7 +1,7 @@
 """The executor: walks a schedule's per-worker lists and runs them on the devices.
 
-One dispatcher thread per worker (and one for the host lane) issues that worker's
-lanes, each in list order: an action goes as soon as every dependency has been
+One dispatcher thread per worker (and one for the host lane; kept across calls in a
+``dispatchers.DispatcherPool``) issues that worker's lanes, each in list order: an action goes as soon as every dependency has been
 *recorded*; its stream waits on those events, then the dispatcher submits the action
 body and records an event (``backend.py``'s event protocol). ``host_deps`` must have
 completed before an action is issued. A lane whose head cannot go yet never holds up
@@ -25,6 +25,7 @@ from ..errors import RotapipeError, WorkerError, worker_error_type
 from ..schedule import HOST, Action, ActionKind as K, Lane, Schedule
 from ..schedule.actions import COMPUTE_PASSES
 from .backend import Aborted, Device, HostStream
+from .dispatchers import DispatcherPool
 from .store import Actor
 from .transfer import CHUNKED, CRITICAL, DOWN, UP, CopyGate, direction
 
@@ -60,6 +61,12 @@ class Executor:
         """Why the pipeline cannot run again (a worker stuck past the drain timeout)."""
         self.abandoned: list[threading.Thread] = []
         """Threads stuck in an action that :meth:`Session.close` gave up waiting for."""
+        self.dispatchers = DispatcherPool()
+
+    def close(self) -> None:
+        """Stop the idle dispatcher threads (the executor can still open sessions:
+        they start new ones)."""
+        self.dispatchers.close(ABANDON_S)
 
     def run(self, schedule: Schedule, body: Callable[[Action], None],
             describe: Callable[[Action], str] = lambda a: "",
@@ -183,10 +190,9 @@ class Session:
         self._queues: dict[int, dict[Lane, deque]] = {w: {} for w in workers}
         self._wake = {w: _Wake() for w in workers}
         self._watchers: dict[str, set] = defaultdict(set)
-        self.threads = [threading.Thread(target=self._dispatch, args=(w,), daemon=True,
-                                         name=f"rotapipe-dispatch-{w}") for w in workers]
-        for t in self.threads:
-            t.start()
+        self.dispatchers = ex.dispatchers.run(
+            {w: (lambda w=w: self._dispatch(w)) for w in workers},
+            keep=lambda: not self.abort.is_set())
 
     # -- the caller's side ---------------------------------------------------------------
     def submit(self, schedule: Schedule) -> None:
@@ -249,11 +255,8 @@ class Session:
         limit = ABANDON_S if ex.broken else ex.drain_timeout_s if self.abort.is_set() \
             else None
         deadline = None if limit is None else time.monotonic() + limit
-        stuck = []
-        for t in self.threads:
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                stuck.append(t)
+        stuck = self.dispatchers.wait(
+            lambda: None if deadline is None else max(0.0, deadline - time.monotonic()))
         if stuck:
             running = self.describe_running()
             if not ex.broken:
