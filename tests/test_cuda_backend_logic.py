@@ -12,7 +12,9 @@ memory-statistics calls are replaced by CPU stand-ins that behave as the real on
 for work issued synchronously (an event is complete once recorded; ``elapsed_time``
 needs both events created with ``enable_timing``, as on CUDA). The real
 :class:`~rotapipe.runtime.cuda.CudaDevice` runs on CPU tensors, and a pipeline on two
-of them must compute what plain PyTorch computes.
+of them must compute what plain PyTorch computes. The dispatcher threads that issue
+a worker's work live across calls (CUDA libraries cache per thread), and end with the
+pipeline, closed or dropped.
 """
 
 from __future__ import annotations
@@ -187,3 +189,20 @@ def test_a_worker_issues_every_call_from_one_thread(fake_cuda):
         for d in devices:
             d.stop()
             d.close()
+
+
+def test_a_pipeline_dropped_without_close_ends_its_dispatchers():
+    import gc
+    from models import emulated
+
+    def alive():
+        return [t for t in threading.enumerate() if t.name.startswith("rotapipe-dispatch")]
+    pipe = rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(2, 2))
+    pipe.forward_backward(*token_batch(4, 6))
+    threads = alive()
+    assert len(threads) == 3                       # two workers and the host lane
+    del pipe
+    gc.collect()
+    for t in threads:
+        t.join(5.0)
+    assert not alive()
