@@ -109,22 +109,45 @@ def test_events_keep_the_vector_clock_attribute_free(fake_cuda):
     assert abs(end.seconds() - time.perf_counter()) < 1.0   # on the host clock
 
 
-def _train(mode: str, devices=None) -> Trained:
+def _train(mode: str, devices=None, pipelined: bool = False) -> Trained:
     """Three AdamW steps of a tiny transformer (dropout, tied embedding), 2 workers,
     2 microbatches, ``partition='refine'`` (the CUDA default, which reads the timing
-    events); ``devices``: the workers (default emulated ones)."""
+    events); ``devices``: the workers (default emulated ones). ``pipelined``: one
+    ``train_step`` per step (calls overlap in the asynchronous modes) and weights in
+    chunks of 1 KiB (many gated chunks per layer); else ``forward_backward``, the
+    gradients read, then ``step``."""
     config = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated",
-                                 partition="refine", optimizer_mode=mode)
+                                 partition="refine", optimizer_mode=mode,
+                                 copy_chunk_mb=1 / 1024 if pipelined else 32.0)
     model = tiny_transformer(dropout=0.1, tied=True)
     losses, grads, first = [], None, None
     with rotapipe.RoundPipe(model, lm_loss, config=config, devices=devices,
                             optimizer=OPTIMIZERS["adamw"]) as pipe:
         for (x, y), in step_batches((8,)):
+            if pipelined:
+                losses.append(pipe.train_step(x, y))
+                continue
             losses.append(pipe.forward_backward(x, y))
             first = first or _snapshot(model)
             grads = grads or _grads(model)
             assert pipe.step()
-        return Trained(tuple(losses), grads, first, pipe.state_dict())
+        return Trained(tuple(losses), grads or {}, first or {}, pipe.state_dict())
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap", "stale"])
+def test_pipelined_chunked_calls_on_the_cuda_backend(fake_cuda, mode):
+    """``train_step`` after ``train_step`` (the asynchronous modes keep calls in flight)
+    with weights in many gated chunks, on CudaDevices: the emulated backend's losses
+    and weights, element by element."""
+    devices = [fake_cuda(0), fake_cuda(1)]
+    try:
+        got = _train(mode, devices, pipelined=True)
+    finally:
+        for d in devices:
+            d.stop()
+        for d in devices:
+            d.close()
+    assert_close_trained(got, _train(mode, pipelined=True))
 
 
 @pytest.mark.parametrize("mode", ["sync", "overlap", "stale"])
