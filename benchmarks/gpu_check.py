@@ -407,12 +407,15 @@ def timing(args, backend: str, devices: int) -> None:
             real_ms = median_call_s(pipe, wrapped.inputs(ids), ids, args.timing_steps) * 1e3
             after = pipe.host_seconds()
             plan, schedule = pipe.plan, pipe.schedule()
+            switch_intervals(pipe, wrapped.inputs(ids), ids, args)
         rows.append(("real CUDA", real_ms))
         calls = args.timing_steps + 1                  # with the warm-up
         print("the caller's thread per real call, ms (RoundPipe.host_seconds, mean of "
               f"{calls}): " + ", ".join(f"{k} {(after[k] - before.get(k, 0)) * 1e3 / calls:.1f}"
                                         for k in after))
     else:
+        if args.switch_interval_ms:
+            print("--switch-interval-ms: only with a real GPU (the real call), ignored")
         hw = hardware(f"rtx4090x{devices}")
         em = TimedEmulation.of(config, hw, seq=args.seq)
         choice_pipe = rotapipe.PipeConfig(workers=devices, microbatches=M,
@@ -443,6 +446,29 @@ def timing(args, backend: str, devices: int) -> None:
         print(f"{what:16s} {ms:9.1f} {vs_real} {vs_sim}")
 
 
+def switch_intervals(pipe, inputs, labels, args) -> None:
+    """The real call under each interpreter switch interval of ``--switch-interval-ms``,
+    on the same pipeline, the rounds interleaved. Threads that run C++ (the autograd
+    engine's device thread freeing tensors Python has seen, saved-tensor hooks) need
+    the GIL back from threads running Python (other dispatchers, the host lane); a
+    thread that waits asks for it only after the switch interval (5 ms by default)."""
+    if not args.switch_interval_ms:
+        return
+    default = sys.getswitchinterval()
+    wanted = [float(v) for v in args.switch_interval_ms.split(",")]
+    times: dict[float, list[float]] = {v: [] for v in wanted}
+    try:
+        for _ in range(3):
+            for v in wanted:
+                sys.setswitchinterval(v / 1e3)
+                times[v].append(median_call_s(pipe, inputs, labels, args.timing_steps))
+    finally:
+        sys.setswitchinterval(default)
+    print("real call by interpreter switch interval (sys.setswitchinterval; median of "
+          f"{args.timing_steps} calls, best of 3 interleaved rounds): " +
+          ", ".join(f"{v:g} ms: {min(ts) * 1e3:.1f} ms" for v, ts in times.items()))
+
+
 # -- main ------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -464,6 +490,9 @@ def main(argv=None) -> int:
                     help="fraction of the measured bf16 matmul rate a layer reaches")
     ap.add_argument("--min-action-ms", type=float, default=20.0,
                     help="timed emulation: real ms of the shortest compute action")
+    ap.add_argument("--switch-interval-ms", default="",
+                    help="also time the real call under these interpreter switch "
+                    "intervals, e.g. 5,0.5")
     args = ap.parse_args(argv)
     args.steps = args.steps or (2 if args.quick else 3)
     args.timing_steps = args.timing_steps or (3 if args.quick else 5)
