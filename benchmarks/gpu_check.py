@@ -408,14 +408,17 @@ def timing(args, backend: str, devices: int) -> None:
             after = pipe.host_seconds()
             plan, schedule = pipe.plan, pipe.schedule()
             switch_intervals(pipe, wrapped.inputs(ids), ids, args)
+            if args.trace:
+                trace_call(pipe, wrapped.inputs(ids), ids, args.trace)
         rows.append(("real CUDA", real_ms))
         calls = args.timing_steps + 1                  # with the warm-up
         print("the caller's thread per real call, ms (RoundPipe.host_seconds, mean of "
               f"{calls}): " + ", ".join(f"{k} {(after[k] - before.get(k, 0)) * 1e3 / calls:.1f}"
                                         for k in after))
     else:
-        if args.switch_interval_ms:
-            print("--switch-interval-ms: only with a real GPU (the real call), ignored")
+        if args.switch_interval_ms or args.trace:
+            print("--switch-interval-ms, --trace: only with a real GPU (the real call), "
+                  "ignored")
         hw = hardware(f"rtx4090x{devices}")
         em = TimedEmulation.of(config, hw, seq=args.seq)
         choice_pipe = rotapipe.PipeConfig(workers=devices, microbatches=M,
@@ -444,6 +447,18 @@ def timing(args, backend: str, devices: int) -> None:
         vs_real = f"{ms / real:8.3f}" if real else f"{'-':>8s}"
         vs_sim = f"{ms / sim_ms:12.3f}" if sim_ms else f"{'-':>12s}"
         print(f"{what:16s} {ms:9.1f} {vs_real} {vs_sim}")
+
+
+def trace_call(pipe, inputs, labels, path: str) -> None:
+    """One real call under torch.profiler (CPU and CUDA activities), exported as a
+    Chrome trace to ``path`` and summarized (``benchmarks/cuda_trace.py``)."""
+    from cuda_trace import load, summarize
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        pipe.forward_backward(inputs, labels)
+        pipe.zero_grad()
+    prof.export_chrome_trace(path)
+    print(f"one real call traced to {path}:\n{summarize(load(path))}")
 
 
 def switch_intervals(pipe, inputs, labels, args) -> None:
@@ -493,6 +508,9 @@ def main(argv=None) -> int:
     ap.add_argument("--switch-interval-ms", default="",
                     help="also time the real call under these interpreter switch "
                     "intervals, e.g. 5,0.5")
+    ap.add_argument("--trace", default="", metavar="PATH",
+                    help="also trace one real call with torch.profiler to PATH (Chrome "
+                    "trace) and summarize where its time went")
     args = ap.parse_args(argv)
     args.steps = args.steps or (2 if args.quick else 3)
     args.timing_steps = args.timing_steps or (3 if args.quick else 5)
