@@ -146,7 +146,7 @@ def test_train_prices_the_model_state_the_run_holds(tmp_path, mode, dtype, lora,
                                                     optimizer):
     """``host_state`` (the meta-device count ``rotapipe train`` checks before loading)
     equals what the pipeline ``rotapipe train`` builds holds after two steps."""
-    from rotapipe.train.loop import _optimizer
+    from rotapipe.train.setup import make_optimizer
     from rotapipe.train.model import build_model, host_state
     _model(tied, False)[1].save_pretrained(tmp_path / "m")
     cfg = _train_config(tmp_path / "m", optimizer_mode=mode, dtype=dtype, lora=lora,
@@ -155,7 +155,7 @@ def test_train_prices_the_model_state_the_run_holds(tmp_path, mode, dtype, lora,
     assert want.layout == mode
     pipe = rotapipe.adapters.wrap_hf(build_model(cfg, None)).pipe(cfg.pipe_config())
     n_train = sum(p.numel() for p in pipe.parameters())
-    copies, state = _two_steps(pipe, _optimizer(cfg, pipe))
+    copies, state = _two_steps(pipe, make_optimizer(cfg, pipe))
     assert want.masters == 4 * n_train
     assert copies == want.weights + want.masters
     assert state == want.optimizer
@@ -278,9 +278,9 @@ def test_a_container_limit_below_the_machine_ram_is_what_the_check_uses(tmp_path
 
 def test_train_refuses_a_plan_that_does_not_fit_before_its_first_step(tmp_path,
                                                                      monkeypatch):
-    from rotapipe.train import loop, train
+    from rotapipe.train import setup, train
     cfg = _job(tmp_path)
-    monkeypatch.setattr(loop, "check_host_ram", lambda *a: "host RAM: (passed)")
+    monkeypatch.setattr(setup, "check_host_ram", lambda *a: "host RAM: (passed)")
     monkeypatch.setattr("rotapipe.runtime.pinning.available_ram", lambda: 1000)
     with pytest.raises(rotapipe.ConfigError) as e:
         train(cfg, echo=lambda *a: None)

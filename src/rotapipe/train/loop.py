@@ -24,20 +24,23 @@ import torch
 import torch.nn.functional as F
 
 from .. import distributed
-from ..errors import ConfigError, DistributedError, NonFiniteError, RotapipeError
+from ..errors import NonFiniteError
 from ..sim.report import report
 from .checkpoint import (check_compatible, check_out_dir, is_sharded, resume_from,
                          save_checkpoint, save_sharded_checkpoint)
 from .config import TrainConfig
-from .data import Batch, TrainBatches, count_split, eval_set
-from .records import (IGNORE, TextFields, check_chats, describe_sources, iter_records,
+from .data import Batch, TrainBatches
+from .records import (IGNORE, TextFields, check_chats, iter_records,
                       record_parts, source_files)
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
 from .resume import (check_resume_config, masters_in_model, pipe_names, restore,
                      restore_rest, restore_sharded, sharded)
-from .model import (adapter_dir, build_model, build_tokenizer, check_host_ram,
-                    check_run_ram, check_sequence_length, fingerprint, folded_expert_note)
+from .model import (adapter_dir, build_model, build_tokenizer, check_run_ram,
+                    check_sequence_length, fingerprint)
+from .setup import (check_host_ram_everywhere, check_same_resume, collective, describe,
+                    epoch_steps, eval_sequences, join, make_optimizer, quiet,
+                    quiet_third_party)
 
 __all__ = ["train", "TrainResult"]
 
@@ -124,15 +127,15 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     ckdir = out / "checkpoints"
     fields = TextFields(cfg.text_field, cfg.prompt_field, cfg.response_field,
                         cfg.messages_field)
-    dinfo = _join(cfg)                 # torchrun: every rank runs this same job
+    dinfo = join(cfg)                 # torchrun: every rank runs this same job
     if not dinfo.is_main:
-        echo = _quiet                  # rank 0 prints, logs, checkpoints and exports
+        echo = quiet                  # rank 0 prints, logs, checkpoints and exports
 
     # -- checks before any work ------------------------------------------------------
     check_out_dir(out)
     check_sinks(cfg.report_to)
     if not (cfg.progress and sys.stderr.isatty()):
-        _quiet_third_party()              # no weight-loading bars in a log file either
+        quiet_third_party()              # no weight-loading bars in a log file either
     files = source_files(cfg.data, cfg.data_config, cfg.data_split)
     check_data(files, fields)
     eval_files = source_files(cfg.eval_data, cfg.data_config, "test", "eval_data") \
@@ -144,7 +147,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     prompts = sample_prompts(cfg) if cfg.sample_tokens else []
     # the newest whole checkpoint (damaged ones skipped with a warning), or None
     resume, masters, state, meta = resume_from(ckdir, cfg.resume) or (None,) * 4
-    _check_same_resume(dinfo, resume)
+    check_same_resume(dinfo, resume)
     if resume is not None and cfg.steps is None:       # the saved run's counted length
         cfg = cfg.with_steps(int(meta["config"]["steps"]))
     if resume is not None:
@@ -158,9 +161,9 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     # Every chat record renders with the template now, not at the step that reads it.
     check_chats(files + (eval_files or []), tokenizer, fields)
     if cfg.steps is None:                      # the schedule length from epochs
-        cfg = cfg.with_steps(_epoch_steps(cfg, files, tokenizer, fields))
+        cfg = cfg.with_steps(epoch_steps(cfg, files, tokenizer, fields))
     # Before any weight is loaded: the model state must fit the RAM available.
-    ram = _check_host_ram_everywhere(cfg, tokenizer, dinfo)
+    ram = check_host_ram_everywhere(cfg, tokenizer, dinfo)
     model = build_model(cfg, tokenizer)
     if resume is not None:
         check_compatible(resume, meta, fingerprint(model))
@@ -171,7 +174,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     try:
         # Before the first step allocates the rest: the whole count on this plan.
         ram_plan = None if dinfo.distributed else check_run_ram(cfg, pipe, tokenizer)
-        opt = _optimizer(cfg, pipe)
+        opt = make_optimizer(cfg, pipe)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
         # The pipeline steps the schedule after each optimizer step (overlap / stale:
         # a step is still under way when train_step returns).
@@ -179,7 +182,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         stream = TrainBatches(files, tokenizer, batch=cfg.batch, seq=cfg.seq,
                               seed=cfg.seed, holdout=cfg.holdout, fields=fields,
                               packing=cfg.packing)
-        held = _eval_set(cfg, files, eval_files, tokenizer, fields)
+        held = eval_sequences(cfg, files, eval_files, tokenizer, fields)
         start = 0
         if resume is not None:
             if sharded(pipe) or is_sharded(resume):
@@ -189,7 +192,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
             restore_rest(pipe, sched, stream, state, cfg)
             start = int(state["step"])
             echo(f"resumed from {resume} (step {start})")
-        _describe(cfg, given, pipe, wrapped, tokenizer, files, held,
+        describe(cfg, given, pipe, wrapped, tokenizer, files, held,
                   time.perf_counter() - t0, echo)
         echo(ram)
         if ram_plan:
@@ -211,163 +214,6 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     if dinfo.distributed:              # not after an error: a broken gloo group can hang
         distributed.shutdown()
     return result
-
-
-def _quiet(*args, **kwargs) -> None:
-    pass
-
-
-def _quiet_third_party() -> None:
-    """``progress=False`` or no terminal: no progress bars from transformers or
-    huggingface_hub either (weight loading and saving, downloads)."""
-    try:
-        import transformers
-        transformers.utils.logging.disable_progress_bar()
-    except ImportError:
-        pass
-    try:
-        import huggingface_hub.utils
-        huggingface_hub.utils.disable_progress_bars()
-    except ImportError:
-        pass
-    # datasets (hub datasets by name) reads this when it is imported; not imported here,
-    # which costs most of a second.
-    if "datasets" in sys.modules:
-        sys.modules["datasets"].disable_progress_bars()
-    else:
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-
-
-def _epoch_steps(cfg: TrainConfig, files, tokenizer, fields) -> int:
-    """Optimizer steps of ``cfg.epochs`` passes over the training split: its tokens
-    over the batch's (packed), or its records over the batch (``pad``)."""
-    records, tokens = count_split(files, tokenizer, holdout=cfg.holdout, fields=fields)
-    per_epoch = records if cfg.packing == "pad" else -(-tokens // cfg.seq)
-    return max(1, -(-cfg.epochs * per_epoch // cfg.batch))
-
-
-def _eval_set(cfg: TrainConfig, files, eval_files, tokenizer, fields) -> Batch | None:
-    """The evaluation sequences: ``eval_data`` whole, else the held-out split of the
-    data; None when there are none (``holdout=0`` and no ``eval_data``)."""
-    kwargs = dict(seq=cfg.seq, fields=fields, packing=cfg.packing)
-    if eval_files:
-        return eval_set(eval_files, tokenizer, cfg.eval_sequences, holdout=1.0,
-                        what=f"eval_data {cfg.eval_data!r}", **kwargs)
-    if cfg.holdout == 0:
-        return None
-    try:
-        return eval_set(files, tokenizer, cfg.eval_sequences, holdout=cfg.holdout, **kwargs)
-    except ConfigError as exc:       # a small data set whose hash split came out empty
-        log.warning("%s; training without evaluation", exc)
-        return None
-
-
-def _join(cfg: TrainConfig) -> distributed.DistInfo:
-    """Under torchrun (``WORLD_SIZE`` > 1) join the gloo process group (the pipeline then
-    turns data parallelism on by itself); else rank 0 of 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world <= 1:
-        if cfg.shard.value != "none":
-            raise ConfigError(f"shard={cfg.shard.value!r} splits the optimizer state across "
-                              "data-parallel ranks, but this is one process: launch with "
-                              "torchrun --nproc-per-node N (N >= 2; or --nnodes) -m rotapipe "
-                              "train ..., or drop --shard")
-        return distributed.DistInfo(0, 1, int(os.environ.get("LOCAL_RANK", 0)))
-    if cfg.batch % world or cfg.batch < world * cfg.microbatches:
-        raise ConfigError(f"batch={cfg.batch} cannot be split over {world} ranks of "
-                          f"{cfg.microbatches} microbatches: use a multiple of {world} that "
-                          f"is at least {world * cfg.microbatches} (the batch is global)")
-    return distributed.init_from_env(timeout_s=cfg.dist_timeout)
-
-
-def _check_same_resume(dinfo, resume) -> None:
-    """Every rank must resume from the same (rank-0-written) checkpoint."""
-    if not dinfo.distributed:
-        return
-    step = -1 if resume is None else int(resume.name.rsplit("-", 1)[1])
-    t = torch.tensor([step, -step], dtype=torch.int64)
-    _collective(None, "resume-step check", torch.distributed.all_reduce, t,
-                op=torch.distributed.ReduceOp.MAX)
-    if int(t[0]) != -int(t[1]):
-        raise ConfigError(f"rank {dinfo.rank} resumes from {resume or 'step 0'} but the "
-                          "ranks see different checkpoints: put out_dir on storage every "
-                          "server sees, or copy rank 0's latest checkpoint to each")
-
-
-def _check_host_ram_everywhere(cfg: TrainConfig, tokenizer, dinfo) -> str:
-    """:func:`check_host_ram` on every rank, and every rank stops when one refuses (its
-    machine may have less RAM free than the others): a rank that stopped alone would
-    leave the rest to load the model and then fail in their next collective, on a
-    closed connection or at ``dist_timeout``."""
-    try:
-        ram, refusal = check_host_ram(cfg, tokenizer, dinfo.world_size,
-                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), None
-    except ConfigError as exc:
-        ram, refusal = "", exc
-    if dinfo.distributed:
-        refused = torch.zeros(dinfo.world_size, dtype=torch.int32)
-        refused[dinfo.rank] = refusal is not None
-        _collective(None, "host-RAM check", torch.distributed.all_reduce, refused)
-        ranks = [r for r, no in enumerate(refused.tolist()) if no]
-        if ranks and refusal is None:
-            raise ConfigError(
-                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
-                f"refused this run: the model state does not fit the host RAM there "
-                "(that rank's error names the settings that fit). Every rank stops before "
-                "loading; free memory on that server or shrink the state on all ranks.")
-    if refusal is not None:
-        raise refusal
-    return ram
-
-
-def _optimizer(cfg: TrainConfig, pipe) -> torch.optim.Optimizer:
-    params = list(pipe.parameters())
-    if cfg.optimizer_state == "int8":          # bitsandbytes keeps 8-bit state itself
-        from ..runtime.optstate import bnb_optimizer
-        return bnb_optimizer(cfg.optimizer, params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.beta1,
-                               weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                             weight_decay=cfg.weight_decay, fused=True)
-
-
-def _describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) -> None:
-    """The run's summary: model, effective settings (which ones are defaults chosen for
-    this kind of run), data, evaluation, pipeline."""
-    kind = "CUDA GPU" if pipe.devices[0].torch_device.type == "cuda" else "emulated CPU"
-    n = sum(pipe.layerset.params[pid].numel() for pid in pipe.host.trainable)
-    what = cfg.model or f"Qwen3 from scratch ({cfg.layers} layers, hidden {cfg.dim})"
-    if cfg.resume_from_adapter:
-        what += f" + adapter {cfg.resume_from_adapter}"
-    data = "the Python standard library's .py files" if cfg.data == "stdlib" else cfg.data
-    echo(f"model: {what}, {n / 1e6:.2f}M trainable parameters{' (QLoRA)' if cfg.qlora else ' (LoRA)' if cfg.lora else ''}"
-         f", vocab {len(tokenizer)}, {cfg.dtype}")
-    chosen = [k for k in ("lr", "warmup", "weight_decay", "steps", "epochs")
-              if getattr(given, k) is None and getattr(cfg, k) is not None]
-    epochs = f" ({cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''})" \
-        if cfg.epochs and "steps" in chosen else ""
-    echo(f"settings: lr {cfg.lr:g}, warmup {cfg.warmup}, weight decay {cfg.weight_decay:g}, "
-         f"{cfg.steps} steps{epochs}, batch {cfg.batch} x {cfg.seq} tokens, optimizer "
-         f"{cfg.optimizer} ({cfg.optimizer_state} state)"
-         + (f"; {'pretrained-model' if cfg.pretrained else 'from-scratch'} defaults: "
-            f"{', '.join(k.replace('_', ' ') for k in chosen)}" if chosen else ""))
-    if held is None:
-        evaluation = "no evaluation (" + ("holdout 0 and no eval_data" if not cfg.holdout
-                                          else "the held-out split is empty") + ")"
-    elif cfg.eval_data:
-        evaluation = f"evaluation on {cfg.eval_data}: {held.ids.shape[0]} sequences"
-    else:
-        evaluation = f"held-out {held.ids.shape[0]} sequences"
-    echo(f"data: {data} ({describe_sources(files)}), {cfg.seq}-token sequences "
-         f"({cfg.packing}), {evaluation}; setup {setup_s:.1f} s")
-    echo(f"pipeline: {len(pipe.devices)} {kind} workers, {cfg.microbatches} microbatches "
-         f"of {cfg.batch // cfg.microbatches}, plan {pipe.plan.to_text()}")
-    note = folded_expert_note(wrapped.model) if cfg.lora or cfg.qlora or \
-        cfg.resume_from_adapter else None
-    if note:
-        echo(f"note: {note}")
 
 
 class _Job:
@@ -464,7 +310,7 @@ class _Job:
             return self._save_sharded()
         if not self.dist.is_main:                    # rank 0 writes; the others wait for it
             self.checkpoint = self.out / "checkpoints" / f"step-{self.step:08d}"
-            _collective(self.pipe, "checkpoint barrier", distributed.barrier)
+            collective(self.pipe, "checkpoint barrier", distributed.barrier)
             return
         pipe, model = self.pipe, self.wrapped.model
         state = {"step": self.step, "tokens": self.tokens, "optimizer": self.opt.state_dict(),
@@ -484,7 +330,7 @@ class _Job:
                                           masters=masters, state=state, meta=meta,
                                           tokenizer=self.tokenizer, keep=self.cfg.keep)
         # no rank reads a half-written one
-        _collective(self.pipe, "checkpoint barrier", distributed.barrier)
+        collective(self.pipe, "checkpoint barrier", distributed.barrier)
 
     def _save_sharded(self) -> None:
         """Every rank writes its shard of the masters and optimizer state; rank 0 the
@@ -493,7 +339,7 @@ class _Job:
         shard = distributed.shard_state_dict(pipe, self.opt)
         bad = [n for n, piece in shard["pieces"].items()
                if not torch.isfinite(piece["master"]).all()]
-        if _collective(pipe, "finite-weights check", distributed.any_rank, bool(bad)):
+        if collective(pipe, "finite-weights check", distributed.any_rank, bool(bad)):
             raise NonFiniteError(
                 f"the weights are not finite at step {self.step}"
                 + (f" ({bad[0]} on this rank)" if bad else " (on another rank)") + ": no "
@@ -510,7 +356,7 @@ class _Job:
             self.out / "checkpoints", self.step, shard=shard, names=pipe_names(pipe, model),
             state=state, meta=meta, tokenizer=self.tokenizer, keep=self.cfg.keep,
             is_main=self.dist.is_main,
-            barrier=lambda: _collective(pipe, "checkpoint barrier", distributed.barrier))
+            barrier=lambda: collective(pipe, "checkpoint barrier", distributed.barrier))
 
     def samples(self) -> list[str]:
         """Sample every prompt with the current weights (rank 0); print them and append
@@ -624,7 +470,7 @@ def _loop(job: _Job) -> TrainResult:
         while job.step < cfg.steps and not _stop_everywhere(stop, job.pipe):
             if cfg.epochs is not None and job.stream.epoch >= cfg.epochs:
                 break
-            if cfg.time_limit is not None and _collective(
+            if cfg.time_limit is not None and collective(
                     job.pipe, "time-limit check", distributed.any_rank,
                     job.elapsed >= cfg.time_limit):
                 job.say(f"time limit {cfg.time_limit:g} s reached")
@@ -684,25 +530,8 @@ def _stop_everywhere(stop: _Stop, pipe) -> bool:
     """``stop.requested`` on any rank (one all-reduce per step under torchrun)."""
     # Decide on the agreed value only: Ctrl-C may land on one rank after the all-reduce
     # (it then counts at the next step's check, on every rank).
-    stop.agreed = _collective(pipe, "stop check", distributed.any_rank, stop.requested)
+    stop.agreed = collective(pipe, "stop check", distributed.any_rank, stop.requested)
     return stop.agreed
-
-
-def _collective(pipe, what: str, fn, *args, **kwargs):
-    """``fn(*args)``, a collective of the trainer's own; a lost rank becomes a one-line
-    :class:`DistributedError` (named through the pipeline's heartbeats when it has them)."""
-    try:
-        return fn(*args, **kwargs)
-    except RotapipeError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
-        reducer = getattr(pipe, "data_parallel", None)
-        if reducer is not None:
-            raise reducer._error(max(0, reducer.issued - 1), what, exc) from None
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        raise DistributedError(f"{what} across the ranks failed on rank "
-                               f"{distributed.rank()}: a rank died, hung or left. Underlying "
-                               f"error: {type(exc).__name__}: {first}") from None
 
 
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
