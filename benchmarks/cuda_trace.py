@@ -23,6 +23,8 @@ import gzip
 import json
 from collections import defaultdict
 
+from rotapipe.runtime.allreduce import interval_union
+
 _GPU = ("kernel", "gpu_memcpy", "gpu_memset")
 _API = ("cuda_runtime", "cuda_driver")
 
@@ -31,19 +33,6 @@ def load(path: str) -> dict:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)
-
-
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, None
-    start = None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            if end is not None:
-                total += end - start
-            start, end = a, b
-        else:
-            end = max(end, b)
-    return total + (end - start if end is not None else 0.0)
 
 
 def summarize(trace: dict, top: int = 5, gap_ms: float = 1.0) -> str:
@@ -63,7 +52,7 @@ def summarize(trace: dict, top: int = 5, gap_ms: float = 1.0) -> str:
         first = min(e["ts"] for e in gpu)
         last = max(e["ts"] + e["dur"] for e in gpu)
         lines.append(
-            f"GPU: kernels busy {_union_us(kernels) / 1e3:.1f} ms ({len(kernels)} kernels), "
+            f"GPU: kernels busy {interval_union(kernels) / 1e3:.1f} ms ({len(kernels)} kernels), "
             f"copies {sums['gpu_memcpy']:.1f} ms, memsets {sums['gpu_memset']:.1f} ms; "
             f"first at {(first - t0) / 1e3:.1f} ms, last done at {(last - t0) / 1e3:.1f} ms, "
             f"{(t1 - last) / 1e3:.1f} ms of host time after it")

@@ -382,7 +382,7 @@ class CallReduce:
         # Every bucket was launched before t0, so this is within the union (busy_s).
         exposed = min(waited, max(0.0, max(ends, default=t0) - t0))
         stats = ReduceStats(len(buckets), sum(b.flat.numel() * 4 for b in buckets),
-                            _union([(b.start, e) for b, e in zip(buckets, ends)]),
+                            interval_union([(b.start, e) for b, e in zip(buckets, ends)]),
                             exposed, t0)
         self.r.last = stats
         return stats
@@ -494,7 +494,8 @@ class _Bucket:
         self.end = time.perf_counter()
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
+def interval_union(intervals: list[tuple[float, float]]) -> float:
+    """The total length the ``(start, end)`` intervals cover (overlaps counted once)."""
     total, cur_s, cur_e = 0.0, None, None
     for s, e in sorted(intervals):
         if cur_e is None or s > cur_e:
