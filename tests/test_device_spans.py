@@ -11,30 +11,30 @@ the spans follow the device clock, not the host's.
 
 from __future__ import annotations
 
-import threading
+import pathlib
+import sys
 import time
-from contextlib import nullcontext
 
 import torch
 
 import rotapipe
-from rotapipe.runtime.backend import Device, HostStream, _DoneEvent
+from rotapipe.runtime.backend import _DoneEvent
 from rotapipe.runtime.executor import Executor
 from rotapipe.schedule import HOST, ActionKind as K, Lane
 from rotapipe.schedule.actions import COMPUTE_PASSES
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from issue_overhead import NullDevice, NullStream  # noqa: E402  (the null backend)
 
-class _InlineStream(HostStream):
+
+class _InlineStream(NullStream):
     """Runs bodies now on the dispatcher thread (as CUDA's streams do); the device
     clock advances only by the cost the work declares, so the host time of a body
     and the device time of its work differ."""
 
     def __init__(self, name: str, device: _ClockDevice):
-        super().__init__()
-        self.name, self.device = name, device
-
-    def wait(self, event):
-        return None
+        super().__init__(name)
+        self.device = device
 
     def record(self, notify=None, timing=False):
         ev = _DoneEvent()              # complete at once, at the device clock's time
@@ -42,42 +42,12 @@ class _InlineStream(HostStream):
         return ev
 
 
-class _ClockDevice(Device):
+class _ClockDevice(NullDevice):
     def __init__(self, index: int):
-        self.index = index
-        self.torch_device = torch.device("cpu")
-        self.budget = None
+        super().__init__(index)
         self.clock = 1e9 * (index + 1)       # device seconds, far from the host clock
         self._streams = {lane: _InlineStream(f"clock{index}.{lane.value}", self)
                          for lane in Lane if lane is not Lane.HOST}
-        self._lock = threading.Lock()
-
-    def stream(self, lane):
-        return self._streams[lane]
-
-    def upload(self, host, dtype=None):
-        return host
-
-    def download(self, dev):
-        return dev
-
-    def empty(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype)
-
-    def empty_host(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype)
-
-    def seeded(self, seed):
-        return nullcontext()
-
-    def drain(self, timeout=None):
-        return True
-
-    def allocate(self, nbytes, what):
-        pass
-
-    def free(self, nbytes):
-        pass
 
 
 def _cost(a) -> float:
