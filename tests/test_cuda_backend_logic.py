@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -229,3 +230,50 @@ def test_a_pipeline_dropped_without_close_ends_its_dispatchers():
     for t in threads:
         t.join(5.0)
     assert not alive()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_pool_reuses_a_dispatcher_only_after_a_clean_job():
+    from rotapipe.runtime.dispatchers import DispatcherPool
+    pool = DispatcherPool()
+    seen: list[threading.Thread] = []
+
+    def job(fail=False):
+        seen.append(threading.current_thread())
+        if fail:
+            raise RuntimeError("a job that raised")
+    for fail, keep in ((False, True), (True, True), (False, False), (False, True)):
+        assert not pool.run({0: lambda fail=fail: job(fail)}, keep=lambda k=keep: k) \
+            .wait(lambda: 5.0)
+    assert seen[1] is seen[0]                   # reused after a clean job
+    assert seen[2] is not seen[1]               # the job raised: its thread ended
+    assert seen[3] is not seen[2]               # keep() said no: so did this one
+    for t in seen[:3]:
+        t.join(5.0)
+        assert not t.is_alive()
+    pool.close()
+    seen[3].join(5.0)
+    assert not seen[3].is_alive()               # close() ends the idle ones
+
+
+def test_a_call_that_cannot_start_its_dispatchers_leaves_none_running(monkeypatch):
+    """No thread left to start the second dispatcher: the call raises, the first one's
+    loop ends instead of spinning, and the next call runs."""
+    from models import emulated
+    from rotapipe.runtime import dispatchers
+    real, made = dispatchers._Dispatcher.__init__, []
+
+    def second_fails(self, name):
+        if len(made) == 1:
+            raise RuntimeError("can't start new thread")
+        real(self, name)
+        made.append(self)
+    x, y = token_batch(4, 6)
+    with rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(2, 2)) as pipe:
+        monkeypatch.setattr(dispatchers._Dispatcher, "__init__", second_fails)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            pipe.forward_backward(x, y)
+        monkeypatch.undo()
+        made[0].thread.join(5.0)
+        assert not made[0].thread.is_alive()
+        assert math.isfinite(pipe.forward_backward(x, y))

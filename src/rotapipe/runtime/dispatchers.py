@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ class _Dispatcher:
                                        name=name)
         self.thread.start()
 
-    def start(self, job: Callable[[], None], after: Callable[[], None]) -> None:
+    def start(self, job: Callable[[], None], after: Callable[[bool], None]) -> None:
         self._jobs.put((job, after))
 
     def stop(self) -> None:
@@ -46,14 +47,16 @@ def _serve(jobs: queue.SimpleQueue) -> None:
             return
         job, after = item
         del item
+        ended = False
         try:
             # Grad mode is per thread (TRAPS.md): each session starts as a fresh thread
             # would, whatever the previous one left.
             torch.set_grad_enabled(True)
             job()
+            ended = True
         finally:
             del job
-            after()
+            after(ended)        # a job that raised: this thread ends, never pooled
             del after
 
 
@@ -108,25 +111,26 @@ class DispatcherPool:
                 return
         d.stop()
 
-    def close(self, timeout: float | None = 1.0) -> None:
+    def close(self, timeout: float = 1.0) -> None:
         """Stop the idle threads and join them (for up to ``timeout`` seconds in all);
         dispatchers still running a job stop once it ends."""
         with self._lock:
             self._closed = True
+        deadline = time.monotonic() + timeout
         for t in _stop_all(self._idle, self._lock):
-            t.join(timeout)
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _after(pool: DispatcherPool, worker: int, d: _Dispatcher, keep: Callable[[], bool],
-           done: threading.Event) -> Callable[[], None]:
+           done: threading.Event) -> Callable[[bool], None]:
     ref = weakref.ref(pool)
 
-    def after() -> None:
+    def after(ended: bool) -> None:
         p = ref()
         if p is None:
             d.stop()
         else:
-            p._give_back(worker, d, keep())
+            p._give_back(worker, d, ended and keep())
         done.set()          # after the give-back: the next session finds it idle
     return after
 

@@ -1,9 +1,10 @@
 """The executor: walks a schedule's per-worker lists and runs them on the devices.
 
 One dispatcher thread per worker (and one for the host lane; kept across calls in a
-``dispatchers.DispatcherPool``) issues that worker's lanes, each in list order: an action goes as soon as every dependency has been
-*recorded*; its stream waits on those events, then the dispatcher submits the action
-body and records an event (``backend.py``'s event protocol). ``host_deps`` must have
+``dispatchers.DispatcherPool``) issues that worker's lanes, each in list order: an
+action goes as soon as every dependency has been *recorded*; its stream waits on those
+events, then the dispatcher submits the action body and records an event
+(``backend.py``'s event protocol). ``host_deps`` must have
 completed before an action is issued. A lane whose head cannot go yet never holds up
 the worker's other lanes. Weight uploads and weight-gradient downloads go in gated
 chunks (``transfer.py``). Nothing else orders the work: no global barrier.
@@ -190,9 +191,14 @@ class Session:
         self._queues: dict[int, dict[Lane, deque]] = {w: {} for w in workers}
         self._wake = {w: _Wake() for w in workers}
         self._watchers: dict[str, set] = defaultdict(set)
-        self.dispatchers = ex.dispatchers.run(
-            {w: (lambda w=w: self._dispatch(w)) for w in workers},
-            keep=lambda: not self.abort.is_set())
+        try:
+            self.dispatchers = ex.dispatchers.run(
+                {w: (lambda w=w: self._dispatch(w)) for w in workers},
+                keep=lambda: not self.abort.is_set())
+        except BaseException:
+            # No thread left to start one: the loops already started end at once.
+            self.abort.set()
+            raise
 
     # -- the caller's side ---------------------------------------------------------------
     def submit(self, schedule: Schedule) -> None:
