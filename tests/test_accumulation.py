@@ -20,7 +20,7 @@ import torch
 import rotapipe
 from gradcount import GradCount
 from models import emulated, lm_loss, tiny_transformer, token_batch
-from rotapipe.runtime.host import CallGrads
+from rotapipe.runtime.host import CallGrads, RowGrad
 from test_exactness import OPTIMIZERS, RTOL, ATOL, step_batches, train_reference
 from test_faults import Trigger, assert_same_state, faulty_model, snapshot
 from test_optimizer_modes import CLIP, train_fused
@@ -105,20 +105,74 @@ def test_a_call_that_starts_a_step_widens_its_gradients_on_arrival(monkeypatch, 
                                              ("stale", 1e3, 2)])
 def test_the_finiteness_check_reads_norms_taken_at_the_hand_offs(monkeypatch, mode, clip,
                                                                   calls):
-    """Each gradient's norm is taken on the host lane once its last stage handed off:
-    by the commit every parameter's is known, and the check reads no gradient (the
-    whole-step hooks; ``overlap`` and an unclipped ``stale`` check per stage as they
-    step)."""
+    """Each gradient's finiteness is settled on the host lane once its last stage
+    handed off, from the bounds taken on arrival (or its norm, where they cannot
+    tell): by the commit every parameter's is known, and the check reads no gradient
+    (the whole-step hooks; ``overlap`` and an unclipped ``stale`` check per stage as
+    they step)."""
     from rotapipe.runtime.optimizer import HostOptimizer
     seen = []
     finite = HostOptimizer.finite
 
-    def spy(self, grads, norms=None):
-        seen.append((len(list(grads)), len(norms or {})))
-        return finite(self, grads, norms)
+    def spy(self, grads, norms=None, known=()):
+        seen.append((len(list(grads)), len(norms or {}), len(known)))
+        return finite(self, grads, norms, known)
     monkeypatch.setattr(HostOptimizer, "finite", spy)
     _train_bf16(mode, clip, calls)
-    assert seen and all(n == arrived for arrived, n in seen), seen
+    assert seen and all(n + k == arrived for arrived, n, k in seen), seen
+    assert all(k for _, _, k in seen), seen       # the bounds settled some
+
+
+def test_bounds_on_arrival_decide_finiteness_exactly():
+    """``CallGrads(bounds=True)``: the largest magnitude of each contribution bounds the
+    fp32 gradient's elements; it settles finite and non-finite gradients without a
+    pass over them, leaves a sum that might overflow (and row gradients) to a check of
+    the gradient itself, and changes no value."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(5, 7, generator=g).bfloat16() for _ in range(2)]
+    for keep in (False, True):
+        plain, bounded = CallGrads(0.5, keep_dtype=keep), CallGrads(0.5, keep_dtype=keep,
+                                                                    bounds=True)
+        for grads in (plain, bounded):
+            for p in parts:
+                grads.add(0, p)
+        assert bounded.known_finite(0) is True and plain.known_finite(0) is None
+        assert torch.equal(bounded.get(0), plain.get(0))
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            grads = CallGrads(1.0, keep_dtype=keep, bounds=True)
+            part = parts[0].clone()
+            part[2, 3] = bad
+            grads.add(1, parts[1])
+            grads.add(1, part)
+            assert grads.known_finite(1) is False
+        # Two finite contributions whose sum overflows fp32: only the gradient can tell.
+        big = torch.full((3,), 6e37, dtype=torch.bfloat16)
+        grads = CallGrads(1.0, keep_dtype=keep, bounds=True)
+        grads.add(2, big)
+        assert grads.known_finite(2) is True
+        for _ in range(5):
+            grads.add(2, big)
+        assert grads.known_finite(2) is None
+        assert torch.isinf(grads.get(2)).all()
+        grads.discard(2)
+        assert grads.known_finite(2) is None
+    rows = CallGrads(1.0, bounds=True)
+    rows.add(3, RowGrad(torch.tensor([1]), torch.ones(1, 4), torch.Size([5, 4])))
+    assert rows.known_finite(3) is None
+
+
+def test_a_clean_call_takes_no_gradient_norm_for_its_check(monkeypatch):
+    """``nonfinite="raise"`` without clipping: the check of a clean call is the bounds
+    of its arrivals, no norm of any gradient."""
+    norms = []
+    real = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm",
+                        lambda *a, **k: norms.append(1) or real(*a, **k))
+    with rotapipe.RoundPipe(tiny_transformer(tied=True), lm_loss,
+                            config=emulated(2, 2)) as pipe:
+        pipe.forward_backward(*token_batch(8, 6))
+        assert all(p.grad is not None for p in pipe.parameters())
+    assert not norms
 
 
 def test_widening_into_a_reused_buffer_gives_the_same_tensor():

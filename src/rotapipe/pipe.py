@@ -394,7 +394,9 @@ class RoundPipe:
         # frees it at the merge, which an idle pooled copy would not.
         accumulates = self.host.samples > 0 or any(not c.committed for c in stream.inflight)
         grads = CallGrads(1.0 / self.scaler.scale, keep_dtype=dp is None and accumulates,
-                          pool=None if overlap or accumulates else self.host.grad_pool)
+                          pool=None if overlap or accumulates else self.host.grad_pool,
+                          bounds=dp is None and self.config.nonfinite is NonFinite.RAISE
+                          and not self.scaler.dynamic)
         ctx = self._calls.context(stream.next_number, True, [u / total for u in units],
                                   grads, M, self.scaler.scale)
         reduce = None

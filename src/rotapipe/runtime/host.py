@@ -15,6 +15,7 @@ time where they are merged or stepped, the host holds one fp32 gradient per para
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -184,9 +185,14 @@ class CallGrads:
     bytes per parameter (bf16) instead of 4 until the call commits."""
 
     def __init__(self, inv_scale: float, keep_dtype: bool = False,
-                 pool: BlockPool | None = None):
+                 pool: BlockPool | None = None, bounds: bool = False):
         self.inv_scale = inv_scale
         self.staged: dict[int, torch.Tensor] = {}
+        self.bounds: dict[int, float | None] | None = {} if bounds else None
+        """With ``bounds``: per parameter, a bound on the magnitude of its fp32
+        gradient's elements, summed over its contributions as they arrive (``inf``: one
+        is not finite; ``None``: not bounded, a row gradient): :meth:`known_finite`
+        then decides finiteness without a pass over the fp32 gradient."""
         self.keep_dtype = keep_dtype
         self.pool = pool
         """Where gradients widened on arrival are allocated (:attr:`HostState.grad_pool`:
@@ -259,11 +265,15 @@ class CallGrads:
         with self._lock:
             self.staged.pop(pid, None)
             self.parts.pop(pid, None)
+            if self.bounds is not None:
+                self.bounds.pop(pid, None)
 
     def clear(self) -> None:
         with self._lock:
             self.staged.clear()
             self.parts.clear()
+            if self.bounds is not None:
+                self.bounds.clear()
         self._widen = None
 
     def fp32(self) -> Mapping[int, torch.Tensor]:
@@ -277,8 +287,44 @@ class CallGrads:
         next read."""
         return _Widened(self, reuse=True)
 
+    def known_finite(self, pid: int) -> bool | None:
+        """Whether every element of ``pid``'s fp32 gradient is finite, from the bounds
+        taken on arrival: ``True``, ``False``, or ``None`` when they cannot tell (not
+        tracked, a row gradient, or contributions so large that their fp32 sum might
+        overflow: check the gradient itself)."""
+        if self.bounds is None:
+            return None
+        with self._lock:
+            b = self.bounds.get(pid)
+        if b is None:
+            return None
+        if b == math.inf:
+            return False
+        return True if b < _SAFE_BOUND else None
+
+    def _bound(self, pid: int, grad: torch.Tensor | RowGrad) -> None:
+        """Add ``grad``'s contribution to ``pid``'s bound (``bounds``): the largest
+        magnitude of its elements (one reduction over the arriving dtype, cheaper than
+        a norm of the widened gradient), times the unscaling."""
+        if isinstance(grad, RowGrad):
+            peak = None           # rows may repeat in a contribution: not bounded here
+        elif grad.numel() == 0:
+            peak = 0.0
+        else:
+            lo, hi = torch.aminmax(grad)
+            lo, hi = abs(lo.item()), abs(hi.item())
+            peak = math.inf if math.isnan(lo) or math.isnan(hi) else \
+                max(lo, hi) * abs(self.inv_scale)
+        with self._lock:
+            seen = pid in self.bounds
+            b = self.bounds.get(pid)
+            self.bounds[pid] = None if peak is None or seen and b is None else \
+                peak + (b or 0.0)
+
     # -- arrival (host lane) ---------------------------------------------------------
     def add(self, pid: int, grad: torch.Tensor | RowGrad) -> None:
+        if self.bounds is not None:
+            self._bound(pid, grad)
         rows = isinstance(grad, RowGrad)
         dtype = grad.values.dtype if rows else grad.dtype
         if self.keep_dtype and dtype != torch.float32:
@@ -309,6 +355,11 @@ class CallGrads:
                         else g32
             else:
                 cur.add_(grad, alpha=self.inv_scale)
+
+
+_SAFE_BOUND = torch.finfo(torch.float32).max / 4
+"""Below this the fp32 sum of a parameter's contributions cannot overflow (a wide
+margin over the rounding of the sum and of the unscaling)."""
 
 
 class _Widened(Mapping):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -72,16 +72,18 @@ class HostOptimizer:
         between steps: fresh allocations of that size each step cost more than the
         gathers (page faults)."""
 
-    def finite(self, grads: dict[int, torch.Tensor],
-               norms: dict[int, torch.Tensor] | None = None) -> bool:
+    def finite(self, grads: Mapping[int, torch.Tensor],
+               norms: dict[int, torch.Tensor] | None = None,
+               known: Collection[int] = ()) -> bool:
         """Whether every gradient in ``grads`` (parameter index -> gradient; ``norms``:
-        their L2 norms where already computed) is finite, judged by its norm. If not:
+        their L2 norms where already computed; ``known``: parameters already known to
+        be finite, not read) is finite, judged by its norm. If not:
         under dynamic loss scaling it is an fp16 overflow (``False``: skip the step);
         otherwise ``nonfinite="raise"`` raises :class:`NonFiniteError` naming the
         parameters, ``"skip"`` returns ``False`` (the step is skipped)."""
         norms = norms or {}
-        bad = [pid for pid, g in grads.items() if not torch.isfinite(
-            norms[pid] if pid in norms else torch.linalg.vector_norm(g))]
+        bad = [pid for pid in grads if pid not in known and not torch.isfinite(
+            norms[pid] if pid in norms else torch.linalg.vector_norm(grads[pid]))]
         if not bad:
             return True
         if self.scaler.dynamic or self.nonfinite is NonFinite.SKIP:
@@ -255,6 +257,7 @@ class CallHook:
             for a in schedule.actions if a.kind is K.OPTIMIZER}
         self.left = Counter(pid for pids in self.by_key.values() for pid in pids)
         self.norms: dict[int, torch.Tensor] = {}     # pid -> its L2 norm
+        self.known: set[int] = set()     # found finite from the bounds of their arrival
         self.checks = owner is not None and owner.nonfinite is NonFinite.RAISE \
             and not owner.scaler.dynamic
 
@@ -264,6 +267,9 @@ class CallHook:
             self.reduce.handoff(key)
         elif self.checks:
             for pid in self._complete(key):
+                if self.grads.known_finite(pid):
+                    self.known.add(pid)
+                    continue
                 g = self.grads.get(pid, reuse=True)
                 if g is not None:
                     self.norms[pid] = torch.linalg.vector_norm(g)
@@ -281,7 +287,9 @@ class CallHook:
         """The finiteness check before anything is merged (``nonfinite="raise"``): the
         norms taken at the hand-offs, the rest read now."""
         if self.checks:
-            self.owner.finite(self.grads.checked(), self.norms)
+            known = self.known | {pid for pid in self.grads.pids() if pid not in self.known
+                                  and pid not in self.norms and self.grads.known_finite(pid)}
+            self.owner.finite(self.grads.checked(), self.norms, known)
 
     def commit(self) -> None:
         self.check()    # raises before anything is merged
