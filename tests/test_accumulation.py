@@ -161,17 +161,22 @@ def test_bounds_on_arrival_decide_finiteness_exactly():
     assert rows.known_finite(3) is None
 
 
-def test_a_clean_call_takes_no_gradient_norm_for_its_check(monkeypatch):
+@pytest.mark.parametrize("mode", ["sync", "overlap", "stale"])
+def test_a_clean_call_takes_no_gradient_norm_for_its_check(monkeypatch, mode):
     """``nonfinite="raise"`` without clipping: the check of a clean call is the bounds
-    of its arrivals, no norm of any gradient."""
+    of its arrivals, no norm of any gradient (``overlap`` and ``stale`` step each
+    stage as it hands off, ``sync`` checks at the commit)."""
     norms = []
     real = torch.linalg.vector_norm
     monkeypatch.setattr(torch.linalg, "vector_norm",
                         lambda *a, **k: norms.append(1) or real(*a, **k))
     with rotapipe.RoundPipe(tiny_transformer(tied=True), lm_loss,
-                            config=emulated(2, 2)) as pipe:
-        pipe.forward_backward(*token_batch(8, 6))
-        assert all(p.grad is not None for p in pipe.parameters())
+                            config=emulated(2, 2, optimizer_mode=mode),
+                            optimizer=OPTIMIZERS["sgd"]) as pipe:
+        for seed in (1, 2):
+            pipe.train_step(*token_batch(8, 6, seed=seed))
+        pipe.flush()
+        assert pipe.calls == 2
     assert not norms
 
 

@@ -597,8 +597,13 @@ class OverlapStep(CallHook):
             stepped.append(pid)
         # A non-finite gradient: an overflow or a skip (commit() skips the whole step,
         # undoing the stages stepped before), or NonFiniteError (the call fails).
-        if stepped and not self.overflow and \
-                not self.owner.finite({pid: self.final[pid] for pid in stepped}, self.norms):
+        # A gradient no earlier call adds to is this call's times new <= 1: finite
+        # when the bounds of its arrival say this call's is (CallGrads.known_finite).
+        known = set() if self.prev is None else {
+            pid for pid in stepped
+            if self.prev.get(pid) is None and self.grads.known_finite(pid)}
+        if stepped and not self.overflow and not self.owner.finite(
+                {pid: self.final[pid] for pid in stepped}, self.norms, known):
             self.overflow = True
             if not self.undo and self.stepped:
                 # The lean layout kept no copies: the stages stepped before cannot be
