@@ -189,6 +189,7 @@ def test_a_worker_issues_every_call_from_one_thread(fake_cuda):
     devices = [fake_cuda(0)]
     x, y = token_batch(4, 6)
     config = rotapipe.PipeConfig(workers=1, microbatches=2, backend="emulated")
+    before = set(threading.enumerate())         # another test's, not yet collected
     try:
         with rotapipe.RoundPipe(model, lm_loss, config=config, devices=devices) as pipe:
             for _ in range(3):
@@ -208,7 +209,7 @@ def test_a_worker_issues_every_call_from_one_thread(fake_cuda):
         last.join(5.0)
         assert not last.is_alive()             # close() ended it
         assert not [t for t in threading.enumerate()
-                    if t.name.startswith("rotapipe-dispatch")]
+                    if t.name.startswith("rotapipe-dispatch") and t not in before]
     finally:
         for d in devices:
             d.stop()
@@ -221,15 +222,16 @@ def test_a_pipeline_dropped_without_close_ends_its_dispatchers():
 
     def alive():
         return [t for t in threading.enumerate() if t.name.startswith("rotapipe-dispatch")]
+    before = set(alive())                          # another test's, not yet collected
     pipe = rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(2, 2))
     pipe.forward_backward(*token_batch(4, 6))
-    threads = alive()
+    threads = set(alive()) - before
     assert len(threads) == 3                       # two workers and the host lane
     del pipe
     gc.collect()
     for t in threads:
         t.join(5.0)
-    assert not alive()
+    assert not [t for t in threads if t.is_alive()]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
