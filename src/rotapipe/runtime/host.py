@@ -316,10 +316,8 @@ class CallGrads:
             peak = math.inf if math.isnan(lo) or math.isnan(hi) else \
                 max(lo, hi) * abs(self.inv_scale)
         with self._lock:
-            seen = pid in self.bounds
-            b = self.bounds.get(pid)
-            self.bounds[pid] = None if peak is None or seen and b is None else \
-                peak + (b or 0.0)
+            prev = self.bounds.get(pid, 0.0)        # None: already unbounded
+            self.bounds[pid] = None if peak is None or prev is None else prev + peak
 
     # -- arrival (host lane) ---------------------------------------------------------
     def add(self, pid: int, grad: torch.Tensor | RowGrad) -> None:
