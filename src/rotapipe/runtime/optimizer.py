@@ -242,9 +242,10 @@ class CallHook:
     A parameter is complete once every stage holding it has handed off (a tied
     weight: after its shallowest stage; ``schedule`` and ``stage_pids`` say which
     ``O`` hands off what). Under ``nonfinite="raise"`` (without data parallelism,
-    whose check reads the reduced gradients) each complete gradient's norm is taken
-    right there, on the host lane while shallower stages still run backward, so the
-    finiteness check at :meth:`commit` has only the last stage's left to read."""
+    whose check reads the reduced gradients) each complete gradient's finiteness is
+    settled right there, on the host lane while shallower stages still run backward:
+    by the bounds of its arrival (:meth:`CallGrads.known_finite`), else by its norm,
+    taken then. The check at :meth:`commit` reads no gradient that was settled."""
 
     def __init__(self, host: HostState, grads: CallGrads, units: float, reduce=None,
                  owner: HostOptimizer | None = None, schedule: Schedule | None = None,
@@ -257,7 +258,6 @@ class CallHook:
             for a in schedule.actions if a.kind is K.OPTIMIZER}
         self.left = Counter(pid for pids in self.by_key.values() for pid in pids)
         self.norms: dict[int, torch.Tensor] = {}     # pid -> its L2 norm
-        self.known: set[int] = set()     # found finite from the bounds of their arrival
         self.checks = owner is not None and owner.nonfinite is NonFinite.RAISE \
             and not owner.scaler.dynamic
 
@@ -268,8 +268,7 @@ class CallHook:
         elif self.checks:
             for pid in self._complete(key):
                 if self.grads.known_finite(pid):
-                    self.known.add(pid)
-                    continue
+                    continue            # settled by the bounds of its arrival
                 g = self.grads.get(pid, reuse=True)
                 if g is not None:
                     self.norms[pid] = torch.linalg.vector_norm(g)
@@ -285,10 +284,10 @@ class CallHook:
 
     def check(self) -> None:
         """The finiteness check before anything is merged (``nonfinite="raise"``): the
-        norms taken at the hand-offs, the rest read now."""
+        bounds of the arrivals and the norms taken at the hand-offs, the rest read
+        now."""
         if self.checks:
-            known = self.known | {pid for pid in self.grads.pids() if pid not in self.known
-                                  and pid not in self.norms and self.grads.known_finite(pid)}
+            known = {pid for pid in self.grads.pids() if self.grads.known_finite(pid)}
             self.owner.finite(self.grads.checked(), self.norms, known)
 
     def commit(self) -> None:
