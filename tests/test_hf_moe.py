@@ -128,3 +128,53 @@ def test_aux_formula_is_checked_against_the_model():
             rotapipe.adapters.wrap_hf(model)
     finally:
         mod.load_balancing_loss_func = orig
+
+
+@pytest.mark.parametrize("mode", ["overlap", "stale"])
+@pytest.mark.parametrize("workers, microbatches", [(2, 2), (3, 4)])
+def test_pipelined_calls_with_the_aux_loss_equal_hf_steps(mode, workers, microbatches):
+    """Four pipelined ``train_step`` calls with the whole-batch aux loss: each call's
+    tail waits for every microbatch *of that call* (before, call 1's tail waited for
+    call 0's activations and read its own before they were written). Losses and weights
+    equal Hugging Face's own steps (``stale``: each gradient taken on the weights one
+    step back), and what ran is the simulator's schedule with the tail barrier."""
+    model = tiny("qwen3moe")
+    ref, m = clone(model), clone(model)
+    data = [batch(seed=s) for s in range(1, 5)]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def apply(grads):
+        for n, p in ref.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+
+    shadow, want, pending = clone(model), [], None
+    for ids, mask, labels in data:
+        shadow.zero_grad(set_to_none=True)
+        want.append(hf_backward(shadow, ids, mask, labels))
+        grads = {n: p.grad for n, p in shadow.named_parameters()}
+        if mode == "stale":
+            pending, grads = grads, pending
+        if grads is not None:
+            apply(grads)
+        shadow.load_state_dict(ref.state_dict())
+    if pending is not None:
+        apply(pending)                   # state_dict() applies the last stale step
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+    cfg = rotapipe.PipeConfig(workers=workers, microbatches=microbatches,
+                              backend="emulated", optimizer_mode=mode)
+    with wrapped.pipe(cfg, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1,
+                                                               momentum=0.9)) as pipe:
+        got = [pipe.train_step(wrapped.inputs(ids, mask), labels)
+               for ids, mask, labels in data]
+        pipe.flush()
+        ran = pipe.last_timeline(calls=len(data)).schedule
+        sim = rotapipe.schedule.roundpipe_stale_schedule(
+            pipe.plan, workers, microbatches, calls=len(data),
+            staleness=1 if mode == "stale" else 0, ties=pipe._ties, side_inputs=True,
+            rows_first=pipe._rows_first, tail_barrier=True)
+    assert ran.to_text() == sim.to_text()
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    w = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(p, w[name], rtol=1e-5, atol=1e-6, msg=name)

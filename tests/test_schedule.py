@@ -132,3 +132,17 @@ def test_validator_rejects_backward_before_its_fused_tail():
             for a in s.actions if not a.key.startswith("UG:")]
     with pytest.raises(ScheduleError, match="does not wait for the fused tail"):
         validate(Schedule(s.plan, 2, 2, tuple(acts)))
+
+
+def test_validator_rejects_a_call_reading_another_calls_microbatch_data():
+    """Overlapping calls: the second call's tail may wait for the first call's
+    downloads (a legal order) but must not take them as its own data."""
+    from rotapipe.schedule import roundpipe_stale_schedule
+    s = roundpipe_stale_schedule(_tiny().plan, 2, 2, calls=2, tail_barrier=True)
+    validate(s, dataflow=True)
+    theirs = next(a.key for a in s.actions if a.kind is K.DOWNLOAD_ACT and a.call == 0)
+    acts = tuple(Action(a.kind, a.worker, a.stage, a.mb, a.at, a.deps + (theirs,),
+                        a.host_deps, a.call)
+                 if a.kind is K.FUSED and a.call == 1 and a.mb == 0 else a for a in s.actions)
+    with pytest.raises(ScheduleError, match=r"microbatch data of call 0: a call reads only"):
+        validate(Schedule(s.plan, 2, 2, acts, s.name), dataflow=True)

@@ -118,6 +118,9 @@ def test_stale_schedule_overlaps_calls_and_validates(workers, mbs, calls, stalen
     plan = even_plan(9, 2, 5, tail_layers=2)
     s = roundpipe_stale_schedule(plan, workers, mbs, calls=calls, staleness=staleness)
     validate(s, dataflow=True)
+    # Each call's tail barrier waits for that call's microbatches (a whole-batch loss).
+    validate(roundpipe_stale_schedule(plan, workers, mbs, calls=calls, staleness=staleness,
+                                      tail_barrier=True), dataflow=True)
     assert s.calls == calls and Schedule.from_text(s.to_text()) == s
     jobs = plan.jobs()
     for a in s.actions:

@@ -166,7 +166,8 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
                              ties: Collection[Collection[int]] = (),
                              prefetch: int = 1, bound_grads: bool = True,
                              frozen: Collection[int] = (),
-                             rows_first: Collection[int] = ()) -> Schedule:
+                             rows_first: Collection[int] = (),
+                             tail_barrier: bool = False) -> Schedule:
     """``calls`` overlapping training calls (:func:`roundpipe_call`), each a step of an
     optimizer ``staleness`` steps stale: call ``c`` reads the update of call
     ``c - 1 - staleness`` (``staleness=0`` is the exact optimizer: the next call reads
@@ -177,7 +178,10 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
     (:func:`roundpipe_call`) the layers holding frozen weights; ``rows_first``
     (:func:`roundpipe_call`: embedding tables moved by rows) applies to the exact
     optimizer's per-stage steps (``staleness=0`` without ``whole_step``) and is ignored
-    otherwise. A simulator reports the steady state between the first and the last call.
+    otherwise. ``tail_barrier`` (:func:`roundpipe_schedule`): each call's tail waits for
+    every microbatch of that call (a loss over whole-batch statistics, as the Hugging
+    Face adapter's MoE load-balancing loss). A simulator reports the steady state
+    between the first and the last call.
     """
     if calls < 1 or staleness < 0:
         raise ScheduleError(f"calls={calls} must be >= 1 and staleness={staleness} >= 0")
@@ -190,7 +194,8 @@ def roundpipe_stale_schedule(plan: Plan, workers: int, microbatches: int, *,
                                   whole_step=whole_step, ties=ties,
                                   side_inputs=side_inputs, prefetch=prefetch,
                                   grad_window=grad_window(prefetch) if bound_grads else None,
-                                  frozen=frozen, rows_first=rows)
+                                  frozen=frozen, rows_first=rows,
+                                  tail_barrier=tail_barrier)
     return Schedule(plan, workers, microbatches, tuple(actions), "roundpipe-stale")
 
 
@@ -293,7 +298,8 @@ class _Generator:
             elif s.kind is StageKind.TAIL:
                 if i == 0 and self.tail_barrier:
                     producer = self.act_producer[s.start]
-                    ins = ins + [f"DA:{producer}:m{k}@{s.start}" for k in range(1, self.M)]
+                    ins = ins + [self.key(K.DOWNLOAD_ACT, producer, k, s.start)
+                                 for k in range(1, self.M)]
                 hold = self.grad_hold(g, w) if i == 0 else []
                 compute_keys.append(self.emit(K.FUSED, w, s, m, deps=ins + hold))
                 last_dg = self.emit(K.DOWNLOAD_GRAD, w, s, m, s.start, deps=[compute_keys[-1]])

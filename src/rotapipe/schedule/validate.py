@@ -121,6 +121,11 @@ def _check_passes(schedule: Schedule, by_key: dict[str, Action]) -> None:
                     fail("backward", s)
 
 
+_MICROBATCH_DATA = frozenset({K.UPLOAD_ACT, K.UPLOAD_GRAD, K.UPLOAD_SIDE, K.DOWNLOAD_ACT,
+                              K.DOWNLOAD_GRAD, K.FORWARD, K.FORWARD_KEEP, K.FUSED,
+                              K.RECOMPUTE, K.BACKWARD, K.BACKWARD_KEPT})
+
+
 def _check_data(schedule: Schedule, by_key: dict[str, Action]) -> None:
     """Each transfer and compute depends directly on the action producing its data."""
     consumers = {K.UPLOAD_ACT: _FORWARD_KINDS, K.UPLOAD_GRAD: (K.BACKWARD, K.BACKWARD_KEPT)}
@@ -129,6 +134,11 @@ def _check_data(schedule: Schedule, by_key: dict[str, Action]) -> None:
     for a in schedule.actions:
         if a.mb is None:
             continue
+        for d in a.deps:     # a microbatch's data belongs to its call
+            if by_key[d].call != a.call and by_key[d].kind in _MICROBATCH_DATA:
+                raise ScheduleError(f"{a.key} (call {a.call}) depends on {d}, microbatch "
+                                    f"data of call {by_key[d].call}: a call reads only "
+                                    "its own activations and gradients")
         if a.kind in sources and (a.at or a.kind is K.UPLOAD_GRAD):
             want = sources[a.kind]
             if not any(by_key[d].kind is want and (by_key[d].mb, by_key[d].at, by_key[d].call)
