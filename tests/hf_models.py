@@ -116,6 +116,11 @@ FAMILIES = {
                           first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
                           qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                           n_group=1, topk_group=1, num_key_value_heads=4, **MOE),
+    # JetMoE: experts in attention and MLP, its coefficient named ``aux_loss_coef`` (the
+    # model reads that one; a stray ``router_aux_loss_coef`` in its config must not win).
+    "jetmoe": _model("JetMoeForCausalLM", "JetMoeConfig", kv_channels=8,
+                     num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                     aux_loss_coef=0.5, router_aux_loss_coef=0.125),
 }
 
 
@@ -143,7 +148,7 @@ FEATURES = {
                          "gpt_oss"), lambda m, w: m.config.sliding_window),
     "attention sinks": (("gpt_oss",), lambda m, w: _any_param(
         m, lambda n: n.endswith("sinks"))),
-    "MoE": (("qwen3moe", "qwen2moe", "gpt_oss", "deepseek_v3"),
+    "MoE": (("qwen3moe", "qwen2moe", "gpt_oss", "deepseek_v3", "jetmoe"),
             lambda m, w: w.parts["routers"]),
     "MoE with shared experts": (("qwen2moe", "deepseek_v3"), lambda m, w: _any_param(
         m, lambda n: "shared_expert" in n)),

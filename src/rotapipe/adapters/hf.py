@@ -412,6 +412,9 @@ def _moe_spec(base, config, enabled: bool | None) -> MoESpec | None:
         return None
 
     def pick(*names):
+        # The model's own attribute first: it is what its forward reads (JetMoE keeps
+        # ``aux_loss_coef``, DBRX copies its ffn_config's weight), and a config may
+        # carry the other family's name too.
         for obj in (base, config):
             for name in names:
                 v = getattr(obj, name, None)
@@ -422,7 +425,7 @@ def _moe_spec(base, config, enabled: bool | None) -> MoESpec | None:
 
     spec = MoESpec(int(pick("num_experts", "num_local_experts")),
                    int(pick("num_experts_per_tok", "top_k")),
-                   float(pick("router_aux_loss_coef")))
+                   float(pick("router_aux_loss_coef", "aux_loss_coef")))
     _check_aux_formula(base, spec)
     return spec
 
