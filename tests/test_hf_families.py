@@ -18,8 +18,8 @@ import torch
 
 import rotapipe
 import rotapipe.adapters
-from hf_models import (FAMILIES, FEATURES, assert_grads_equal, batch, clone, hf_backward,
-                       pipe_backward, tiny)
+from hf_models import (COMMON, FAMILIES, FEATURES, assert_grads_equal, batch, clone,
+                       hf_backward, pipe_backward, tiny, transformers)
 
 RUNS = [(2, 1), (2, 4), (3, 1), (3, 4)]
 
@@ -101,3 +101,62 @@ def test_wrapped_model_keeps_hf_surface():
                              "norm": "model.norm", "head": "lm_head", "routers": []}
     # Tied embeddings: the same Parameter in layer 0 and the head (one master).
     assert wrapped.layers[0].embed.weight is wrapped.layers[-1].lm_head.weight
+
+
+BATCH_ROPES = {
+    "dynamic": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**COMMON, "max_position_embeddings": 16}, head_dim=8, attn_implementation="eager",
+        rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0))),
+    "longrope": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **COMMON, attn_implementation="eager", original_max_position_embeddings=16,
+        rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.1, 1.2, 1.3],
+            long_factor=[2.0, 3.0, 4.0, 5.0], original_max_position_embeddings=16))),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(BATCH_ROPES))
+@pytest.mark.parametrize("workers, microbatches", [(2, 2), (3, 4)])
+def test_rope_scaled_by_the_whole_batch(rope, workers, microbatches):
+    """Dynamic and long RoPE choose their frequencies from the largest position id of
+    the batch the model's forward is given. With explicit position ids whose largest
+    value differs between microbatches (the first rows short of the original context,
+    the last beyond it), each microbatch's rotary tables are the whole batch's."""
+    torch.manual_seed(0)
+    model = BATCH_ROPES[rope]()
+    ids, _, labels = batch(n=8, t=12)
+    pos = torch.arange(12).repeat(8, 1)
+    pos[4:] += 19                               # largest 11 in rows 0-3, 30 in rows 4-7
+    ref = clone(model)
+    out = ref(input_ids=ids, position_ids=pos, labels=labels)
+    out.loss.backward()
+    m = clone(BATCH_ROPES[rope]())              # a fresh rotary state, as ref's was
+    m.load_state_dict(model.state_dict())
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+    with wrapped.pipe(rotapipe.PipeConfig(workers=workers, microbatches=microbatches,
+                                          backend="emulated")) as pipe:
+        got = pipe.forward_backward(wrapped.inputs(ids, None, pos), labels)
+    assert got == pytest.approx(out.loss.item(), rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
+def test_packed_sequences_keep_their_documents_apart():
+    """Position ids restarting inside a row, no attention mask: the documents stay apart
+    as in ``model(..., use_cache=False)`` (transformers detects packing only when it
+    builds no cache; its default ``use_cache=True`` call attends across them)."""
+    model = tiny("llama")
+    ids, _, labels = batch(n=4, t=12)
+    pos = torch.cat([torch.arange(5), torch.arange(7)]).repeat(4, 1)   # 2 documents a row
+    ref = clone(model)
+    want = ref(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+    want.loss.backward()
+    with torch.no_grad():
+        across = clone(model)(input_ids=ids, position_ids=pos, labels=labels).loss.item()
+    assert abs(across - want.loss.item()) > 1e-3        # the two references differ
+    m = clone(model)
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
+                                          backend="emulated")) as pipe:
+        got = pipe.forward_backward(wrapped.inputs(ids, None, pos), labels)
+    assert got == pytest.approx(want.loss.item(), rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)

@@ -62,6 +62,8 @@ class RoundPipe:
         side_inputs: optional ``fn(microbatch_inputs) -> dict`` of tensors every layer
             reads (masks, rotary tables); computed on the host once per microbatch,
             uploaded once per microbatch per worker, passed as ``layer(x, **side)``.
+            If it has a ``for_batch(microbatches)`` method, each call uses the function
+            that returns instead (side inputs that depend on the whole batch).
         loss_weight: optional ``fn(microbatch_labels) -> number`` of the items
             ``loss_fn`` averages over in that microbatch (e.g. the non-ignored tokens
             of a language-model loss). Default: the microbatch's sample count. Each

@@ -116,6 +116,8 @@ class _ProbeState:
         """Real blocks to run once (first of each class) to learn their return type."""
         self.final: torch.Tensor | None = None
         """Set: the last stub returns it (a run of the whole forward); else it stops."""
+        self.max_position: int | None = None
+        """Set: the largest position id of the whole batch (:meth:`SideInputs.for_batch`)."""
 
 
 class _Stub(nn.Module):
@@ -140,6 +142,35 @@ class _Stub(nn.Module):
         # in the structure the real block returns; its other outputs (attention
         # weights, caches) are off in these runs.
         return hidden_states if n is None else (hidden_states,) + (None,) * (n - 1)
+def _batch_rope(module: nn.Module) -> bool:
+    """Whether ``module`` is a rotary embedding whose frequencies depend on the largest
+    position of the batch it is given (``transformers``' dynamic and long RoPE:
+    ``dynamic_rope_update`` takes ``torch.max(position_ids)``)."""
+    kind = getattr(module, "rope_type", None)
+    kinds = kind.values() if isinstance(kind, dict) else (kind,)
+    return any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds)
+
+
+class _WholeBatchRope(nn.Module):
+    """The model's rotary module as the probe calls it for one microbatch: the
+    largest position of the whole batch rides along as one more row of position ids,
+    so a dynamic or long RoPE picks the frequencies the model's forward on the whole
+    batch would, and that row's tables are dropped."""
+
+    def __init__(self, rope: nn.Module, state: _ProbeState):
+        super().__init__()
+        self.rope, self.state = rope, state
+
+    def forward(self, x, position_ids, *args, **kwargs):
+        top = self.state.max_position
+        if top is None or position_ids is None or int(position_ids.max()) >= top:
+            return self.rope(x, position_ids, *args, **kwargs)
+        n = position_ids.shape[0]
+        row = torch.full_like(position_ids[:1], top)
+        out = self.rope(x, torch.cat([position_ids, row]), *args, **kwargs)
+        return tuple(t[:n] for t in out)
+
+
 class SideInputs:
     """``side_inputs`` for :class:`rotapipe.RoundPipe`: ``fn(microbatch inputs) -> dict``.
 
@@ -160,7 +191,9 @@ class SideInputs:
                                    for i in range(num_layers))
         # A shallow clone of the inner model sharing every submodule but the decoder
         # list: the user's model is never modified.
-        self.probe = shallow_clone(inner, {layers_name: self.stubs})
+        ropes = {name: _WholeBatchRope(m, self._state)
+                 for name, m in inner.named_children() if _batch_rope(m)}
+        self.probe = shallow_clone(inner, {layers_name: self.stubs, **ropes})
         self._name = type(inner).__name__
 
     def learn_returns(self) -> None:
@@ -223,11 +256,23 @@ class SideInputs:
                                "their inputs; pass layers explicitly to RoundPipe")
         return calls
 
-    def __call__(self, inputs) -> dict:
+    def for_batch(self, microbatches: list):
+        """The side-input function for the microbatches of one call (the runtime asks
+        for it once per call): each microbatch's rotary tables are those of the whole
+        batch, whose largest explicit position id a dynamic or long RoPE scales by."""
+        pos = [unpack_inputs(x)[2] for x in microbatches]
+        top = max((int(p.max()) for p in pos if p is not None and p.numel()), default=None)
+        return lambda inputs: self(inputs, max_position=top)
+
+    def __call__(self, inputs, max_position: int | None = None) -> dict:
         ids, mask, pos = unpack_inputs(inputs)
         b, t = ids.shape[:2]
         placeholder = torch.zeros((), dtype=self.dtype).expand(b, t, self.hidden_size)
-        calls = self.run(placeholder, mask, pos)
+        self._state.max_position = max_position
+        try:
+            calls = self.run(placeholder, mask, pos)
+        finally:
+            self._state.max_position = None
         layout = Layout([(args, kwargs) for _, args, kwargs in calls])
         side = {"hf_tensors": layout.tensors, "hf_layout": layout}
         if self.moe:

@@ -181,12 +181,15 @@ class CallRunner:
             # thread: an index outside a table is the caller's error).
             for pid, rows in self.lookups.call_rows(mbs).items():
                 store.put(("rows", pid), self._stage(rows))
+        side = self.side_inputs
+        if side is not None and hasattr(side, "for_batch"):
+            side = side.for_batch(mbs)      # side inputs that depend on the whole batch
         for m, x in enumerate(mbs):
             store.put(("act", 0, m), self._stage(x))
             if lbs is not None:
                 store.put(("labels", m), self._stage(lbs[m]))
-            if self.side_inputs is not None:
-                store.put(("side", m), self._stage(self.side_inputs(x)))
+            if side is not None:
+                store.put(("side", m), self._stage(side(x)))
         return store
 
     def _stage(self, tree):
