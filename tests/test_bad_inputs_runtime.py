@@ -12,11 +12,13 @@ type, a message naming the problem, a bounded time, and that the state is unchan
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -407,6 +409,111 @@ def test_a_module_shared_by_two_live_pipelines_is_refused_and_free_after_close()
         pass
 
 
+@pytest.mark.parametrize("mode", ["overlap", "stale"])
+def test_a_pipelined_pipeline_dropped_with_calls_in_flight_is_collected(mode):
+    """A helper that trains and returns without close() or flush(): the calls in flight
+    commit, then the pipeline is collected (its finalizer may run on the worker thread
+    the last commit ran on, and closes from another thread), every thread it started
+    ends, and its parameters are free for a new pipeline. The weights are those after
+    the three steps (``stale``: the last one taken in the background after its call
+    committed), as ``state_dict()`` would have given them."""
+    import gc
+    import weakref
+    before = {t.ident for t in threading.enumerate()}
+    model = linear_model()
+    ref = copy.deepcopy(model)
+    data = [batch(seed=s) for s in range(3)]
+
+    def train_and_forget():
+        pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss,
+                                  config=emulated(2, 2, optimizer_mode=mode))
+        pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        for x, y in data:
+            pipe.train_step(x, y)
+        return weakref.ref(pipe)
+
+    gone = train_and_forget()
+    deadline_s = time.monotonic() + 30
+    while (gone() is not None or {t.ident for t in threading.enumerate()} - before) \
+            and time.monotonic() < deadline_s:
+        gc.collect()
+        time.sleep(0.05)
+    assert gone() is None
+    assert not {t.name for t in threading.enumerate() if t.ident not in before}
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(1, 1)):
+        pass
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    on, pending = copy.deepcopy(ref), None       # ``on``: the weights a call reads
+    for x, y in data:
+        on.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(on(x), y).backward()
+        grads = [q.grad for q in on.parameters()]
+        if mode == "stale":      # each gradient on the weights one step back
+            pending, grads = grads, pending
+        if grads is not None:
+            for p, g in zip(ref.parameters(), grads):
+                p.grad = g
+            opt.step()
+        on.load_state_dict(ref.state_dict())
+    if pending is not None:      # the last stale step runs once its call committed
+        for p, g in zip(ref.parameters(), pending):
+            p.grad = g
+        opt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("method", ["state_dict", "flush", "close", "call"])
+def test_a_pipeline_used_from_inside_its_own_work_is_refused_at_once(method):
+    """A loss function that logs ``pipe.state_dict()`` (or evaluates, flushes, closes)
+    runs on a worker while the call holds the pipeline: it would wait for itself.
+    Refused at once, naming the method; nothing changed, and the pipeline trains on."""
+    model = linear_model()
+    ref = copy.deepcopy(model)
+    x, y = batch()
+    armed = [True]
+
+    def loss(out, labels):
+        if armed[0]:
+            armed[0] = False
+            {"state_dict": pipe.state_dict, "flush": pipe.flush, "close": pipe.close,
+             "call": lambda: pipe(x)}[method]()
+        return nn.functional.mse_loss(out, labels)
+
+    pipe = rotapipe.RoundPipe(model, loss, config=emulated(2, 2))
+    pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+    name = "pipe(...)" if method == "call" else f"RoundPipe.{method}()"
+    with deadline(30), pytest.raises(rotapipe.InputError, match=re.escape(name) +
+                                     r" was called from inside the pipeline's own work"):
+        pipe.train_step(x, y)
+    assert_state(model, state_of(ref))
+    pipe.train_step(x, y)
+    pipe.close()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    nn.functional.mse_loss(ref(x), y).backward()
+    opt.step()
+    for k, v in state_of(ref).items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_pipeline_used_from_its_callers_own_side_inputs_is_refused():
+    """``side_inputs`` runs on the caller's thread while it holds the pipeline."""
+    model = linear_model()
+    holder = {}
+
+    def side(inputs):
+        holder["pipe"].state_dict()
+        return {}
+
+    pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2),
+                              side_inputs=side)
+    holder["pipe"] = pipe
+    with deadline(30), pytest.raises(rotapipe.InputError, match=re.escape(
+            "RoundPipe.state_dict() was called from inside the pipeline's own work")):
+        pipe.forward_backward(*batch())
+    pipe.close()
+
+
 # -- load_state_dict: all or nothing ---------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -494,6 +601,33 @@ def test_sparse_inputs_and_a_complex_loss_are_refused():
         with pytest.raises(rotapipe.WorkerError, match="returned a torch.complex64 tensor"):
             pipe.forward_backward(x, y)
         assert pipe.calls == 0
+
+
+LOSSES = {
+    # (loss_fn, what the error says)
+    "tuple with a metric": (lambda o, t: (nn.functional.mse_loss(o, t), (o - t).abs().mean()),
+                            "returned a tuple of 2: return the microbatch's mean loss as "
+                            "one scalar tensor"),
+    "tuple of 3": (lambda o, t: (nn.functional.mse_loss(o, t),) * 3, "returned a tuple of 3"),
+    "detached": (lambda o, t: nn.functional.mse_loss(o, t).detach(),
+                 "returned a torch.float32 tensor that does not require grad"),
+    "an accuracy": (lambda o, t: (o.argmax(1) == t.argmax(1)).sum(),
+                    "returned a torch.int64 tensor that does not require grad"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LOSSES))
+def test_a_loss_that_cannot_train_is_refused_and_changes_nothing(case):
+    """A tuple (a logged metric beside the loss) was once read as a whole-batch term and
+    trained on; a loss cut from the graph failed inside backward()."""
+    loss_fn, says = LOSSES[case]
+    model = linear_model()
+    before = state_of(model)
+    with rotapipe.RoundPipe(model, loss_fn, config=emulated(2, 2)) as pipe:
+        with pytest.raises(rotapipe.InputError, match=re.escape(says)):
+            pipe.forward_backward(*batch())
+        assert pipe.calls == 0 and all(p.grad is None for p in pipe.parameters())
+    assert_state(model, before)
 
 
 # -- schedulers --------------------------------------------------------------------------

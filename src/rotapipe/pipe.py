@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import inspect
 import math
+import sys
 import threading
 import time
 import warnings
@@ -36,6 +37,7 @@ from .runtime.backend import Device
 from .runtime.calls import (Call, CallRunner, CallStream, StepResult, check_stage_budget,
                             split_batch, timeline)
 from .runtime.devices import make_devices
+from .runtime.dispatchers import on_worker_thread
 from .runtime.executor import ABANDON_S, abandon
 from .runtime.host import CallGrads, HostState, LossScaler
 from .runtime.pinning import HostPinning, resolve_pin
@@ -73,8 +75,11 @@ class RoundPipe:
         tail_context: optional ``fn(tail_inputs, labels) -> context`` for losses that
             need whole-batch statistics (e.g. an MoE load-balancing loss): called once
             per call with every microbatch's input of the fused tail (host copies) and
-            labels; ``loss_fn(output, labels, context)`` then receives it. The tail
-            waits until every microbatch's input has reached host memory.
+            labels; ``loss_fn(output, labels, context)`` then receives it, and may
+            return ``(loss, term)``: ``term`` already normalised over the whole batch,
+            added once per microbatch unweighted (without a tail context, ``loss_fn``
+            returns one scalar tensor). The tail waits until every microbatch's input
+            has reached host memory.
         plan: an explicit :class:`rotapipe.plan.Plan`, validated and kept. Default: the
             planner's (``config.partition``; the rule is in :mod:`rotapipe.planner.pipeline`).
         devices: explicit device objects (tests); default from ``config.backend``.
@@ -206,7 +211,7 @@ class RoundPipe:
                 self.host, self.scaler, config.optimizer_mode, config.clip_grad_norm,
                 self.data_parallel, dpc.shard, dpc.grad_dtype, dpc.bucket_mb,
                 config.nonfinite)
-        self._lock = threading.Lock()
+        self._lock = _CallLock()
         self._evals = 0
         self._optimizer_cost = self._calls.optimizer_cost()
         if self.data_parallel is not None and self._planner.refiner is not None:
@@ -406,15 +411,18 @@ class RoundPipe:
             reduce = dp.begin(schedule, grads) if self._shard is None else None
             ctx.mb_offset, ctx.extra_weight = dp.rank * M, local / total
         view = opt.view(stream.steps)
-        stages = self._calls.stages
-        hook = opt.call_hook(self.optimizer, schedule, lambda name: self.layerset.stage_params(
+        # What the call keeps refers to the pipeline only through the two callbacks it
+        # drops at its commit: a pipeline dropped with calls in flight is collected once
+        # they have committed (the finalizer holds the streams, and so these calls).
+        stages, layerset, runner = self._calls.stages, self.layerset, self._calls
+        hook = opt.call_hook(self.optimizer, schedule, lambda name: layerset.stage_params(
             stages[name].layers), grads, total, step, self._optimizer_cost, reduce, view)
         state = self._calls.state(schedule, ctx, self._calls.host_store(mbs, lbs), view)
         call = Call(stream.next_number, index, schedule, state, hook, step, total, stages,
                     self._keep_buffers, on_host=overlap, reduce=reduce,
                     after_step=self._after_step)
         ctx.handoff, ctx.rows_first = call.handoff, call.rows_first
-        call.next_store = lambda: self._calls.host_store_of(index + 1)
+        call.next_store = lambda: runner.host_store_of(index + 1)
         gate = getattr(reduce if reduce is not None else hook, "gate", None)
         if gate is not None:            # data parallel: backpressure (allreduce.InFlight)
             ctx.grad_gate = gate.enter
@@ -780,6 +788,8 @@ class RoundPipe:
         the process). Closing twice does nothing."""
         if self._closed:
             return
+        if on_worker_thread():
+            raise _reentry("close")
         error = None
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.inflight and hasattr(self, "_lock"):
@@ -898,10 +908,55 @@ def _claim(pipe: RoundPipe) -> None:
         _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(pipe))
 
 
+class _CallLock:
+    """The pipeline's lock: one call (or state access) at a time. Taken from inside
+    the pipeline's own work it would wait for itself: that is refused at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me or on_worker_thread():
+            raise _reentry(_public_caller())
+        self._lock.acquire()
+        self._owner = me
+
+    def __exit__(self, *exc) -> None:
+        self._owner = None
+        self._lock.release()
+
+
+def _public_caller() -> str:
+    """The method the user called: the outermost of the frames of this module that
+    lead to the lock (``state_dict`` rather than the ``flush`` it starts with)."""
+    frame, name = sys._getframe(2), "?"
+    while frame is not None and frame.f_code.co_filename == __file__:
+        name = frame.f_code.co_name
+        frame = frame.f_back
+    return name
+
+
+def _reentry(method: str) -> InputError:
+    what = "pipe(...)" if method == "__call__" else f"RoundPipe.{method}()"
+    return InputError(f"{what} was called from inside the pipeline's own work (a loss "
+                      "function, a layer's forward or backward, a hook, side_inputs, "
+                      "the optimizer or its scheduler), which would wait for the call "
+                      "it runs in: call it from your own code once train_step, "
+                      "forward_backward or step has returned")
+
+
 def _close(devices, streams=()) -> None:
     """Stop the dispatchers of calls still in flight, then the devices' threads; after
     a timeout retired the pipeline, threads stuck in an action are abandoned (bounded,
     also at interpreter exit, where this runs as a finalizer)."""
+    if on_worker_thread():
+        # The pipeline's last reference went away on one of the threads this joins (a
+        # dropped pipeline's last call committing on the host lane): close from another.
+        threading.Thread(target=_close, args=(devices, streams), daemon=True,
+                         name="rotapipe-close").start()
+        return
     for stream in streams:
         if stream.session is not None:
             stream.session.kill()

@@ -381,8 +381,9 @@ class Call:
         # Committed from here: a failing scheduler (after_step) leaves the step applied,
         # and the failure reports this call as kept.
         self.committed = True
-        if self.step and self._after_step is not None:
-            self.result = self._after_step()
+        after, self._buffers, self._after_step = self._after_step, None, None
+        if self.step and after is not None:
+            self.result = after()
 
     def read_loss(self) -> float:
         self.loss = float(sum(self.losses()))

@@ -22,6 +22,20 @@ from collections.abc import Callable
 import torch
 
 
+_OURS = threading.local()
+
+
+def mark_worker_thread() -> None:
+    """Mark the calling thread as one of rotapipe's own (a dispatcher, a stream's or
+    the host lane's): where a loss function, a layer, a hook or the optimizer runs."""
+    _OURS.worker = True
+
+
+def on_worker_thread() -> bool:
+    """Whether the calling thread is one of rotapipe's own (:func:`mark_worker_thread`)."""
+    return getattr(_OURS, "worker", False)
+
+
 class _Dispatcher:
     """A daemon thread that runs one job after another until stopped."""
 
@@ -41,6 +55,7 @@ class _Dispatcher:
 def _serve(jobs: queue.SimpleQueue) -> None:
     # Holds no reference to the pool or a session between jobs, so that an executor
     # dropped without close() is collected and its finalizer stops the idle threads.
+    mark_worker_thread()
     while True:
         item = jobs.get()
         if item is None:

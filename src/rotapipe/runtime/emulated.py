@@ -19,6 +19,7 @@ import torch
 from ..errors import DeviceOutOfMemoryError
 from ..schedule import Lane
 from .backend import Aborted, Device, Event, Stream
+from .dispatchers import mark_worker_thread
 from .pool import BlockPool
 from .store import Actor
 from .transfer import DOWN, UP, CopyEngine, direction
@@ -127,6 +128,7 @@ class EmulatedStream(Stream):
             self._deferred = keep
 
     def _loop(self):
+        mark_worker_thread()
         while True:
             item = self._q.get()
             if item is None:

@@ -306,13 +306,27 @@ class ActionRunner:
             result = self.loss_fn(out, labels)
         else:
             result = self.loss_fn(out, labels, self._tail_value(s))
-        # loss_fn returns its microbatch's mean loss, optionally with a second term
-        # already normalised over the whole batch (added unweighted).
-        loss, extra = result if isinstance(result, tuple) else (result, None)
+        # loss_fn returns its microbatch's mean loss; with a tail context, optionally
+        # with a second term already normalised over the whole batch (added unweighted).
+        loss, extra = result, None
+        if isinstance(result, tuple):
+            if self.ctx.tail_context is None or len(result) != 2:
+                raise InputError(
+                    f"the loss function returned a tuple of {len(result)}: return the "
+                    "microbatch's mean loss as one scalar tensor (log metrics from "
+                    "outside loss_fn; only with tail_context may it return (loss, "
+                    "whole-batch term))")
+            loss, extra = result
         contribution = _scalar(loss).float() * self.ctx.weights[a.mb]
         if extra is not None:
             # Data parallel: a per-rank whole-batch term counts by the rank's share.
             contribution = contribution + _scalar(extra).float() * self.ctx.extra_weight
+        if not contribution.requires_grad:
+            raise InputError(
+                f"the loss function returned a {loss.dtype} tensor that does not require "
+                "grad (detached, .item() turned back into a tensor, or built with "
+                "torch.tensor): compute it from the model's output with differentiable, "
+                "floating-point operations")
         return contribution
 
     def _tail_value(self, s: Stage):
