@@ -514,6 +514,38 @@ def test_a_pipeline_used_from_its_callers_own_side_inputs_is_refused():
     pipe.close()
 
 
+@pytest.mark.parametrize("mode", ["sync", "overlap", "stale"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_weights_edited_in_place_between_calls_are_what_the_next_call_reads(mode, dtype):
+    """The masters are the model's parameters: an edit under ``torch.no_grad()`` (after
+    ``flush()`` when calls overlap) reaches the workers' compute copies at the next
+    call, evaluation or training, as ``load_state_dict`` of the same weights does."""
+    precision = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    x, y = batch()
+    outs, losses = [], []
+    for edit in ("in place", "load_state_dict"):
+        model = linear_model()
+        pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(
+            2, 2, precision=precision, optimizer_mode=mode))
+        pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        pipe.train_step(x, y)
+        pipe.flush()
+        if edit == "in place":
+            with torch.no_grad():
+                model[0].weight.mul_(-2.0)
+                model[3].bias.zero_()
+        else:
+            state = {k: v.clone() for k, v in pipe.state_dict().items()}
+            state["0.weight"].mul_(-2.0)
+            state["3.bias"].zero_()
+            pipe.load_state_dict(state)
+        outs.append(pipe(x))
+        losses.append(pipe.train_step(x, y))
+        pipe.close()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert losses[0] == losses[1]
+
+
 # -- load_state_dict: all or nothing ---------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -628,6 +660,47 @@ def test_a_loss_that_cannot_train_is_refused_and_changes_nothing(case):
             pipe.forward_backward(*batch())
         assert pipe.calls == 0 and all(p.grad is None for p in pipe.parameters())
     assert_state(model, before)
+
+
+# -- construction and the call counter ---------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(config={"microbatches": 2}), "config must be a rotapipe.PipeConfig, got a dict"),
+    (dict(optimizer="adamw"), "optimizer must be a torch.optim.Optimizer or a callable "
+                              "params -> Optimizer, got a str"),
+    (dict(optimizer=nn.Linear), "got the class Linear"),
+    (dict(side_inputs=5), "side_inputs must be callable (or None), got an int"),
+    (dict(loss_weight="tokens"), "loss_weight must be callable (or None), got a str"),
+], ids=["config-dict", "optimizer-str", "optimizer-class", "side-int", "weight-str"])
+def test_arguments_of_the_wrong_kind_are_named_at_construction(kwargs, says):
+    model = linear_model()
+    with pytest.raises(rotapipe.ConfigError, match=re.escape(says)):
+        rotapipe.RoundPipe(model, nn.functional.mse_loss, **kwargs)
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(1, 1)):
+        pass                          # the refused one claimed nothing
+
+
+def test_an_optimizer_that_steps_with_a_closure_is_refused_at_attach():
+    with rotapipe.RoundPipe(linear_model(), nn.functional.mse_loss,
+                            config=emulated(2, 2, optimizer_mode="overlap")) as pipe:
+        with pytest.raises(rotapipe.ConfigError, match=re.escape(
+                "LBFGS.step() needs closure (it re-evaluates the loss itself)")):
+            pipe.attach_optimizer(torch.optim.LBFGS(pipe.parameters()))
+        assert pipe.optimizer is None
+        pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        pipe.train_step(*batch())
+
+
+@pytest.mark.parametrize("value", ["abc", 2.7, -5, True, None])
+def test_the_call_counter_takes_whole_numbers_only(value):
+    with rotapipe.RoundPipe(linear_model(), nn.functional.mse_loss,
+                            config=emulated(1, 1)) as pipe:
+        with pytest.raises(rotapipe.ConfigError, match=re.escape(
+                f"pipe.calls = {value!r}: the call counter is a whole number >= 0")):
+            pipe.calls = value
+        assert pipe.calls == 0
+        pipe.calls = torch.tensor(7).numpy()[()]          # a numpy integer is one
+        assert pipe.calls == 7
 
 
 # -- schedulers --------------------------------------------------------------------------

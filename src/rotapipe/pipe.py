@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import inspect
 import math
+import operator
 import sys
 import threading
 import time
@@ -112,6 +113,19 @@ class RoundPipe:
         to sleep for the modeled host optimizer time."""
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if config is not None and not isinstance(config, PipeConfig):
+            raise ConfigError(f"config must be a rotapipe.PipeConfig, got {_kind(config)}: "
+                              "build one, e.g. config=rotapipe.PipeConfig(microbatches=4)")
+        for name, fn in (("side_inputs", side_inputs), ("loss_weight", loss_weight),
+                         ("tail_context", tail_context)):
+            if fn is not None and not callable(fn):
+                raise ConfigError(f"{name} must be callable (or None), got {_kind(fn)}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
+                and (not callable(optimizer) or isinstance(optimizer, type)
+                     and not issubclass(optimizer, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable "
+                              f"params -> Optimizer, got {_kind(optimizer)}: e.g. "
+                              "optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4)")
         self.layerset = LayerSet(layers)
         self.lookups = Lookups(self.layerset, lookups)
         _claim(self)
@@ -263,6 +277,7 @@ class RoundPipe:
                               "the optimizer passed to attach_optimizer")
         if scheduler is not None:
             _check_scheduler(scheduler)
+        _check_optimizer_step(optimizer)
         ours = {id(p) for p in self.parameters()}
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -289,8 +304,17 @@ class RoundPipe:
     @calls.setter
     def calls(self, value: int) -> None:
         self._check_open()
-        self._stream.drain()
-        self._stream.committed = int(value)
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+        if number is None or isinstance(value, bool) or number < 0:
+            raise ConfigError(f"pipe.calls = {value!r}: the call counter is a whole number "
+                              ">= 0 (the training calls made so far, e.g. restored from a "
+                              "checkpoint); negative numbers are evaluation calls' streams")
+        with self._lock:
+            self._stream.drain()
+            self._stream.committed = number
 
     def forward_backward(self, inputs, labels) -> float:
         """Run forward and backward over one batch; return its mean loss.
@@ -362,6 +386,8 @@ class RoundPipe:
         stream, dp = self._stream, self.data_parallel
         overlap = self._overlapping()
         self._reaped(stream.reap(1) if overlap else stream.drain())
+        if not stream.inflight:
+            self.host.follow_edits()        # weights edited in place since the last call
         schedule = self._schedule(True)
         M = schedule.microbatches
         mbs, lbs, units = split_batch(inputs, labels, M, self.host.dtype, self.loss_weight)
@@ -571,6 +597,7 @@ class RoundPipe:
         self._check_open()
         with self._lock:
             self._flush()
+            self.host.follow_edits()
             M = min(self.config.microbatches, trees.batch_size(inputs, "inputs"))
             schedule = self._schedule(False, M)
             M = schedule.microbatches
@@ -687,7 +714,7 @@ class RoundPipe:
                 f"{saved}) to resume it")
         with self._lock:
             self._flush()
-            self.calls, self._evals = calls, evals
+            self._stream.committed, self._evals = calls, evals
             self.scaler.load_state_dict({"scale": scale, "good_steps": good})
 
     def train(self, mode: bool = True) -> RoundPipe:
@@ -975,8 +1002,28 @@ def _kind(value) -> str:
     """How an error names a value of the wrong kind: a class as 'the class X'."""
     if value is None:
         return "None"
-    return f"the class {value.__name__}" if isinstance(value, type) else \
-        f"a {type(value).__name__}"
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _check_optimizer_step(optimizer) -> None:
+    """Refuse an optimizer whose ``step()`` needs a closure (``LBFGS``): the pipeline
+    steps it with none, on its own thread, after the gradients are in."""
+    try:
+        # The class's method, less ``self`` (an instance may hold a patched step).
+        params = list(inspect.signature(type(optimizer).step).parameters.values())[1:]
+    except (TypeError, ValueError, AttributeError):   # no signature: let it run
+        return
+    needed = [p.name for p in params if p.default is p.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if needed:
+        raise ConfigError(
+            f"{type(optimizer).__name__}.step() needs {', '.join(needed)} (it re-evaluates "
+            "the loss itself), and the pipeline steps the optimizer once per step with "
+            "none: use an optimizer that steps from the gradients alone (SGD, Adam, "
+            "AdamW, ...)")
 
 
 def _check_scheduler(scheduler) -> None:

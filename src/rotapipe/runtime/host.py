@@ -76,6 +76,9 @@ class HostState:
                 p.data = keep(p.data)
                 self.compute.append(p.data)
         self._is_separate = frozenset(self._separate)
+        self._versions = {pid: layerset.params[pid]._version for pid in self._separate}
+        """Per master with a copy of its own: its version counter when last copied (an
+        in-place edit since bumps it: :meth:`follow_edits`)."""
         self.views: list[list[torch.Tensor]] = [self.compute]
         """Sets of compute copies the workers may upload (one, or two for ``stale``):
         frozen weights are shared by every set."""
@@ -123,6 +126,28 @@ class HostState:
             for compute in views:
                 for pid in todo:
                     compute[pid].copy_(params[pid].data)
+        for pid in todo:
+            self._versions[pid] = params[pid]._version
+
+    def settle(self, pids) -> None:
+        """Record masters ``pids`` as matching their compute copies (restored together
+        from a snapshot, not copied from one another)."""
+        params = self.layerset.params
+        for pid in pids:
+            if pid in self._is_separate:
+                self._versions[pid] = params[pid]._version
+
+    def follow_edits(self) -> list[int]:
+        """Refresh the compute copies of the masters changed in place since they were
+        last copied (a user's edit under ``torch.no_grad()``, between calls); returns
+        their indices. Call it only with no call in flight (the host lane may be
+        stepping masters then)."""
+        params = self.layerset.params
+        edited = [pid for pid in self._separate
+                  if params[pid]._version != self._versions[pid]]
+        if edited:
+            self.write_back(edited)
+        return edited
 
     def commit(self, grads: CallGrads, samples: float) -> None:
         """Merge one successful call's gradients so that ``param.grad`` is the gradient

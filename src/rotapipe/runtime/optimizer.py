@@ -712,8 +712,11 @@ class OverlapStep(CallHook):
     def _undo(self, grads: bool = True) -> None:
         for snap in reversed(self.snapshots):
             snap.restore()
+        pids = [pid for snap in self.snapshots for pid in snap.pids]
         if self.view is None:
-            self.host.write_back([pid for snap in self.snapshots for pid in snap.pids])
+            self.host.write_back(pids)
+        else:
+            self.host.settle(pids)      # the stale view was restored with the masters
         self.snapshots = []
         if grads and self.prev is not None:
             for pid, g in self.prev.items():

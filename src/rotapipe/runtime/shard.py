@@ -557,6 +557,7 @@ class ShardCall:
                     a, b = o.layout.range(pid)
                     for view in o.host.views:
                         view[pid].view(-1)[a:b].copy_(o.masters[pid].detach())
+        o.host.settle([pid for snap in self.snapshots for pid in snap.pids])
         self.snapshots = []
         if self.prev is not None:
             for pid, g in self.prev.items():
