@@ -239,6 +239,16 @@ def test_train_bad_setting(capsys, tmp_path, data, setting, fragments):
     assert not out.exists()
 
 
+def test_train_seq_of_one_token_fails_before_setup(capsys, tmp_path, data):
+    """A 1-token sequence has no next token to predict: refused with the settings, not
+    after the data setup as "are all labels ignored?" (exit 1)."""
+    out = tmp_path / "o"
+    fails(capsys, 2, ["train", *flags(data=str(data), out_dir=str(out), seq=1)],
+          "seq=1: a sequence needs at least 2 tokens (one to predict from, one to "
+          "predict): use --seq 2 or more", limit_s=5)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("argv, fragments", [
     (["--lr", "fast"], ["argument --lr", "'fast'"]),
     (["--steps", "1.5"], ["argument --steps", "'1.5'"]),
@@ -276,6 +286,33 @@ def test_out_dir_naming_a_file(capsys, tmp_path, data):
     assert f.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("out_dir, fragments", [
+    ("/proc/rotapipe-run", ["out_dir '/proc/rotapipe-run' cannot be created in '/proc'",
+                            "pass an --out-dir on a writable file system"]),
+    ("/proc/rotapipe/run", ["out_dir '/proc/rotapipe/run' cannot be created in '/proc'"]),
+])
+def test_out_dir_that_cannot_be_created(capsys, data, out_dir, fragments):
+    """A folder where nothing can be made (here /proc, which refuses even root) fails
+    with the settings (exit 2), not with "No such file or directory" after the data
+    setup (exit 1)."""
+    import os
+    if not pathlib.Path("/proc/self").is_dir() or not os.access("/proc", os.W_OK):
+        pytest.skip("needs /proc with write permission (root): else the permission "
+                    "check refuses it first")
+    fails(capsys, 2, ["train", *flags(data=str(data), out_dir=out_dir)], *fragments,
+          limit_s=3)
+
+
+def test_out_dir_check_leaves_nothing_behind(tmp_path):
+    """The write check of out_dir (and of the folder it is made in) leaves no trace."""
+    from rotapipe.train.checkpoint import check_out_dir
+    check_out_dir(tmp_path / "new" / "run")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "run").mkdir()
+    check_out_dir(tmp_path / "run")
+    assert list((tmp_path / "run").iterdir()) == []
+
+
 def test_out_dir_whose_checkpoints_entry_is_a_file(capsys, tmp_path, data):
     out = tmp_path / "o"
     out.mkdir()
@@ -302,6 +339,31 @@ def test_jsonl_line_that_is_not_utf8(capsys, tmp_path):
     f.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     fails(capsys, 1, ["train", *flags(data=str(f), out_dir=str(tmp_path / "o"))],
           f"{f}:2", "not UTF-8", limit_s=3)
+
+
+@pytest.mark.parametrize("kind", ["character device", "FIFO"])
+def test_data_that_is_not_a_regular_file(capsys, tmp_path, kind):
+    """/dev/null or a named pipe exists: it is named as what it is, not "does not
+    exist", and nothing blocks reading a FIFO."""
+    import os
+    if kind == "FIFO":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    else:
+        path = pathlib.Path("/dev/null")
+    fails(capsys, 2, ["train", *flags(data=str(path), out_dir=str(tmp_path / "o"))],
+          f"data file '{path}' is a {kind}, not a regular file: pass a file or a "
+          "directory of files", limit_s=3)
+    assert not (tmp_path / "o").exists()
+
+
+def test_data_directory_with_a_fifo_inside_still_works(tmp_path):
+    """A directory is read as before: the files in it, a FIFO beside them skipped."""
+    import os
+    from rotapipe.train.records import source_files
+    text_jsonl(tmp_path / "d.jsonl", 10)
+    os.mkfifo(tmp_path / "pipe.txt")
+    assert source_files(str(tmp_path)) == [tmp_path / "d.jsonl"]
 
 
 def test_data_files_that_are_all_empty(capsys, tmp_path):

@@ -156,3 +156,77 @@ def test_finetune_example_runs():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("reloaded model's logits vs the pipeline's") == 2
+
+
+def _shape_cases():
+    """``(name, inputs, labels, message)``: inputs or labels that are not ``[batch, seq]``
+    (``labels=None``: an evaluation call). Batch: 8 sequences of 7 tokens."""
+    ids, mask, labels = batch()
+    pos = torch.arange(7).expand(8, 7)
+    inputs = rotapipe.adapters.HFModel.inputs
+    return [
+        ("1-D input_ids", ids[0], None,
+         r"input_ids have shape \[7\]: a wrapped Hugging Face model takes token ids "
+         r"shaped \[batch, seq\]; for one sequence add the batch dimension"),
+        ("3-D input_ids", ids[..., None], labels,
+         r"input_ids have shape \[8, 7, 1\]: .* shaped \[batch, seq\]"),
+        ("1-D labels", ids[0], labels[0],
+         r"labels have shape \[4\] in a microbatch: pass labels shaped \[batch, seq\] like "
+         r"input_ids .*labels\[None\]"),
+        ("3-D labels", inputs(ids, mask), labels[..., None],
+         r"labels have shape \[4, 7, 1\] in a microbatch: pass labels shaped \[batch, seq\]"),
+        ("short mask", inputs(ids, mask[:, :5]), labels,
+         r"attention_mask has shape \[8, 5\] but input_ids have \[8, 7\]: pass a "
+         r"\[batch, seq\] mask shaped like input_ids"),
+        ("3-D mask", inputs(ids, mask[..., None]), labels,
+         r"attention_mask has shape \[8, 7, 1\] but input_ids have \[8, 7\]"),
+        ("short position_ids", inputs(ids, position_ids=pos[:, :5]), labels,
+         r"position_ids have shape \[8, 5\] but input_ids have \[8, 7\]: pass "
+         r"\[batch, seq\] position ids shaped like input_ids"),
+        ("3-D position_ids", inputs(ids, mask, pos[..., None]), None,
+         r"position_ids have shape \[8, 7, 1\] but input_ids have \[8, 7\]"),
+    ]
+
+
+@pytest.mark.parametrize("case", _shape_cases(), ids=lambda c: c[0])
+def test_input_shapes_are_checked_in_the_callers_thread(case):
+    """input_ids, attention_mask, position_ids and labels that are not [batch, seq] (or
+    do not match input_ids) raise InputError in the caller's thread, naming both shapes,
+    before the call starts (not a ValueError from the side inputs, a WorkerError from
+    inside a decoder block, or "are all labels ignored?"); nothing trains, and the
+    pipeline still works."""
+    _, inputs, labels, message = case
+    model = tiny("qwen3")
+    wrapped = wrap_hf(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, mask, good = batch()
+    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated",
+                                          timeout_s=10)) as pipe:
+        pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        with pytest.raises(rotapipe.InputError, match=message) as caught:
+            if labels is None:
+                pipe(inputs)
+            else:
+                pipe.train_step(inputs, labels)
+        assert not isinstance(caught.value, rotapipe.WorkerError)
+        assert pipe.calls == 0
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        pipe.train_step(wrapped.inputs(ids, mask), good)
+        assert pipe.calls == 1
+
+
+def test_a_4d_attention_mask_is_still_taken():
+    """A custom 4-D mask [batch, 1, seq, seq] (what transformers' mask helpers take as
+    it is) passes the shape check: the loss is the model's own with that mask."""
+    model = tiny("qwen3")
+    wrapped = wrap_hf(model)
+    ids, _, labels = batch()
+    mask = torch.tril(torch.ones(7, 7, dtype=torch.bool)).expand(8, 1, 7, 7).clone()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, labels=labels,
+                     use_cache=False).loss.item()
+    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
+                                          backend="emulated")) as pipe:
+        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
+    assert got == pytest.approx(want, rel=1e-5)

@@ -95,7 +95,8 @@ class TokenCount:
     """``loss_weight`` for :class:`rotapipe.RoundPipe`: the positions of a microbatch the
     causal-LM loss averages over (shifted labels that are not ``ignore_index``). Runs in
     the caller's thread before the call starts, so it also checks the labels: integer
-    token ids, each in ``[0, vocab)`` (when ``vocab`` is given) or ``ignore_index``."""
+    token ids shaped ``[batch, seq]``, each in ``[0, vocab)`` (when ``vocab`` is given)
+    or ``ignore_index``."""
 
     def __init__(self, ignore_index: int = -100, vocab: int | None = None):
         self.ignore_index = ignore_index
@@ -112,6 +113,14 @@ class TokenCount:
         if labels.dim() == 0:
             raise InputError("labels are a 0-dim tensor: pass one label per input token "
                              "(shaped like input_ids)")
+        if labels.dim() != 2:
+            # Else [batch, seq, 1] counts nothing (labels[..., 1:] is empty) and the
+            # call fails as "are all labels ignored?".
+            raise InputError(f"labels have shape {list(labels.shape)} in a microbatch: "
+                             "pass labels shaped [batch, seq] like input_ids (unshifted, "
+                             f"{self.ignore_index} where no loss counts); for one "
+                             "sequence add the batch dimension (input_ids[None], "
+                             "labels[None])")
         if self.vocab is not None and labels.numel():
             bad = (labels != self.ignore_index) & ((labels < 0) | (labels >= self.vocab))
             if bad.any():

@@ -27,10 +27,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..errors import InputError
 from .errors import AdapterError
 from .moe import RoutingLog
 
-__all__ = ["SideInputs", "Layout", "unpack_inputs", "shallow_clone"]
+__all__ = ["SideInputs", "Layout", "unpack_inputs", "check_shapes", "shallow_clone"]
 
 
 def shallow_clone(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
@@ -61,6 +62,47 @@ def unpack_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tens
     raise AdapterError(f"inputs are a {type(inputs).__name__}: pass a tensor of token ids "
                        "or a dict with input_ids (and optionally attention_mask, "
                        "position_ids)")
+
+
+def check_shapes(microbatches: list) -> None:
+    """Raise :class:`InputError` unless the inputs of a call hold ``input_ids`` shaped
+    ``[batch, seq]`` and an ``attention_mask`` and ``position_ids`` (when given) of the
+    same shape (or a 4-D ``[batch, 1, seq, seq]`` mask, which transformers takes as it
+    is). The side inputs run in the caller's thread before the call starts; on a worker
+    a wrong shape fails deep inside a decoder block. The message gives the shapes of the
+    whole batch the microbatches (split along dim 0) came from."""
+    parts = [unpack_inputs(x) for x in microbatches]
+    names = ("input_ids", "attention_mask", "position_ids")
+    ids, mask, pos = (_batch_shape(name, [p[i] for p in parts])
+                      for i, name in enumerate(names))
+    if len(ids) != 2:
+        raise InputError(f"input_ids have shape {list(ids)}: a wrapped Hugging Face model "
+                         "takes token ids shaped [batch, seq]; for one sequence add the "
+                         "batch dimension (input_ids[None], labels[None])")
+    b, t = ids
+    if mask is not None and mask != ids and not (len(mask) == 4 and mask[0] == b
+                                                 and mask[2:] == (t, t)):
+        raise InputError(f"attention_mask has shape {list(mask)} but input_ids have "
+                         f"{list(ids)}: pass a [batch, seq] mask shaped like input_ids (1 "
+                         "where a token is attended to, 0 on padding), or a 4-D "
+                         "[batch, 1, seq, seq] one")
+    if pos is not None and pos != ids:
+        raise InputError(f"position_ids have shape {list(pos)} but input_ids have "
+                         f"{list(ids)}: pass [batch, seq] position ids shaped like "
+                         "input_ids")
+
+
+def _batch_shape(name: str, tensors: list) -> tuple[int, ...] | None:
+    """Shape of the batch that ``tensors`` (one per microbatch, split along dim 0, or
+    all ``None``) came from."""
+    if all(t is None for t in tensors):
+        return None
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            what = "a 0-dim tensor" if isinstance(t, torch.Tensor) else \
+                f"a {type(t).__name__}"
+            raise InputError(f"{name} is {what}: pass a tensor shaped [batch, seq]")
+    return (sum(t.shape[0] for t in tensors), *tensors[0].shape[1:])
 
 
 @dataclass(frozen=True)
@@ -259,12 +301,15 @@ class SideInputs:
     def for_batch(self, microbatches: list):
         """The side-input function for the microbatches of one call (the runtime asks
         for it once per call): each microbatch's rotary tables are those of the whole
-        batch, whose largest explicit position id a dynamic or long RoPE scales by."""
+        batch, whose largest explicit position id a dynamic or long RoPE scales by.
+        Checks the inputs' shapes first (:func:`check_shapes`)."""
+        check_shapes(microbatches)
         pos = [unpack_inputs(x)[2] for x in microbatches]
         top = max((int(p.max()) for p in pos if p is not None and p.numel()), default=None)
         return lambda inputs: self(inputs, max_position=top)
 
     def __call__(self, inputs, max_position: int | None = None) -> dict:
+        check_shapes([inputs])
         ids, mask, pos = unpack_inputs(inputs)
         b, t = ids.shape[:2]
         placeholder = torch.zeros((), dtype=self.dtype).expand(b, t, self.hidden_size)

@@ -125,7 +125,7 @@ class TrainConfig:
     """Records: the response of a prompt/response pair (the loss is on these tokens; a
     completion field is accepted too)."""
     seq: int = 128
-    """Tokens per training sequence."""
+    """Tokens per training sequence (at least 2)."""
     packing: str = "documents"
     """documents: records concatenated into sequences, each attending only to itself
     (position ids restart); concat: attending across records; pad: one record per
@@ -275,6 +275,10 @@ class TrainConfig:
                   "seed"):
             _integer(n, getattr(self, n), minimum=0)
         _integer("warmup", self.warmup, minimum=0, optional=True)
+        if self.seq < 2:
+            # Else the data setup runs, and every label is ignored.
+            raise ConfigError(f"seq={self.seq}: a sequence needs at least 2 tokens (one to "
+                              "predict from, one to predict): use --seq 2 or more")
         check.text("model", self.model, optional=True,
                    allowed="a Hugging Face model directory or hub id")
         for n in ("resume_from_adapter", "eval_data", "sample_file", "data_config",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import stat
 import sysconfig
 from collections.abc import Iterator
 
@@ -76,6 +77,9 @@ def source_files(spec: str, config: str | None = None, split: str | None = None,
             files += found
         elif p.is_file():
             files.append(p)
+        elif p.exists():
+            raise ConfigError(f"data file {part!r} is a {_file_kind(p)}, not a regular "
+                              "file: pass a file or a directory of files")
         elif _hub_dataset_spec(part):
             files.append(hub_dataset(part, config, split, what))
         else:
@@ -90,6 +94,17 @@ def source_files(spec: str, config: str | None = None, split: str | None = None,
         raise ConfigError(f"data files {', '.join(map(str, files[:3]))} are empty: pass "
                           "files that hold text")
     return files
+
+
+def _file_kind(path: pathlib.Path) -> str:
+    """What a path that is neither a file nor a directory is (``/dev/null``: a character
+    device)."""
+    mode = path.stat().st_mode
+    for test, kind in ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return "special file"
 
 
 def describe_sources(files) -> str:
