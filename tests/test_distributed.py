@@ -227,7 +227,7 @@ def test_one_rank_group_overlap_steps_on_reduced_gradients(one_rank_group, monke
         assert len(steps) >= 3 * 3, steps
     # The host lane applied the reduced buckets at the hand-offs, before stepping on
     # them (not the caller's finish()).
-    assert any(name == "rotapipe-dispatch--1" and n > 0 for name, n in applied), applied
+    assert any(name == "rotapipe-dispatch-host" and n > 0 for name, n in applied), applied
 
 
 def test_auto_is_off_without_a_group_and_true_requires_one():

@@ -9,6 +9,7 @@ that is also an ``InputError``, and the model is unchanged.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -99,8 +100,10 @@ def test_tuple_inputs_whose_tensors_disagree():
 
 @pytest.mark.parametrize("inputs, match", [
     (torch.tensor(3), r"leaf 0 is a 0-dim tensor.*batch dimension 0"),
-    ((1, "a"), r"holds no tensor.*batch in dimension 0"),
-], ids=["zero-dim", "no-tensor"])
+    ((1, "a"), r"holds no tensor: pass.*batch in dimension 0"),
+    (np.zeros((4, 5), dtype=np.int64),
+     r"holds no tensor \(it holds a numpy.ndarray: convert it with torch.as_tensor\)"),
+], ids=["zero-dim", "no-tensor", "numpy"])
 def test_inputs_without_a_batch_dimension(pipe, inputs, match):
     with raises_in_caller(rotapipe.InputError, match):
         pipe.forward_backward(inputs, token_batch(4, 5)[1])

@@ -112,7 +112,8 @@ class DispatcherPool:
                 idle = self._idle.get(worker)
                 d = idle.pop() if idle else None
             if d is None:
-                d = _Dispatcher(f"rotapipe-dispatch-{worker}")
+                d = _Dispatcher("rotapipe-dispatch-" + (
+                    "host" if worker < 0 else str(worker)))    # HOST is -1
             done = threading.Event()
             d.start(job, _after(self, worker, d, keep, done))
             borrowed.threads.append(d.thread)

@@ -26,8 +26,12 @@ def batch_size(tree, what: str) -> int:
                                  "a batch dimension 0")
             sizes[i] = t.shape[0]
     if not sizes:
-        raise InputError(f"{what} holds no tensor: pass a tensor or a tuple/list/dict "
-                         "of tensors with the batch in dimension 0")
+        arrays = [f"{type(t).__module__.split('.')[0]}.{type(t).__name__}" for t in leaves
+                  if hasattr(t, "__array__")]
+        hint = f" (it holds a {arrays[0]}: convert it with torch.as_tensor)" if arrays \
+            else ""
+        raise InputError(f"{what} holds no tensor{hint}: pass a tensor or a "
+                         "tuple/list/dict of tensors with the batch in dimension 0")
     if len(set(sizes.values())) > 1:
         detail = ", ".join(f"leaf {i}: {n}" for i, n in sizes.items())
         raise InputError(f"{what} tensors disagree on the batch size ({detail}): give "
