@@ -691,6 +691,14 @@ def test_an_optimizer_that_steps_with_a_closure_is_refused_at_attach():
         pipe.train_step(*batch())
 
 
+def test_a_one_layer_stage_over_the_budget_says_no_plan_cuts_it_smaller():
+    with pytest.raises(rotapipe.ConfigError, match=re.escape(
+            "needs 288 B for its weights alone, over the worker memory budget of 200 B: "
+            "it holds one layer (2), so no plan can cut it smaller: raise device_memory")):
+        rotapipe.RoundPipe(linear_model(), nn.functional.mse_loss,
+                           config=emulated(2, 2, device_memory=200))
+
+
 @pytest.mark.parametrize("value", ["abc", 2.7, -5, True, None])
 def test_the_call_counter_takes_whole_numbers_only(value):
     with rotapipe.RoundPipe(linear_model(), nn.functional.mse_loss,

@@ -15,6 +15,7 @@ Tolerances, each against the same run in fp32 (same init, data and optimizer):
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -174,6 +175,22 @@ def test_fp16_overflow_skips_steps_until_the_scale_fits():
             assert pipe.step()
         assert losses[-1] < 0.5 * losses[0]
         assert pipe.scaler.scale == 2.0 ** (40 - skipped)
+
+
+def test_a_fixed_loss_scale_that_overflows_names_the_scale():
+    """A fixed fp16 loss scale of 2**40 overflows every gradient: the step is refused
+    (the call changes nothing), and the error says to lower the scale, not only the learning
+    rate."""
+    model = tiny_transformer(widths=(24, 40))
+    with rotapipe.RoundPipe(model, lm_loss, config=config("fp16", loss_scale=2.0 ** 40),
+                            optimizer=adamw) as pipe:
+        masters, compute = _masters(pipe), _compute(pipe)
+        with pytest.raises(rotapipe.NonFiniteError, match=re.escape(
+                "with a fixed loss scale of 1.09951e+12, which can overflow a "
+                "low-precision gradient: lower PrecisionConfig(loss_scale=...)")):
+            pipe.forward_backward(*mapping_batch(0))
+        assert pipe.calls == 0 and all(p.grad is None for p in pipe.parameters())
+        _assert_unchanged(pipe, masters, compute)
 
 
 def test_fp16_overflow_from_one_bad_batch():

@@ -95,11 +95,14 @@ def check_stage_budget(plan: Plan, layerset: LayerSet, host: HostState,
     for s in plan.jobs():
         need = sum(host.device_bytes(p) for p in layerset.stage_params(s.layers))
         if need > budget:
+            smaller = "use smaller stages (raise forward_stages / backward_stages, lower " \
+                "tail_layers) or raise device_memory" if s.stop - s.start > 1 else \
+                f"it holds one layer ({s.start}), so no plan can cut it smaller: raise " \
+                "device_memory, or lower the layer's weight bytes (a lower-precision " \
+                "compute dtype, LoRA or QLoRA)"
             raise ConfigError(
                 f"stage {s} needs {format_bytes(need)} for its weights alone, over the "
-                f"worker memory budget of {format_bytes(budget)}: use smaller stages "
-                "(raise forward_stages / backward_stages, lower tail_layers) or raise "
-                "device_memory")
+                f"worker memory budget of {format_bytes(budget)}: {smaller}")
 
 
 class CallRunner:

@@ -94,6 +94,10 @@ class HostOptimizer:
             f"the gradient of {names[bad[0]]}" + (f" (and {len(bad) - 1} more)"
                                                   if len(bad) > 1 else "") +
             f" is not finite ({kind}); no weight, gradient or optimizer state changed. "
+            + (f"The backward ran with a fixed loss scale of {self.scaler.scale:g}, which "
+               "can overflow a low-precision gradient: lower "
+               "PrecisionConfig(loss_scale=...) or use loss_scale='dynamic'. "
+               if self.scaler.scale > 1 else "") +
             "Lower the learning rate, check the data, clip gradients (clip_grad_norm), "
             "or set PipeConfig(nonfinite='skip') to skip such steps")
 
