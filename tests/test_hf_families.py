@@ -42,6 +42,48 @@ def test_loss_and_grads_equal_hf(family):
         assert_grads_equal(m, ref)
 
 
+def _resized(family: str, n: int, **kw):
+    model = tiny(family)
+    model.resize_token_embeddings(n, mean_resizing=False, **kw)
+    return model
+
+
+def _prepared(family: str, prepare):
+    model = tiny(family)
+    prepare(model)
+    return model
+
+
+SETTINGS = {
+    # What users do to a model before training it; each must keep HF's loss and grads.
+    "resized_tied_pad_to_64": lambda: _resized("qwen3", 100, pad_to_multiple_of=64),
+    "resized_untied": lambda: _resized("llama", 110),
+    "train_mode": lambda: _prepared("qwen2", lambda m: m.train()),
+    "use_cache_on": lambda: _prepared("qwen3", lambda m: setattr(m.config, "use_cache",
+                                                                 True)),
+    "gradient_checkpointing": lambda: _prepared(
+        "llama", lambda m: (m.gradient_checkpointing_enable(), m.train())),
+    "sdpa": lambda: _prepared("qwen3", lambda m: m.set_attn_implementation("sdpa")),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_user_settings_keep_hf_loss_and_grads(setting):
+    """resize_token_embeddings, train mode (dropout 0), use_cache, gradient
+    checkpointing set before wrapping, SDPA: loss and every gradient equal the model's
+    own (the resized vocabulary's new ids are in the batch)."""
+    model = SETTINGS[setting]()
+    ids, mask, labels = batch()
+    if model.config.vocab_size > ids.max() + 1:
+        ids[:, 3] = model.config.vocab_size - 1
+        labels = ids.masked_fill(mask == 0, -100)
+    ref, m = clone(model), clone(model)
+    want = hf_backward(ref, ids, mask, labels)
+    got = pipe_backward(m, ids, mask, labels, 2, 2)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
 def test_the_matrix_covers_the_features():
     assert len(FAMILIES) >= 20
     for feature, (families, _) in FEATURES.items():

@@ -16,7 +16,9 @@ Three checks, from cheapest:
   own forward.
 
 Each mismatch raises :class:`AdapterError` naming the model class, what differs and
-how to fix it, so no family trains with a silently wrong loss.
+how to fix it, so no family trains with a silently wrong loss. Two structural checks
+refuse what the adapter or the runtime cannot train: PEFT prompt learning
+(:func:`check_peft`) and a buffer held by two tied layers (:func:`check_shared_buffers`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch import nn
 from .errors import AdapterError
 from .side import SideInputs, shallow_clone
 
-__all__ = ["check_chain", "find_tail", "check_tail", "verify_full", "tolerance"]
+__all__ = ["check_chain", "find_tail", "check_tail", "verify_full", "tolerance",
+           "check_peft", "check_shared_buffers"]
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -227,6 +230,56 @@ def verify_full(wrapped, tokens: int = 6, seed: int = 0) -> float:
             "wrapped.parts, pass layers_path/norm_path, or build the layers yourself "
             "and pass them to rotapipe.RoundPipe")
     return err
+
+
+def check_peft(model: nn.Module) -> None:
+    """A PEFT model must adapt modules inside the base model (LoRA, IA3, LoHa, ...).
+    Prompt learning (prompt tuning, prefix tuning, P-tuning) lives in the PeftModel's
+    own forward, which prepends virtual tokens or key/value prefixes: the adapter runs
+    the base model's layers, so it would train without them, with another loss."""
+    configs = getattr(model, "peft_config", None) or {}
+    for name, cfg in configs.items():
+        if getattr(cfg, "is_prompt_learning", False):
+            kind = getattr(cfg, "peft_type", None)
+            kind = getattr(kind, "value", kind) or type(cfg).__name__
+            raise AdapterError(
+                f"PEFT adapter {name!r} is {kind}, prompt learning: its virtual tokens "
+                "are added by the PeftModel's forward, outside the base model's layers "
+                "that rotapipe pipelines, so training would ignore them and compute "
+                "another loss. Use an adapter inside the layers (peft.LoraConfig, "
+                "IA3Config, LoHaConfig, ...)")
+
+
+def check_shared_buffers(layers: list[nn.Module]) -> None:
+    """No buffer may be held by two layers that also share a weight (tied embeddings):
+    the runtime writes a layer's buffers back after a training forward, and the upload
+    of the tied layer reads that copy without waiting for it (a ``RaceError`` on the
+    first call). PEFT's ``trainable_token_indices`` on tied embeddings is the known
+    case (the embedding and the head share ``trainable_tokens_original``). Buffers
+    shared by untied layers (VeRA's projections) train exactly.
+    ``layers``: embedding, blocks, head."""
+    names = ["the embedding", *(f"decoder block {i}" for i in range(len(layers) - 2)),
+             "the LM head"]
+    params = [{id(p) for p in layer.parameters()} for layer in layers]
+    seen: dict[int, tuple[int, str]] = {}
+    for i, layer in enumerate(layers):
+        for bname, b in layer.named_buffers(remove_duplicate=False):
+            j, jname = seen.setdefault(id(b), (i, bname))
+            if j == i or not params[i] & params[j]:
+                continue
+            tokens = "trainable_tokens" in bname
+            fix = "untie the weights the two layers share"
+            if tokens:
+                fix = ("untie the embeddings before adding the adapter, or train the "
+                       "embedding with LoraConfig(modules_to_save=['embed_tokens']) or "
+                       "target_modules=[..., 'embed_tokens'] instead of "
+                       "trainable_token_indices")
+            raise AdapterError(
+                f"buffer {jname!r} of layer {j} ({names[j]}) is also {bname!r} of layer "
+                f"{i} ({names[i]}), and the two layers share a weight"
+                + (" (PEFT trainable_token_indices on tied embeddings)" if tokens else "")
+                + ": rotapipe's runtime does not yet order the two layers' uses of one "
+                f"buffer, so training would fail with a RaceError; {fix}")
 
 
 def _join(prefix: str, name: str) -> str:

@@ -35,7 +35,8 @@ from ..model.quant import QUANTIZE, quantize_frozen
 from ..model.work import set_work
 from ..plan.costs import model_work
 from .errors import AdapterError
-from .checks import check_chain, check_tail, find_tail, verify_full
+from .checks import (check_chain, check_peft, check_shared_buffers, check_tail,
+                     find_tail, verify_full)
 from .families import embedding_multiplier, logit_transforms
 from .layers import DecoderLayer, EmbedLayer, HeadLayer
 from .loss import TokenCount, head_vocab, lm_loss
@@ -275,6 +276,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
     layers: list[nn.Module] = [EmbedLayer(embed, multiplier, moe)]
     layers += [DecoderLayer(b, i, routers[i], moe) for i, b in enumerate(blocks)]
     layers.append(head_layer)
+    check_shared_buffers(layers)
     _attach_work(layers, config)
 
     parts = {"embed": _path(base, embed), "layers": p + list_name,
@@ -325,6 +327,7 @@ def load_hf(path, *, dtype: torch.dtype | str | None = None, adapter: str | None
 def _unwrap_peft(model: nn.Module) -> nn.Module:
     get_base = getattr(model, "get_base_model", None)
     if callable(get_base) and hasattr(model, "peft_config"):
+        check_peft(model)
         return get_base()
     return model
 
