@@ -84,6 +84,8 @@ def fails(capsys, code, argv, *fragments, limit_s: float = 10.0) -> str:
     (["--schedules", ","], ["--schedules ',' names no schedule", "gpipe, 1f1b", "or all"]),
     (["--lora-rank", "4"], ["--lora-rank needs --model"]),
     (["--memory-gib", "1e-12"], ["--memory-gib", "1e-12: use a finite number of GiB >= 0.001"]),
+    # An empty --out drew nothing and said nothing (exit 0).
+    (["--out", ""], ["--out is empty: pass the folder"]),
 ])
 def test_simulate_bad_flag(capsys, change, fragments):
     fails(capsys, 2, ["simulate", *EXPLICIT, *change], *fragments)
@@ -106,6 +108,30 @@ def test_simulate_out_naming_a_file_fails_before_simulating(capsys, tmp_path):
     fails(capsys, 2, ["simulate", *EXPLICIT, "--out", str(f / "sub")],
           "cannot be made", str(f))
     assert f.read_text() == "keep me"
+
+
+def test_simulate_out_where_no_folder_can_be_made_fails_before_simulating(capsys):
+    """/proc refuses even root a folder: refused with the flags (exit 2), not after the
+    table was printed (exit 1, "No such file or directory")."""
+    import os
+    if not pathlib.Path("/proc/self").is_dir() or not os.access("/proc", os.W_OK):
+        pytest.skip("needs /proc with write permission (root): else the permission "
+                    "check refuses it first")
+    rc, out, err = cli(capsys, "simulate", *EXPLICIT, "--out", "/proc/rotapipe/sim")
+    assert rc == 2 and out == "", (rc, out, err)
+    assert "--out '/proc/rotapipe/sim' cannot be written (making a folder in '/proc' " \
+           "fails" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command, typo, name", [
+    ("plan", "qwen3-1.7", "qwen3-1.7b"),
+    ("plan", "llama3-8b", "llama-3.1-8b"),
+    ("simulate", "qwen-32b", "qwen3-32b"),
+])
+def test_model_name_typo_suggests_the_known_name(capsys, command, typo, name):
+    argv = [command, typo] if command == "plan" else [command, "--model", typo]
+    fails(capsys, 2, argv, f"no model config at {typo!r}: did you mean {name!r}?",
+          "Give a config.json path or one of qwen3-1.7b")
 
 
 def test_simulate_after_bad_input_matches_the_reference(capsys):
@@ -172,8 +198,8 @@ def test_plan_config_of_random_bytes(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("change, fragments", [
-    (["--host-ram", "nan"], ["--host-ram", "nan: use a finite number > 0"]),
-    (["--host-ram", "0"], ["--host-ram", "0: use a finite number > 0"]),
+    (["--host-ram", "nan"], ["--host-ram", "nan: use a finite number of GB in (0, 1e+06]"]),
+    (["--host-ram", "0"], ["--host-ram", "0: use a finite number of GB in (0, 1e+06]"]),
     (["--efficiency", "0"], ["--efficiency", "(0, 1]"]),
     (["--memory-fraction", "nan"], ["--memory-fraction", "nan"]),
     (["--memory-fraction", "1.5"], ["--memory-fraction", "(0, 1]"]),
@@ -187,6 +213,12 @@ def test_plan_config_of_random_bytes(capsys, tmp_path):
     (["--pin", "pinned"], ["--pin", "invalid choice"]),
     (["--hardware", "tpu"], ["unknown hardware 'tpu'"]),
     (["--hardware", "rtx4090x0"], ["hardware 'rtx4090x0' has 0 devices: use DEVICExN with N >= 1"]),
+    # An empty name was an unexpected AttributeError (exit 1); a billion devices ran for
+    # minutes; 1e300 GB of host RAM an unexpected OverflowError.
+    (["--hardware", ""], ["--hardware is empty: use DEVICExN"]),
+    (["--hardware", "a100x1000000000"], ["--hardware 'a100x1000000000' has 1,000,000,000 "
+                                         "devices: use DEVICExN with N in [1, 1,024]"]),
+    (["--host-ram", "1e300"], ["--host-ram", "1e300: use a finite number of GB in (0, 1e+06]"]),
     (["--lora-rank", "4"], ["--lora-rank 4 prices LoRA adapters, but the run is full "
                             "fine-tuning: add --lora (or --qlora)"]),
 ])
@@ -236,6 +268,20 @@ def test_train_bad_setting(capsys, tmp_path, data, setting, fragments):
     for k, v in setting.items():
         argv += ["--" + k.replace("_", "-"), v]
     fails(capsys, 2, argv, *fragments, limit_s=5)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, given", [
+    (["--lora-rank", "16"], "--lora-rank 16"),
+    (["--lora-alpha", "32", "--lora-targets", "q_proj"], "--lora-alpha 32.0 --lora-targets q_proj"),
+])
+def test_train_lora_flags_without_lora(capsys, tmp_path, data, extra, given):
+    """As plan's --lora-rank: without --lora the run trained every weight and ignored
+    the flag (exit 0)."""
+    out = tmp_path / "o"
+    fails(capsys, 2, ["train", *flags(data=str(data), out_dir=str(out)), *extra],
+          f"{given} sets LoRA adapters, but the run trains every weight: add --lora (or "
+          "--qlora), or drop", limit_s=5)
     assert not out.exists()
 
 
@@ -366,10 +412,15 @@ def test_data_directory_with_a_fifo_inside_still_works(tmp_path):
     assert source_files(str(tmp_path)) == [tmp_path / "d.jsonl"]
 
 
-def test_data_files_that_are_all_empty(capsys, tmp_path):
-    (tmp_path / "a.txt").write_text("")
-    fails(capsys, 2, ["train", *flags(data=str(tmp_path / "a.txt"),
-                                      out_dir=str(tmp_path / "o"))], "are empty", limit_s=3)
+@pytest.mark.parametrize("name, content", [("a.txt", ""), ("a.txt", "\n\n   \n\t\n"),
+                                           ("a.jsonl", "\n\n\n")])
+def test_data_files_that_are_all_empty(capsys, tmp_path, name, content):
+    """Blank lines only are empty too: refused before setup (they trained a tokenizer,
+    built the model and evaluated before "lane 0 of the training split is empty")."""
+    (tmp_path / name).write_text(content)
+    fails(capsys, 2, ["train", *flags(data=str(tmp_path / name),
+                                      out_dir=str(tmp_path / "o"))],
+          "are empty (or hold only blank lines)", limit_s=3)
 
 
 def test_text_in_another_encoding_is_still_text(tmp_path):
@@ -379,7 +430,53 @@ def test_text_in_another_encoding_is_still_text(tmp_path):
     check_text(f)                                  # no error
 
 
+@pytest.mark.parametrize("damage", ["truncate", "overwrite the header"])
+def test_model_with_damaged_safetensors(capsys, tmp_path, data, damage):
+    """A damaged weight file of --model is named, before the tokenizer and the model
+    are built (it was "unexpected SafetensorError", naming no file)."""
+    pytest.importorskip("transformers")
+    from train_util import tiny_model_dir
+    model = tiny_model_dir(tmp_path / "m")
+    f = model / "model.safetensors"
+    raw = f.read_bytes()
+    f.write_bytes(raw[:len(raw) // 2] if damage == "truncate" else b"\xff" * 16 + raw[16:])
+    fails(capsys, 1, ["train", *flags(data=str(data), out_dir=str(tmp_path / "o"),
+                                      model=str(model))],
+          f"model weights {str(f)!r} cannot be read (", "damaged or truncated", limit_s=10)
+    assert not (tmp_path / "o").exists()
+
+
 # -- train: resume -----------------------------------------------------------------------------
+
+def test_resume_after_the_data_changed_warns(capsys, caplog, tmp_path):
+    """The data files are fingerprinted in meta.json: a resume on other content says so
+    (it used to continue silently at the saved position in the new data)."""
+    data = text_jsonl(tmp_path / "d.jsonl", 200)
+    argv = flags(data=str(data), out_dir=str(tmp_path / "o"), save_interval=2,
+                 eval_interval=0, export=False)
+    assert main(["train", *argv, "--steps", "2"]) == 0
+    caplog.clear()
+    assert main(["train", *argv, "--steps", "4", "--resume"]) == 0
+    assert "data files differ" not in caplog.text
+    text_jsonl(data, 200, seed=1)                      # same name, other records
+    caplog.clear()
+    rc, _, err = cli(capsys, "train", *argv, "--steps", "6", "--resume")
+    assert rc == 0 and "Traceback" not in err, err
+    assert "the data files differ from those checkpoint " in caplog.text
+    assert f"(changed: {data})" in caplog.text and "not the run that was stopped" in \
+        caplog.text
+
+
+def test_summary_names_the_last_evaluated_step(capsys, tmp_path, data):
+    """A run that ends after its last evaluation (here: --epochs before --steps) says
+    where the loss was measured; it used to print "over steps 0..N" with N unevaluated."""
+    rc, out, err = cli(capsys, "train", *flags(data=str(data), out_dir=str(tmp_path / "o"),
+                                                steps=100000, epochs=1, eval_interval=100000,
+                                                save_interval=0, export=False))
+    summary = out.strip().splitlines()[-1]
+    assert rc == 0 and "held-out loss" in summary, (out, err)
+    end = int(summary.split("ended at step ")[1].split(",")[0])
+    assert end > 0 and f"over steps 0..0 (ended at step {end}, not evaluated there)" in summary
 
 def test_resume_with_nothing_to_resume_is_an_error(capsys, tmp_path, data):
     out = tmp_path / "typo"

@@ -34,6 +34,8 @@ EXIT_USAGE = 2
 EXIT_NO_FIT = 3
 """``rotapipe plan``: the run does not fit the machine."""
 EXIT_INTERRUPTED = 130
+MAX_HOST_RAM_GB = 1_000_000
+"""``plan --host-ram`` above this (a petabyte per server) is a typo, not a machine."""
 MIN_MEMORY_GIB = 0.001
 """``simulate --memory-gib`` below this (about 1 MiB) is a typo, not a device."""
 
@@ -48,6 +50,45 @@ def _lora(args) -> bool:
     if args.lora_rank is None:
         args.lora_rank = 8
     return lora
+
+
+MAX_DEVICES = 1024
+"""``--hardware DEVICExN`` above this is a typo (as ``simulate --devices``): a billion
+devices made ``plan`` run for minutes."""
+
+
+def _hardware(args):
+    """The ``--hardware`` profile of ``plan`` and ``simulate``, with ``--efficiency`` and
+    ``--fp16-accumulate``; an empty name or more than :data:`MAX_DEVICES` devices is
+    refused here."""
+    from .plan import hardware
+
+    if not args.hardware.strip():
+        raise ConfigError("--hardware is empty: use DEVICExN, e.g. rtx4090x8 or a100x4")
+    hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
+                  **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
+    if hw.count > MAX_DEVICES:
+        raise ConfigError(f"--hardware {args.hardware!r} has {hw.count:,} devices: use "
+                          f"DEVICExN with N in [1, {MAX_DEVICES:,}]")
+    return hw
+
+
+def _model_name(name: str) -> str:
+    """``--model`` of ``plan`` and ``simulate``: a name that is neither a path nor a known
+    model, but close to one, is refused with that name (``qwen3-1.7`` -> ``qwen3-1.7b``);
+    the rest is for :func:`rotapipe.plan.configs.load_config` to check."""
+    import difflib
+    import pathlib
+
+    from .plan.configs import KNOWN_MODELS
+
+    if name.lower() in KNOWN_MODELS or pathlib.Path(name).exists():
+        return name
+    close = difflib.get_close_matches(name.lower(), KNOWN_MODELS, n=1, cutoff=0.6)
+    if close:
+        raise ConfigError(f"no model config at {name!r}: did you mean {close[0]!r}? Give "
+                          f"a config.json path or one of {', '.join(KNOWN_MODELS)}")
+    return name
 
 
 # -- flag types: argparse turns their errors into "argument --x: ..." and exit 2 -----------
@@ -161,6 +202,14 @@ def train(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k in field_types()}
     base = load_config(recipe_path(args.recipe)) if args.recipe else None
     cfg = load_config(args.config, overrides, base=base)
+    # As plan's --lora-rank: a LoRA flag on a run without LoRA would be ignored. (Only
+    # flags: a config file may hold LoRA settings for the runs that turn it on.)
+    stray = [n for n in ("lora_rank", "lora_alpha", "lora_targets") if n in overrides]
+    if stray and not (cfg.lora or cfg.qlora or cfg.resume_from_adapter):
+        given = " ".join(f"--{n.replace('_', '-')} {overrides[n]}" for n in stray)
+        raise ConfigError(f"{given} sets LoRA adapters, but the run trains every weight: "
+                          "add --lora (or --qlora), or drop "
+                          + ", ".join("--" + n.replace("_", "-") for n in stray))
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     run_training(cfg)              # Ctrl-C: the job saves a checkpoint and returns
     return 0
@@ -253,7 +302,7 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
 def simulate(args: argparse.Namespace) -> int:
     """Simulate the chosen schedules on explicit times or a model + hardware profile;
     print the table (and the picture and trace paths with ``--out``)."""
-    from .plan import ModelCosts, hardware, lora_params, model_costs
+    from .plan import ModelCosts, lora_params, model_costs
     from .sim import SCHEDULES, SimConfig, compare, schedule_names, table
 
     names = schedule_names(args.schedules)
@@ -269,10 +318,9 @@ def simulate(args: argparse.Namespace) -> int:
         _check_out_folder(args.out)
     limit = int(args.memory_gib * 2**30) if args.memory_gib is not None else None
     if args.model:
-        hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
-                      **({"efficiency": args.efficiency} if args.efficiency is not None
-                         else {}))
+        hw = _hardware(args)
         lora = _lora(args)
+        args.model = _model_name(args.model)
         costs = model_costs(args.model, hw, seq=args.seq, microbatch_size=batch // M,
                             call_tokens=None if args.whole_embedding else batch * args.seq,
                             adapters=lora_params(args.model, args.lora_rank) if lora
@@ -314,7 +362,7 @@ def simulate(args: argparse.Namespace) -> int:
         plan = r.schedule.plan
         print(f"  {r.schedule.name}: {len(plan.forward)} forward stages, tail "
               f"[{plan.tail.start}:{plan.tail.stop}], {len(plan.backward)} backward stages")
-    if args.out:
+    if args.out is not None:
         import pathlib
 
         from .sim.gantt import draw_gantt
@@ -330,10 +378,15 @@ def simulate(args: argparse.Namespace) -> int:
 
 def _check_out_folder(path: str) -> None:
     """``--out`` must be a folder, or a path where one can be made (checked before the
-    simulation runs)."""
+    simulation runs, by making and removing a folder there: write permission does not
+    say it, ``/proc`` refuses even root)."""
     import os
     import pathlib
+    import tempfile
 
+    if not path.strip():
+        raise ConfigError("--out is empty: pass the folder the pictures and traces go to, "
+                          "or leave --out out")
     out = pathlib.Path(path)
     base = out
     while not base.exists() and base != base.parent:
@@ -344,6 +397,12 @@ def _check_out_folder(path: str) -> None:
     if not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {path!r} cannot be written: no write permission on "
                           f"{str(base)!r}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rotapipe-check-", dir=base))
+    except OSError as exc:
+        raise ConfigError(f"--out {path!r} cannot be written (making a folder in "
+                          f"{str(base)!r} fails: {exc.strerror}): pass a folder on a "
+                          "writable file system") from None
 
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -373,7 +432,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     a("--optimizer-state", choices=("fp32", "bf16", "int8"), default="fp32",
       help="how the optimizer state is kept (PipeConfig.optimizer_state_dtype, "
            "docs/optimizer.md; default: fp32)")
-    a("--host-ram", type=_real(), default=None,
+    a("--host-ram", type=_real(0.0, MAX_HOST_RAM_GB, unit="GB"), default=None,
       help="host RAM in GB (default: 64 GB per device, at least 128)")
     a("--stale", action="store_true",
       help="plan for the one-step-stale optimizer (overlapping steps)")
@@ -420,17 +479,15 @@ def plan(args: argparse.Namespace) -> int:
     Exit code 0 when it fits, :data:`EXIT_NO_FIT` (3) when it does not."""
     import json
 
-    from .plan import hardware
     from .plan.hostmem import GB
     from .planner.advise import analyze
 
     if (args.model is None) == (args.model_flag is None):
         raise ConfigError("give the model once: rotapipe plan --model MODEL (or rotapipe "
                           "plan MODEL)" + (", not both" if args.model else ""))
-    model = args.model or args.model_flag
+    model = _model_name(args.model or args.model_flag)
     lora = _lora(args)
-    hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
-                  **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
+    hw = _hardware(args)
     result = analyze(model, hw, seq=args.seq, global_batch=args.global_batch,
                      lora_rank=args.lora_rank if lora else None,
                      qlora=args.qlora, layout=args.layout, prefetch=args.prefetch,

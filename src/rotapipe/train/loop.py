@@ -30,14 +30,14 @@ from .checkpoint import (check_compatible, check_out_dir, is_sharded, resume_fro
                          save_checkpoint, save_sharded_checkpoint)
 from .config import TrainConfig
 from .data import Batch, TrainBatches
-from .records import (IGNORE, TextFields, check_chats, iter_records,
-                      record_parts, source_files)
+from .records import (IGNORE, TextFields, check_chats, data_changes, data_fingerprint,
+                      iter_records, record_parts, source_files)
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import generate_sample, sample_prompts
 from .resume import (check_resume_config, masters_in_model, pipe_names, restore,
                      restore_rest, restore_sharded, sharded)
 from .model import (adapter_dir, build_model, build_tokenizer, check_run_ram,
-                    check_sequence_length, fingerprint)
+                    check_sequence_length, check_weight_files, fingerprint)
 from .setup import (check_host_ram_everywhere, check_same_resume, collective, describe,
                     epoch_steps, eval_sequences, join, make_optimizer, quiet,
                     quiet_third_party)
@@ -143,6 +143,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     if eval_files:
         check_data(eval_files, fields)
     check_sequence_length(cfg)
+    check_weight_files(cfg)
     adapter_dir(cfg)
     prompts = sample_prompts(cfg) if cfg.sample_tokens else []
     # the newest whole checkpoint (damaged ones skipped with a warning), or None
@@ -150,8 +151,15 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     check_same_resume(dinfo, resume)
     if resume is not None and cfg.steps is None:       # the saved run's counted length
         cfg = cfg.with_steps(int(meta["config"]["steps"]))
+    data_files = data_fingerprint(files)
     if resume is not None:
         check_resume_config(resume, meta["config"], cfg)
+        changes = data_changes(meta.get("data_files"), data_files)
+        if changes:
+            log.warning(f"the data files differ from those checkpoint {resume} was trained "
+                        f"on ({changes}): the run resumes at its saved position in the "
+                        "new data, so it is not the run that was stopped (restore the "
+                        "files for an exact resume, or start a new --out-dir)")
     elif cfg.resume:
         echo(f"no checkpoint in {ckdir}: starting from step 0")
 
@@ -208,6 +216,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
                    state, echo)
         job.checkpoint = resume            # until this run saves one
         job.prompts = prompts
+        job.data_files = data_files
         result = _loop(job)
     finally:
         pipe.close()
@@ -232,6 +241,7 @@ class _Job:
         self.say = echo
         self.dist = distributed.info()               # rank, world size (1 without torchrun)
         self.prompts: list[str] = []                 # sample prompts
+        self.data_files: dict = {}                   # records.data_fingerprint, for meta.json
 
     def train_step(self) -> dict:
         """One optimizer step; its metrics."""
@@ -318,7 +328,8 @@ class _Job:
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                  "data": self.stream.state_dict()}
         meta = {"step": self.step, "plan": pipe.plan.to_text(),
-                "fingerprint": fingerprint(model), "config": dataclasses.asdict(self.cfg)}
+                "fingerprint": fingerprint(model), "config": dataclasses.asdict(self.cfg),
+                "data_files": self.data_files}
         masters = {n: p for n, p in model.named_parameters() if p.requires_grad}
         bad = [n for n, p in masters.items() if not torch.isfinite(p).all()]
         if bad:
@@ -351,7 +362,7 @@ class _Job:
                  "data": self.stream.state_dict()}
         meta = {"step": self.step, "plan": pipe.plan.to_text(),
                 "fingerprint": fingerprint(model), "config": dataclasses.asdict(self.cfg),
-                "shards": self.dist.world_size}
+                "shards": self.dist.world_size, "data_files": self.data_files}
         self.checkpoint = save_sharded_checkpoint(
             self.out / "checkpoints", self.step, shard=shard, names=pipe_names(pipe, model),
             state=state, meta=meta, tokenizer=self.tokenizer, keep=self.cfg.keep,
@@ -519,8 +530,12 @@ def _loop(job: _Job) -> TrainResult:
         tokens = job.tokens - job.tokens_at_start
         rate = tokens / job.elapsed if job.elapsed else 0.0
         which = "eval" if cfg.eval_data else "held-out"
+        # The range is the evaluations' own: a run stopped (Ctrl-C, time limit, epochs)
+        # after its last evaluation did not measure the loss at its last step.
+        ended = "" if evals[-1][0] == job.step else \
+            f" (ended at step {job.step}, not evaluated there)"
         job.echo(f"{which} loss {first:.4f} -> {last:.4f} ({100 * (last / first - 1):+.1f}%)"
-                 f" over steps {evals[0][0]}..{job.step}; {wall:.1f} s, "
+                 f" over steps {evals[0][0]}..{evals[-1][0]}{ended}; {wall:.1f} s, "
                  f"{tokens} tokens, {rate:.0f} tokens/s while training")
     return TrainResult(job.start, job.step, first, last, wall, job.tokens, stop.agreed,
                        job.checkpoint, sample)

@@ -10,15 +10,15 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 from ..plan.hostmem import size_text
 from .config import TrainConfig
 from .data import TextFields, train_tokenizer
 from .hub import is_hub_id, snapshot
 
 __all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
-           "resolve_model", "adapter_dir", "host_state", "check_host_ram", "plan_memory",
-           "check_run_ram", "folded_expert_note"]
+           "check_weight_files", "resolve_model", "adapter_dir", "host_state",
+           "check_host_ram", "plan_memory", "check_run_ram", "folded_expert_note"]
 
 
 def _model_dir(cfg: TrainConfig) -> pathlib.Path:
@@ -79,6 +79,26 @@ def check_sequence_length(cfg: TrainConfig) -> None:
         raise ConfigError(f"seq={cfg.seq} is longer than the model supports "
                           f"(max_position_embeddings={limit} in {cfg.model}/config.json): "
                           f"use --seq {limit} or less")
+
+
+def check_weight_files(cfg: TrainConfig) -> None:
+    """Every ``*.safetensors`` file of a fine-tuned model opens (its header and its size
+    agree), before the tokenizer and the host-RAM check: a truncated or overwritten file
+    otherwise failed in ``from_pretrained`` as an "unexpected SafetensorError" naming no
+    file. Reads the headers only."""
+    if cfg.model is None:
+        return
+    from safetensors import safe_open
+
+    for f in sorted(_model_dir(cfg).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error type, OSError
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise InputError(f"model weights {str(f)!r} cannot be read ({first}): the file "
+                             "is damaged or truncated; save or download the model again")\
+                from None
 
 
 def build_tokenizer(cfg: TrainConfig, files, saved: pathlib.Path | None = None):

@@ -13,6 +13,7 @@ tokenizer's own chat template with the loss on the assistant turns only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import stat
@@ -24,8 +25,9 @@ from .hub import HubSplit, hub_dataset
 
 __all__ = ["IGNORE", "TEXT_SUFFIXES", "RECORD_SUFFIXES", "CHUNK_CHARS", "COMPLETION",
            "HubSplit", "TextFields", "Tokens", "RendersDifferently", "chat_documents",
-           "chat_segments", "check_chats", "check_text", "hub_dataset", "is_dataset_dir",
-           "iter_records", "record_parts", "record_text", "source_files", "stdlib_files"]
+           "chat_segments", "check_chats", "check_text", "data_changes", "data_fingerprint",
+           "hub_dataset", "is_dataset_dir", "iter_records", "record_parts", "record_text",
+           "source_files", "stdlib_files"]
 
 IGNORE = -100
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -90,10 +92,60 @@ def source_files(spec: str, config: str | None = None, split: str | None = None,
     for f in files:
         if f.is_file() and f.suffix != ".parquet":
             check_text(f)
-    if all(f.is_file() and f.stat().st_size == 0 for f in files):
-        raise ConfigError(f"data files {', '.join(map(str, files[:3]))} are empty: pass "
-                          "files that hold text")
+    if all(f.is_file() and _blank(f) for f in files):
+        raise ConfigError(f"data files {', '.join(map(str, files[:3]))} are empty (or hold "
+                          "only blank lines): pass files that hold text")
     return files
+
+
+def _blank(path: pathlib.Path) -> bool:
+    """Empty, or only whitespace (blank lines) in a small file: else the run trains a
+    tokenizer and builds the model before the data setup finds no records."""
+    size = path.stat().st_size
+    if size > SNIFF_BYTES:
+        return False
+    with open(path, "rb") as f:
+        return not f.read().strip()
+
+
+FINGERPRINT_BYTES = 64 * 1024
+"""Bytes at each end of a data file that :func:`data_fingerprint` hashes."""
+
+
+def data_fingerprint(files) -> dict[str, list]:
+    """``{path: [size, hash of its first and last FINGERPRINT_BYTES]}`` of the plain data
+    files (saved and hub datasets are left out): kept in a checkpoint's ``meta.json``,
+    so that a resume can say the data changed (:func:`data_changes`). Cheap on any
+    corpus; an edit in the middle of a large file that keeps its size goes unseen."""
+    out = {}
+    for f in files:
+        if isinstance(f, HubSplit) or not f.is_file():
+            continue
+        size = f.stat().st_size
+        h = hashlib.blake2b(digest_size=16)
+        with open(f, "rb") as fh:
+            h.update(fh.read(FINGERPRINT_BYTES))
+            if size > FINGERPRINT_BYTES:
+                fh.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+                h.update(fh.read())
+        out[str(f)] = [size, h.hexdigest()]
+    return out
+
+
+def data_changes(saved, now: dict[str, list]) -> str | None:
+    """What changed in the data files since ``saved`` (a :func:`data_fingerprint`; not a
+    dict in a checkpoint from before it was kept: nothing to say), or ``None``."""
+    if not isinstance(saved, dict):
+        return None
+    changed = [p for p in now if p in saved and list(saved[p]) != now[p]]
+    added = [p for p in now if p not in saved]
+    removed = [p for p in saved if p not in now]
+    parts = []
+    for what, paths in (("changed", changed), ("new", added), ("gone", removed)):
+        if paths:
+            more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+            parts.append(f"{what}: {paths[0]}{more}")
+    return "; ".join(parts) or None
 
 
 def _file_kind(path: pathlib.Path) -> str:
