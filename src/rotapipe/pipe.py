@@ -10,12 +10,9 @@
 
 from __future__ import annotations
 
-import gc
 import inspect
 import math
 import operator
-import sys
-import threading
 import time
 import warnings
 import weakref
@@ -24,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from ._lifecycle import CallLock, claim, close_devices, reentry
 from .config import NonFinite, OptimizerMode, PinMode, PipeConfig, ShardMode
 from .errors import (CheckpointError, ConfigError, DistributedError, InputError,
                      NonFiniteError, PipelineClosedError, ScheduleError, WorkerError)
@@ -39,7 +37,6 @@ from .runtime.calls import (Call, CallRunner, CallStream, StepResult, check_stag
                             split_batch, timeline)
 from .runtime.devices import make_devices
 from .runtime.dispatchers import on_worker_thread
-from .runtime.executor import ABANDON_S, abandon
 from .runtime.host import CallGrads, HostState, LossScaler
 from .runtime.pinning import HostPinning, resolve_pin
 from .runtime.optimizer import HostOptimizer
@@ -128,7 +125,7 @@ class RoundPipe:
                               "optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4)")
         self.layerset = LayerSet(layers)
         self.lookups = Lookups(self.layerset, lookups)
-        _claim(self)
+        claim(self)
         # state_dict keys follow the user's container (named nn.Sequential keeps names).
         self._container = layers if isinstance(layers, nn.Module) else \
             nn.Sequential(*self.layerset.layers)
@@ -143,7 +140,7 @@ class RoundPipe:
         self._stream: CallStream | None = None
         self._streams: list[CallStream] = []      # for the finalizer (no reference to self)
         self._closed = False
-        self._finalizer = weakref.finalize(self, _close, self.devices, self._streams) \
+        self._finalizer = weakref.finalize(self, close_devices, self.devices, self._streams) \
             if devices is None else None
         try:
             self._build(layers, loss_fn, config, optimizer, side_inputs, plan, process_group)
@@ -225,7 +222,7 @@ class RoundPipe:
                 self.host, self.scaler, config.optimizer_mode, config.clip_grad_norm,
                 self.data_parallel, dpc.shard, dpc.grad_dtype, dpc.bucket_mb,
                 config.nonfinite)
-        self._lock = _CallLock()
+        self._lock = CallLock(__file__)
         self._evals = 0
         self._optimizer_cost = self._calls.optimizer_cost()
         if self.data_parallel is not None and self._planner.refiner is not None:
@@ -816,7 +813,7 @@ class RoundPipe:
         if self._closed:
             return
         if on_worker_thread():
-            raise _reentry("close")
+            raise reentry("close")
         error = None
         stream = getattr(self, "_stream", None)
         if stream is not None and stream.inflight and hasattr(self, "_lock"):
@@ -899,105 +896,6 @@ class RoundPipe:
         self._calls.use_plan(new)
 
 
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-"""``id(parameter)`` -> weak references to the parameter and to the RoundPipe that
-trains it. Process-wide on purpose: ownership belongs to the parameter objects,
-whichever pipeline wraps them (tensors compare by value, so not a WeakKeyDictionary)."""
-
-
-def _claim(pipe: RoundPipe) -> None:
-    """Make ``pipe`` the owner of its layers' parameters, refusing parameters that
-    another live pipeline trains: two pipelines accumulating into one ``.grad``
-    would overwrite each other's gradients."""
-    def taken():
-        out = []
-        for p, name in zip(pipe.layerset.params, pipe.layerset.param_names):
-            param, owner = _OWNERS.get(id(p), (None, None))
-            other = owner() if param is not None and param() is p else None
-            if other is not None and other is not pipe and not other._closed:
-                out.append(name)
-        return out
-    shared = taken()
-    if shared:
-        gc.collect()                 # an unreachable pipeline still in a reference cycle
-        shared = taken()
-    if shared:
-        raise ConfigError(
-            f"parameter {shared[0]}" + (f" (and {len(shared) - 1} more)" if len(shared) > 1
-                                        else "") +
-            " is already trained by another live RoundPipe: close() that one first (or "
-            "build it in a with-block), or wrap both uses in one pipeline; two pipelines "
-            "over one module would overwrite each other's accumulated gradients")
-    for key in [k for k, (param, owner) in _OWNERS.items()
-                if param() is None or owner() is None]:
-        del _OWNERS[key]
-    for p in pipe.layerset.params:
-        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(pipe))
-
-
-class _CallLock:
-    """The pipeline's lock: one call (or state access) at a time. Taken from inside
-    the pipeline's own work it would wait for itself: that is refused at once."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-
-    def __enter__(self) -> None:
-        me = threading.get_ident()
-        if self._owner == me or on_worker_thread():
-            raise _reentry(_public_caller())
-        self._lock.acquire()
-        self._owner = me
-
-    def __exit__(self, *exc) -> None:
-        self._owner = None
-        self._lock.release()
-
-
-def _public_caller() -> str:
-    """The method the user called: the outermost of the frames of this module that
-    lead to the lock (``state_dict`` rather than the ``flush`` it starts with)."""
-    frame, name = sys._getframe(2), "?"
-    while frame is not None and frame.f_code.co_filename == __file__:
-        name = frame.f_code.co_name
-        frame = frame.f_back
-    return name
-
-
-def _reentry(method: str) -> InputError:
-    what = "pipe(...)" if method == "__call__" else f"RoundPipe.{method}()"
-    return InputError(f"{what} was called from inside the pipeline's own work (a loss "
-                      "function, a layer's forward or backward, a hook, side_inputs, "
-                      "the optimizer or its scheduler), which would wait for the call "
-                      "it runs in: call it from your own code once train_step, "
-                      "forward_backward or step has returned")
-
-
-def _close(devices, streams=()) -> None:
-    """Stop the dispatchers of calls still in flight, then the devices' threads; after
-    a timeout retired the pipeline, threads stuck in an action are abandoned (bounded,
-    also at interpreter exit, where this runs as a finalizer)."""
-    if on_worker_thread():
-        # The pipeline's last reference went away on one of the threads this joins (a
-        # dropped pipeline's last call committing on the host lane): close from another.
-        threading.Thread(target=_close, args=(devices, streams), daemon=True,
-                         name="rotapipe-close").start()
-        return
-    for stream in streams:
-        if stream.session is not None:
-            stream.session.kill()
-        stream.runner.executor.close()
-    broken = next((s.runner.executor for s in streams if s.runner.executor.broken), None)
-    deadline = time.monotonic() + ABANDON_S
-    for d in devices:
-        d.stop()
-    stuck = [t for d in devices
-             for t in d.close(max(0.0, deadline - time.monotonic()) if broken else None)]
-    if stuck:
-        abandon(broken, stuck)
-
-
 def _kind(value) -> str:
     """How an error names a value of the wrong kind: a class as 'the class X'."""
     if value is None:
@@ -1008,16 +906,22 @@ def _kind(value) -> str:
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
+def _required_args(fn, skip: int = 0) -> list[str]:
+    """The positional parameters ``fn`` needs (after the first ``skip``); none when
+    it has no signature (a builtin: let it run)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def _check_optimizer_step(optimizer) -> None:
     """Refuse an optimizer whose ``step()`` needs a closure (``LBFGS``): the pipeline
     steps it with none, on its own thread, after the gradients are in."""
-    try:
-        # The class's method, less ``self`` (an instance may hold a patched step).
-        params = list(inspect.signature(type(optimizer).step).parameters.values())[1:]
-    except (TypeError, ValueError, AttributeError):   # no signature: let it run
-        return
-    needed = [p.name for p in params if p.default is p.empty
-              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # The class's method, less ``self`` (an instance may hold a patched step).
+    needed = _required_args(type(optimizer).step, skip=1)
     if needed:
         raise ConfigError(
             f"{type(optimizer).__name__}.step() needs {', '.join(needed)} (it re-evaluates "
@@ -1033,12 +937,7 @@ def _check_scheduler(scheduler) -> None:
     if not callable(step):
         raise ConfigError(f"the scheduler ({type(scheduler).__name__}) has no step() "
                           "method: pass a torch.optim.lr_scheduler over the optimizer")
-    try:
-        params = inspect.signature(step).parameters.values()
-    except (TypeError, ValueError):     # a builtin without a signature: let it run
-        return
-    needed = [p.name for p in params if p.default is p.empty
-              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    needed = _required_args(step)
     if needed:
         raise ConfigError(
             f"{type(scheduler).__name__}.step() needs {', '.join(needed)}, and the pipeline "
