@@ -496,6 +496,26 @@ def test_a_pipeline_used_from_inside_its_own_work_is_refused_at_once(method):
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_another_pipeline_used_from_inside_a_pipelines_work_is_refused():
+    """Pipelines do not nest (a teacher evaluated inside the student's loss would run
+    its call from the student's worker thread): refused at once, naming the method,
+    with the way around it; the student trains on."""
+    student, x = linear_model(), batch()[0]
+    with rotapipe.RoundPipe(linear_model(3), nn.functional.mse_loss,
+                            config=emulated(2, 2)) as teacher:
+        def distill(out, rows):
+            return nn.functional.mse_loss(out, teacher(rows))
+
+        with rotapipe.RoundPipe(student, distill, config=emulated(2, 2)) as pipe:
+            with deadline(30), pytest.raises(rotapipe.InputError, match=re.escape(
+                    "pipe(...) was called from a worker thread of another RoundPipe")):
+                pipe.forward_backward(x, x)
+            target = teacher(x)
+            with rotapipe.RoundPipe(copy.deepcopy(student), nn.functional.mse_loss,
+                                    config=emulated(2, 2)) as ok:
+                ok.forward_backward(x, target)     # the way around it: outputs first
+
+
 def test_a_pipeline_used_from_its_callers_own_side_inputs_is_refused():
     """``side_inputs`` runs on the caller's thread while it holds the pipeline."""
     model = linear_model()

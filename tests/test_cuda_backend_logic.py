@@ -265,10 +265,10 @@ def test_a_call_that_cannot_start_its_dispatchers_leaves_none_running(monkeypatc
     from rotapipe.runtime import dispatchers
     real, made = dispatchers._Dispatcher.__init__, []
 
-    def second_fails(self, name):
+    def second_fails(self, name, owner):
         if len(made) == 1:
             raise RuntimeError("can't start new thread")
-        real(self, name)
+        real(self, name, owner)
         made.append(self)
     x, y = token_batch(4, 6)
     with rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(2, 2)) as pipe:

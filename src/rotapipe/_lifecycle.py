@@ -61,11 +61,16 @@ class CallLock:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._module = module           # the file of the methods that take it
+        self.owners: set[int] = set()
+        """Ids of what runs the pipeline's work (its dispatcher pool, its emulated
+        devices): their threads may not take the lock."""
 
     def __enter__(self) -> None:
         me = threading.get_ident()
-        if self._owner == me or on_worker_thread():
+        if self._owner == me or on_worker_thread(self.owners):
             raise reentry(_public_caller(self._module))
+        if on_worker_thread():
+            raise reentry(_public_caller(self._module), own=False)
         self._lock.acquire()
         self._owner = me
 
@@ -84,8 +89,16 @@ def _public_caller(module: str) -> str:
     return name
 
 
-def reentry(method: str) -> InputError:
+def reentry(method: str, own: bool = True) -> InputError:
+    """The error of a pipeline used from inside a pipeline's work (``own``: its own,
+    which would wait for itself; else another's: pipelines do not nest)."""
     what = "pipe(...)" if method == "__call__" else f"RoundPipe.{method}()"
+    if not own:
+        return InputError(f"{what} was called from a worker thread of another RoundPipe "
+                          "(inside its loss function, a layer, a hook or its optimizer): "
+                          "pipelines do not nest; run this one from your own code, "
+                          "before or after the other's call (e.g. compute a teacher's "
+                          "outputs first and pass them in the labels)")
     return InputError(f"{what} was called from inside the pipeline's own work (a loss "
                       "function, a layer's forward or backward, a hook, side_inputs, "
                       "the optimizer or its scheduler), which would wait for the call "

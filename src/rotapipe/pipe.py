@@ -223,6 +223,8 @@ class RoundPipe:
                 self.data_parallel, dpc.shard, dpc.grad_dtype, dpc.bucket_mb,
                 config.nonfinite)
         self._lock = CallLock(__file__)
+        self._lock.owners.update({id(self._calls.executor.dispatchers),
+                                  *(id(d) for d in self.devices)})
         self._evals = 0
         self._optimizer_cost = self._calls.optimizer_cost()
         if self.data_parallel is not None and self._planner.refiner is not None:
@@ -812,7 +814,7 @@ class RoundPipe:
         the process). Closing twice does nothing."""
         if self._closed:
             return
-        if on_worker_thread():
+        if on_worker_thread(self._lock.owners if hasattr(self, "_lock") else ()):
             raise reentry("close")
         error = None
         stream = getattr(self, "_stream", None)

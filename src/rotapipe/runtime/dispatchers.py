@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -25,24 +25,28 @@ import torch
 _OURS = threading.local()
 
 
-def mark_worker_thread() -> None:
+def mark_worker_thread(owner: int) -> None:
     """Mark the calling thread as one of rotapipe's own (a dispatcher, a stream's or
-    the host lane's): where a loss function, a layer, a hook or the optimizer runs."""
-    _OURS.worker = True
+    the host lane's: where a loss function, a layer, a hook or the optimizer runs),
+    working for ``owner`` (the id of its dispatcher pool or emulated device: an id, so
+    that the thread keeps no object alive)."""
+    _OURS.owner = owner
 
 
-def on_worker_thread() -> bool:
-    """Whether the calling thread is one of rotapipe's own (:func:`mark_worker_thread`)."""
-    return getattr(_OURS, "worker", False)
+def on_worker_thread(owners: Collection[int] | None = None) -> bool:
+    """Whether the calling thread is one of rotapipe's own (:func:`mark_worker_thread`),
+    working for one of ``owners`` (default: any)."""
+    owner = getattr(_OURS, "owner", None)
+    return owner is not None and (owners is None or owner in owners)
 
 
 class _Dispatcher:
     """A daemon thread that runs one job after another until stopped."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, owner: int):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=_serve, args=(self._jobs,), daemon=True,
-                                       name=name)
+        self.thread = threading.Thread(target=_serve, args=(self._jobs, owner),
+                                       daemon=True, name=name)
         self.thread.start()
 
     def start(self, job: Callable[[], None], after: Callable[[bool], None]) -> None:
@@ -52,10 +56,10 @@ class _Dispatcher:
         self._jobs.put(None)
 
 
-def _serve(jobs: queue.SimpleQueue) -> None:
+def _serve(jobs: queue.SimpleQueue, owner: int) -> None:
     # Holds no reference to the pool or a session between jobs, so that an executor
     # dropped without close() is collected and its finalizer stops the idle threads.
-    mark_worker_thread()
+    mark_worker_thread(owner)
     while True:
         item = jobs.get()
         if item is None:
@@ -113,7 +117,7 @@ class DispatcherPool:
                 d = idle.pop() if idle else None
             if d is None:
                 d = _Dispatcher("rotapipe-dispatch-" + (
-                    "host" if worker < 0 else str(worker)))    # HOST is -1
+                    "host" if worker < 0 else str(worker)), id(self))    # HOST is -1
             done = threading.Event()
             d.start(job, _after(self, worker, d, keep, done))
             borrowed.threads.append(d.thread)

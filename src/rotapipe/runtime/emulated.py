@@ -62,8 +62,8 @@ class EmulatedStream(Stream):
     issued back to back on one stream reach the engine together), and runs when the
     engine serves it."""
 
-    def __init__(self, name: str, engine: CopyEngine | None = None):
-        self.name = name
+    def __init__(self, name: str, engine: CopyEngine | None = None, owner: int = 0):
+        self.name, self.owner = name, owner     # owner: the id of its device
         self.actor = Actor(name)
         self.engine = engine
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -128,7 +128,7 @@ class EmulatedStream(Stream):
             self._deferred = keep
 
     def _loop(self):
-        mark_worker_thread()
+        mark_worker_thread(self.owner)
         while True:
             item = self._q.get()
             if item is None:
@@ -185,7 +185,7 @@ class EmulatedDevice(Device):
                      Lane.GRADS):
             d = direction(lane)
             self._streams[lane] = EmulatedStream(f"w{index}.{lane.value}",
-                                                 self.engines[d] if d else None)
+                                                 self.engines[d] if d else None, id(self))
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0
