@@ -61,8 +61,6 @@ TUNERS = {
     "lokr": lambda: peft.LoKrConfig(r=4, target_modules=TARGETS, init_weights=False),
     "adalora": lambda: peft.AdaLoraConfig(r=4, target_modules=TARGETS, total_step=10,
                                           init_lora_weights=False),
-    "vera": lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                    init_weights=False),
 }
 
 
@@ -115,6 +113,17 @@ def test_prompt_learning_is_refused(method):
     the prompt encoder). Refused, naming the method."""
     model = peft.get_peft_model(tiny("qwen3"), PROMPT_LEARNING[method]())
     with pytest.raises(rotapipe.adapters.AdapterError, match="prompt learning"):
+        rotapipe.adapters.wrap_hf(model)
+
+
+def test_vera_is_refused_for_its_buffers_shared_across_blocks():
+    """VeRA's frozen projections are one buffer held by every adapted block: the
+    runtime orders a buffer's host copies per layer, and a clean-clone CI run caught
+    the race (a RaceError on a backward stage's upload). Refused at wrap time."""
+    model = peft.get_peft_model(tiny("qwen3"), peft.VeraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_weights=False))
+    with pytest.raises(rotapipe.adapters.AdapterError,
+                       match=r"VeRA shares its projections across blocks.*use LoRA"):
         rotapipe.adapters.wrap_hf(model)
 
 

@@ -18,7 +18,7 @@ Three checks, from cheapest:
 Each mismatch raises :class:`AdapterError` naming the model class, what differs and
 how to fix it, so no family trains with a silently wrong loss. Two structural checks
 refuse what the adapter or the runtime cannot train: PEFT prompt learning
-(:func:`check_peft`) and a buffer held by two tied layers (:func:`check_shared_buffers`).
+(:func:`check_peft`) and a buffer held by two layers (:func:`check_shared_buffers`).
 """
 
 from __future__ import annotations
@@ -251,35 +251,38 @@ def check_peft(model: nn.Module) -> None:
 
 
 def check_shared_buffers(layers: list[nn.Module]) -> None:
-    """No buffer may be held by two layers that also share a weight (tied embeddings):
-    the runtime writes a layer's buffers back after a training forward, and the upload
-    of the tied layer reads that copy without waiting for it (a ``RaceError`` on the
-    first call). PEFT's ``trainable_token_indices`` on tied embeddings is the known
-    case (the embedding and the head share ``trainable_tokens_original``). Buffers
-    shared by untied layers (VeRA's projections) train exactly.
-    ``layers``: embedding, blocks, head."""
+    """No buffer may be held by two layers: the runtime downloads a layer's buffers
+    after a training forward and uploads them for its backward, ordered per layer, so
+    two layers holding one buffer race on its host copy (a ``RaceError`` in training,
+    timing-dependent). PEFT's VeRA (projections shared by every adapted block) and
+    ``trainable_token_indices`` on tied embeddings (``trainable_tokens_original`` in
+    the embedding and the head) are the known cases. ``layers``: embedding, blocks,
+    head."""
     names = ["the embedding", *(f"decoder block {i}" for i in range(len(layers) - 2)),
              "the LM head"]
-    params = [{id(p) for p in layer.parameters()} for layer in layers]
     seen: dict[int, tuple[int, str]] = {}
     for i, layer in enumerate(layers):
         for bname, b in layer.named_buffers(remove_duplicate=False):
             j, jname = seen.setdefault(id(b), (i, bname))
-            if j == i or not params[i] & params[j]:
+            if j == i:
                 continue
-            tokens = "trainable_tokens" in bname
-            fix = "untie the weights the two layers share"
-            if tokens:
-                fix = ("untie the embeddings before adding the adapter, or train the "
-                       "embedding with LoraConfig(modules_to_save=['embed_tokens']) or "
-                       "target_modules=[..., 'embed_tokens'] instead of "
-                       "trainable_token_indices")
+            if "trainable_tokens" in bname:
+                why, fix = (" (PEFT trainable_token_indices on tied embeddings)",
+                            "untie the embeddings before adding the adapter, or train "
+                            "the embedding with LoraConfig(modules_to_save="
+                            "['embed_tokens']) or target_modules=[..., 'embed_tokens'] "
+                            "instead of trainable_token_indices")
+            elif "vera" in bname:
+                why, fix = (" (PEFT VeRA shares its projections across blocks)",
+                            "use LoRA (peft.LoraConfig) or another adapter that keeps "
+                            "its weights in each layer")
+            else:
+                why, fix = "", "give each layer its own copy of the buffer"
             raise AdapterError(
                 f"buffer {jname!r} of layer {j} ({names[j]}) is also {bname!r} of layer "
-                f"{i} ({names[i]}), and the two layers share a weight"
-                + (" (PEFT trainable_token_indices on tied embeddings)" if tokens else "")
-                + ": rotapipe's runtime does not yet order the two layers' uses of one "
-                f"buffer, so training would fail with a RaceError; {fix}")
+                f"{i} ({names[i]}){why}: rotapipe's runtime orders a buffer's copies "
+                f"per layer, so two layers holding one buffer would race in training; "
+                f"{fix}")
 
 
 def _join(prefix: str, name: str) -> str:

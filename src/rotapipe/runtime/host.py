@@ -142,9 +142,12 @@ class HostState:
         last copied (a user's edit under ``torch.no_grad()``, between calls); returns
         their indices. Call it only with no call in flight (the host lane may be
         stepping masters then)."""
-        params = self.layerset.params
+        params, compute = self.layerset.params, self.compute
+        # A parameter that holds its compute copy itself (sharded optimizer state: the
+        # fp32 master is this rank's piece) is edited where the workers read it.
         edited = [pid for pid in self._separate
-                  if params[pid]._version != self._versions[pid]]
+                  if params[pid]._version != self._versions[pid]
+                  and params[pid].data_ptr() != compute[pid].data_ptr()]
         if edited:
             self.write_back(edited)
         return edited
