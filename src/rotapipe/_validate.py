@@ -1,4 +1,5 @@
-"""Field checks shared by the config dataclasses: type, range, finiteness, enums.
+"""Field checks shared by the config dataclasses: type, range, finiteness, enums; and
+the output-folder probe the commands share (:func:`cannot_make_folder`).
 
 Each check returns the value (normalized: an enum member, an ``int`` for an integral
 float of bytes) or raises :class:`~rotapipe.errors.ConfigError` whose message names the
@@ -11,11 +12,15 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+import pathlib
+import tempfile
 from numbers import Integral, Real
 
 from .errors import ConfigError
 
-__all__ = ["integer", "number", "boolean", "text", "choice"]
+__all__ = ["integer", "number", "boolean", "text", "choice", "nearest_existing",
+           "cannot_make_folder"]
 
 
 def _fail(name: str, value, allowed: str, optional: bool, wrong_type: bool):
@@ -101,3 +106,22 @@ def choice(kind: type[enum.Enum], name: str, value) -> enum.Enum:
     choices = ", ".join(repr(k.value) for k in kind)
     got = "" if isinstance(value, str) else f" (got {type(value).__name__})"
     raise ConfigError(f"{name}={value!r} is invalid: use one of {choices}{got}")
+
+
+def nearest_existing(path: pathlib.Path) -> pathlib.Path:
+    """``path``, or its nearest ancestor that exists."""
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    return base
+
+
+def cannot_make_folder(base: pathlib.Path) -> str | None:
+    """Why no folder can be made in ``base`` (an existing, writable-looking folder), or
+    ``None``: makes and removes an empty one, since write permission does not say it
+    (``/proc`` refuses even root, a read-only mount everyone)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rotapipe-check-", dir=base))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None

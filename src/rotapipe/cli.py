@@ -382,27 +382,23 @@ def _check_out_folder(path: str) -> None:
     say it, ``/proc`` refuses even root)."""
     import os
     import pathlib
-    import tempfile
 
     if not path.strip():
         raise ConfigError("--out is empty: pass the folder the pictures and traces go to, "
                           "or leave --out out")
     out = pathlib.Path(path)
-    base = out
-    while not base.exists() and base != base.parent:
-        base = base.parent
+    base = _validate.nearest_existing(out)
     if not base.is_dir():
         what = "is a file" if base == out else f"cannot be made: {str(base)!r} is a file"
         raise ConfigError(f"--out {path!r} {what}: pass a folder")
     if not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {path!r} cannot be written: no write permission on "
                           f"{str(base)!r}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".rotapipe-check-", dir=base))
-    except OSError as exc:
+    reason = _validate.cannot_make_folder(base)
+    if reason is not None:
         raise ConfigError(f"--out {path!r} cannot be written (making a folder in "
-                          f"{str(base)!r} fails: {exc.strerror}): pass a folder on a "
-                          "writable file system") from None
+                          f"{str(base)!r} fails: {reason}): pass a folder on a "
+                          "writable file system")
 
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:

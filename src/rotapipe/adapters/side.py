@@ -184,6 +184,8 @@ class _Stub(nn.Module):
         # in the structure the real block returns; its other outputs (attention
         # weights, caches) are off in these runs.
         return hidden_states if n is None else (hidden_states,) + (None,) * (n - 1)
+
+
 def _batch_rope(module: nn.Module) -> bool:
     """Whether ``module`` is a rotary embedding whose frequencies depend on the largest
     position of the batch it is given (``transformers``' dynamic and long RoPE:
@@ -306,10 +308,15 @@ class SideInputs:
         check_shapes(microbatches)
         pos = [unpack_inputs(x)[2] for x in microbatches]
         top = max((int(p.max()) for p in pos if p is not None and p.numel()), default=None)
-        return lambda inputs: self(inputs, max_position=top)
+        return lambda inputs: self._side(inputs, top)
 
-    def __call__(self, inputs, max_position: int | None = None) -> dict:
+    def __call__(self, inputs) -> dict:
         check_shapes([inputs])
+        return self._side(inputs, None)
+
+    def _side(self, inputs, max_position: int | None) -> dict:
+        """The side inputs of checked ``inputs``; ``max_position``: the whole batch's
+        largest position id (:meth:`for_batch`)."""
         ids, mask, pos = unpack_inputs(inputs)
         b, t = ids.shape[:2]
         placeholder = torch.zeros((), dtype=self.dtype).expand(b, t, self.hidden_size)

@@ -7,7 +7,8 @@ from collections.abc import Collection
 
 from ..errors import ScheduleError
 from ..plan import Stage, StageKind
-from .actions import Action, ActionKind as K, Lane, Schedule, action_key
+from .actions import (COMPUTE_PASSES, CRITICAL, Action, ActionKind as K, Lane, Schedule,
+                      action_key)
 from .routes import weight_stages
 from .memory import MemorySizes, check_limit, peak_memory
 
@@ -121,9 +122,8 @@ def _check_passes(schedule: Schedule, by_key: dict[str, Action]) -> None:
                     fail("backward", s)
 
 
-_MICROBATCH_DATA = frozenset({K.UPLOAD_ACT, K.UPLOAD_GRAD, K.UPLOAD_SIDE, K.DOWNLOAD_ACT,
-                              K.DOWNLOAD_GRAD, K.FORWARD, K.FORWARD_KEEP, K.FUSED,
-                              K.RECOMPUTE, K.BACKWARD, K.BACKWARD_KEPT})
+_MICROBATCH_DATA = (COMPUTE_PASSES | CRITICAL) - {K.DOWNLOAD_BUFFERS}
+"""Actions that make or move one microbatch's activations or gradients."""
 
 
 def _check_data(schedule: Schedule, by_key: dict[str, Action]) -> None:

@@ -34,10 +34,10 @@ import pathlib
 import re
 import shutil
 import struct
-import tempfile
 
 import torch
 
+from .. import _validate
 from ..errors import CheckpointError, ConfigError
 
 __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "list_checkpoints",
@@ -269,36 +269,24 @@ def check_out_dir(out: pathlib.Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out_dir {str(out)!r} is a file, not a directory: pass a new "
                           "--out-dir")
-    base = out
-    while not base.exists() and base != base.parent:
-        base = base.parent
+    base = _validate.nearest_existing(out)
     if not base.is_dir():
         raise ConfigError(f"out_dir {str(out)!r} cannot be created: {str(base)!r} is a file")
     if not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"out_dir {str(out)!r} cannot be written: no write permission on "
                           f"{str(base)!r}")
-    _try_making_a_folder(out, base)
+    reason = _validate.cannot_make_folder(base)
+    if reason is not None:
+        where = "be written" if base == out else f"be created in {str(base)!r}"
+        raise ConfigError(f"out_dir {str(out)!r} cannot {where} (making a folder there "
+                          f"fails: {reason}): pass an --out-dir on a writable file "
+                          "system")
     for name, is_dir in (("checkpoints", True), ("final", True), ("metrics.jsonl", False)):
         p = out / name
         if p.exists() and p.is_dir() != is_dir:
             kind = "a directory" if is_dir else "a file"
             raise ConfigError(f"out_dir {str(out)!r}: {name} exists but is not {kind}: move "
                               "it away or pass a new --out-dir")
-
-
-def _try_making_a_folder(out: pathlib.Path, base: pathlib.Path) -> None:
-    """Make (and remove) an empty folder in ``base``, the nearest existing folder of
-    ``out``: write permission does not say that a folder can be made there (``/proc``
-    refuses root, a read-only mount refuses everyone), and the job would otherwise find
-    out only after the data setup."""
-    try:
-        probe = tempfile.mkdtemp(prefix=".rotapipe-check-", dir=base)
-    except OSError as exc:
-        where = "be written" if base == out else f"be created in {str(base)!r}"
-        raise ConfigError(f"out_dir {str(out)!r} cannot {where} (making a folder there "
-                          f"fails: {exc.strerror}): pass an --out-dir on a writable file "
-                          "system") from None
-    os.rmdir(probe)
 
 
 def check_compatible(path: pathlib.Path, meta: dict, fingerprint: dict) -> None:
