@@ -6,6 +6,7 @@ finalizer)."""
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -57,10 +58,10 @@ class CallLock:
     """The pipeline's lock: one call (or state access) at a time. Taken from inside
     the pipeline's own work it would wait for itself: that is refused at once."""
 
-    def __init__(self, module: str):
+    def __init__(self, folder: str):
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self._module = module           # the file of the methods that take it
+        self._folder = os.path.join(folder, "")   # the files of the methods that take it
         self.owners: set[int] = set()
         """Ids of what runs the pipeline's work (its dispatcher pool, its emulated
         devices): their threads may not take the lock."""
@@ -68,9 +69,9 @@ class CallLock:
     def __enter__(self) -> None:
         me = threading.get_ident()
         if self._owner == me or on_worker_thread(self.owners):
-            raise reentry(_public_caller(self._module))
+            raise reentry(_public_caller(self._folder))
         if on_worker_thread():
-            raise reentry(_public_caller(self._module), own=False)
+            raise reentry(_public_caller(self._folder), own=False)
         self._lock.acquire()
         self._owner = me
 
@@ -79,11 +80,11 @@ class CallLock:
         self._lock.release()
 
 
-def _public_caller(module: str) -> str:
-    """The method the user called: the outermost of the frames of ``module`` that
-    lead to the lock (``state_dict`` rather than the ``flush`` it starts with)."""
+def _public_caller(folder: str) -> str:
+    """The method the user called: the outermost of the frames of files in ``folder``
+    that lead to the lock (``state_dict`` rather than the ``flush`` it starts with)."""
     frame, name = sys._getframe(2), "?"
-    while frame is not None and frame.f_code.co_filename == module:
+    while frame is not None and frame.f_code.co_filename.startswith(folder):
         name = frame.f_code.co_name
         frame = frame.f_back
     return name

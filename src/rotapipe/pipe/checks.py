@@ -1,0 +1,149 @@
+"""Checks of what callers hand a RoundPipe: constructor arguments, an optimizer and its
+scheduler, a state dict, a pipeline state. Each raises before anything changes, with a
+message naming the argument, what it got and the fix."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+
+from ..config import PipeConfig
+from ..errors import CheckpointError, ConfigError
+
+__all__ = ["kind", "check_arguments", "check_optimizer_step", "check_scheduler",
+           "check_state", "check_pipeline_state"]
+
+
+def kind(value) -> str:
+    """How an error names a value of the wrong kind: a class as 'the class X'."""
+    if value is None:
+        return "None"
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def check_arguments(loss_fn, config, optimizer, **fns) -> None:
+    """The constructor's arguments: ``loss_fn`` callable, ``config`` a
+    :class:`PipeConfig` (or ``None``), ``optimizer`` an optimizer or a factory of one,
+    each of ``fns`` (``side_inputs``, ``loss_weight``, ``tail_context``) callable or
+    ``None``."""
+    if not callable(loss_fn):
+        raise ConfigError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if config is not None and not isinstance(config, PipeConfig):
+        raise ConfigError(f"config must be a rotapipe.PipeConfig, got {kind(config)}: "
+                          "build one, e.g. config=rotapipe.PipeConfig(microbatches=4)")
+    for name, fn in fns.items():
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"{name} must be callable (or None), got {kind(fn)}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
+            and (not callable(optimizer) or isinstance(optimizer, type)
+                 and not issubclass(optimizer, torch.optim.Optimizer)):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable "
+                          f"params -> Optimizer, got {kind(optimizer)}: e.g. "
+                          "optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4)")
+
+
+def _required_args(fn, skip: int = 0) -> list[str]:
+    """The positional parameters ``fn`` needs (after the first ``skip``); none when
+    it has no signature (a builtin: let it run)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def check_optimizer_step(optimizer) -> None:
+    """Refuse an optimizer whose ``step()`` needs a closure (``LBFGS``): the pipeline
+    steps it with none, on its own thread, after the gradients are in."""
+    # The class's method, less ``self`` (an instance may hold a patched step).
+    needed = _required_args(type(optimizer).step, skip=1)
+    if needed:
+        raise ConfigError(
+            f"{type(optimizer).__name__}.step() needs {', '.join(needed)} (it re-evaluates "
+            "the loss itself), and the pipeline steps the optimizer once per step with "
+            "none: use an optimizer that steps from the gradients alone (SGD, Adam, "
+            "AdamW, ...)")
+
+
+def check_scheduler(scheduler) -> None:
+    """Refuse a scheduler whose ``step()`` needs arguments (``ReduceLROnPlateau``
+    takes the metric): the pipeline steps it after each optimizer step with none."""
+    step = getattr(scheduler, "step", None)
+    if not callable(step):
+        raise ConfigError(f"the scheduler ({type(scheduler).__name__}) has no step() "
+                          "method: pass a torch.optim.lr_scheduler over the optimizer")
+    needed = _required_args(step)
+    if needed:
+        raise ConfigError(
+            f"{type(scheduler).__name__}.step() needs {', '.join(needed)}, and the pipeline "
+            "steps the scheduler after each optimizer step with no arguments: step it "
+            "yourself after pipe.step() (after pipe.flush() with optimizer_mode 'overlap' "
+            "or 'stale'), and leave it out of attach_optimizer")
+
+
+def check_state(own: dict[str, torch.Tensor], state, strict: bool) -> None:
+    """A state dict to load into ``own`` (the container's ``state_dict(keep_vars=True)``):
+    keys (with ``strict``: none missing, none unexpected), shapes, dtype kinds and dense
+    layouts; one :class:`ConfigError` naming every offending key."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"load_state_dict takes a dict of tensors (as state_dict() "
+                          f"returns), got {type(state).__name__}")
+    problems = []
+    if strict:
+        problems += [f"missing key {k!r}" for k in own if k not in state]
+        problems += [f"unexpected key {k!r}" for k in state if k not in own]
+    for k, v in state.items():
+        if k not in own:
+            continue
+        mine = own[k]
+        if not isinstance(v, torch.Tensor):
+            problems.append(f"{k!r} is a {type(v).__name__}, not a tensor")
+        elif v.shape != mine.shape:
+            problems.append(f"{k!r} has shape {tuple(v.shape)}, the model's is "
+                            f"{tuple(mine.shape)}")
+        elif v.is_floating_point() != mine.is_floating_point():
+            problems.append(f"{k!r} has dtype {v.dtype}, the model's is {mine.dtype}")
+        elif v.layout is not torch.strided or v.is_meta:
+            problems.append(f"{k!r} is a {'meta' if v.is_meta else str(v.layout)} "
+                            "tensor, which holds no dense values: pass dense "
+                            "tensors (.to_dense(), or load real weights)")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more"
+                                          if len(problems) > 8 else "")
+        raise ConfigError(f"load_state_dict: {shown}. Nothing was loaded: pass "
+                          "a state_dict of this model (strict=False skips missing "
+                          "and unexpected keys)")
+
+
+def check_pipeline_state(state) -> tuple[int, int, float, int]:
+    """``(calls, evals, scale, good_steps)`` of a :meth:`RoundPipe.pipeline_state` dict,
+    checked: counts are ints >= 0 (training calls number from 0; evaluation uses -1,
+    -2, ...), the scale a finite float > 0."""
+    fix = "pass what pipe.pipeline_state() returned (the checkpoint is damaged otherwise)"
+    if not isinstance(state, dict):
+        raise CheckpointError(f"load_pipeline_state takes a dict, got {kind(state)}: {fix}")
+    scaler = state.get("scaler")
+    if not isinstance(scaler, dict):
+        raise CheckpointError(f"the pipeline state's 'scaler' is "
+                              f"{'missing' if scaler is None else kind(scaler)}, not a "
+                              f"dict: {fix}")
+    out = []
+    for where, key in ((state, "calls"), (state, "evals"), (scaler, "good_steps")):
+        v = where.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise CheckpointError(f"the pipeline state's {key!r} is "
+                                  f"{'missing' if v is None else repr(v)}: it must be an "
+                                  f"int >= 0; {fix}")
+        out.append(v)
+    scale = scaler.get("scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or \
+            not math.isfinite(scale) or scale <= 0:
+        raise CheckpointError(f"the pipeline state's scaler 'scale' is {scale!r}: it must "
+                              f"be a finite number > 0; {fix}")
+    return out[0], out[1], float(scale), out[2]

@@ -1,0 +1,149 @@
+"""Weights, optimizer and counters in and out of a RoundPipe: its parameters, the optimizer
+it steps, state dicts and the pipeline state for exact resume (:class:`StateIO`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, ConfigError
+from .checks import (check_optimizer_step, check_scheduler, check_state, kind,
+                     check_pipeline_state)
+
+__all__ = ["StateIO"]
+
+
+class StateIO:
+    """What :class:`~rotapipe.pipe.RoundPipe` reads and replaces: every method completes
+    the calls in flight first (``_flush`` under the pipeline's lock)."""
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The fp32 master weights (trainable parameters only), each once, after the
+        calls in flight completed (:meth:`flush`)."""
+        self._check_open()
+        self.flush()
+        if self._shard is not None:     # this rank's pieces of the fp32 masters
+            return iter(self._shard.parameters())
+        return iter([self.layerset.params[pid] for pid in self.host.trainable])
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, master)`` pairs; names are ``"<layer index>.<path>"`` (after
+        :meth:`flush`)."""
+        self._check_open()
+        self.flush()
+        if self._shard is not None:
+            return iter(self._shard.named_parameters())
+        return iter([(self.layerset.param_names[pid], self.layerset.params[pid])
+                     for pid in self.host.trainable])
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+        """Use ``optimizer`` in :meth:`step`. It must hold only this model's trainable
+        parameters (``fused=True`` AdamW is the fast choice on the CPU).
+
+        ``scheduler``: a ``torch.optim.lr_scheduler`` over ``optimizer``, stepped by the
+        pipeline right after every optimizer step it takes, on the thread that took
+        it. With ``optimizer_mode="overlap"`` or ``"stale"`` a step is still under way when
+        :meth:`train_step` returns, so a scheduler stepped by the caller would change
+        the learning rate of that step: pass it here instead
+        (:meth:`step_result` gives the learning rate each step used)."""
+        self._check_open()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"attach_optimizer takes a torch.optim.Optimizer instance, got "
+                              f"{kind(optimizer)}: build one over the pipeline's "
+                              "parameters, e.g. torch.optim.AdamW(pipe.parameters())")
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
+            raise ConfigError("the scheduler does not drive this optimizer: build it over "
+                              "the optimizer passed to attach_optimizer")
+        if scheduler is not None:
+            check_scheduler(scheduler)
+        check_optimizer_step(optimizer)
+        ours = {id(p) for p in self.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in ours:
+                    raise ConfigError("the optimizer holds a parameter that is not a "
+                                      "trainable parameter of the wrapped layers: build it "
+                                      "over pipe.parameters()")
+        with self._lock:
+            self._flush()
+            # PipeConfig.optimizer_state_dtype: checked here, state narrowed (now and
+            # after every load_state_dict of the optimizer).
+            if self._shard is None:
+                self._host_opt.states.attach(optimizer)
+            self.optimizer, self.scheduler = optimizer, scheduler
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Trained weights (fp32 masters, frozen weights) and buffers, keyed like the
+        ``state_dict`` of the container passed in (``nn.Sequential(*layers)`` for a
+        list). The tensors are the live masters: copy them to keep a snapshot. Stale
+        optimizer: applies the pending step first (:meth:`flush`)."""
+        self._check_open()
+        self.flush()
+        return self._container.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load weights and buffers (keys as :meth:`state_dict`) into the masters and
+        refresh the compute-dtype copies the workers upload (every set of them).
+
+        All or nothing: keys (with ``strict``: none missing, none unexpected), shapes
+        and dtype kinds (floating point or not) are checked before any tensor is
+        written; a mismatch raises :class:`~rotapipe.errors.ConfigError` naming every
+        offending key, and changes nothing. Values are copied in place, cast to each
+        tensor's dtype, as ``nn.Module.load_state_dict`` does."""
+        self._check_open()
+        with self._lock:
+            self._flush()
+            own = self._container.state_dict(keep_vars=True)
+            check_state(own, state, strict)
+            if self._shard is not None:
+                self._load_sharded(state)
+                return
+            try:
+                with torch.no_grad():
+                    for k, v in state.items():
+                        if k in own:
+                            own[k].copy_(v)
+            finally:
+                self.host.write_back()
+
+    def _load_sharded(self, state: dict[str, torch.Tensor]) -> None:
+        """Masters from the fp32 tensors themselves (the module's parameters hold only
+        the compute dtype), then the rest of the container."""
+        names = dict(self._container.named_parameters(remove_duplicate=False))
+        by_id = {id(p): pid for pid, p in enumerate(self.layerset.params)}
+        full = {}
+        for key, value in state.items():
+            p = names.get(key)
+            if p is not None and id(p) in by_id and by_id[id(p)] in self.host.trainable:
+                full[by_id[id(p)]] = value.float()
+        self._container.load_state_dict(state)
+        self._shard.load_full(full)
+
+    def pipeline_state(self) -> dict:
+        """The pipeline's own counters, for exact resume: training calls and evaluation
+        calls (they define the random streams) and the loss scaler. Weights are in
+        :meth:`state_dict`, optimizer state in the optimizer's (stale: flushes first)."""
+        self._check_open()
+        self.flush()
+        return {"calls": self.calls, "evals": self._evals, "scaler": self.scaler.state_dict(),
+                "optimizer_state_dtype": self.config.optimizer_state_dtype.value}
+
+    def load_pipeline_state(self, state: dict) -> None:
+        """Restore what :meth:`pipeline_state` returned. Everything is checked before
+        anything changes (:class:`~rotapipe.errors.CheckpointError` naming the key)."""
+        self._check_open()
+        calls, evals, scale, good = check_pipeline_state(state)
+        saved = state.get("optimizer_state_dtype", "fp32")
+        ours = self.config.optimizer_state_dtype.value
+        if saved != ours:
+            raise CheckpointError(
+                f"the checkpoint's optimizer state was kept as {saved!r}, this pipeline "
+                f"keeps it as {ours!r}: build the pipeline with PipeConfig("
+                f"optimizer_state_dtype={saved!r}) (rotapipe train: --optimizer-state "
+                f"{saved}) to resume it")
+        with self._lock:
+            self._flush()
+            self._stream.committed, self._evals = calls, evals
+            self.scaler.load_state_dict({"scale": scale, "good_steps": good})
