@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from rotapipe.runtime.host import HostState
-from rotapipe.runtime.optimizer import Snapshot
+from rotapipe.runtime.stepping import Snapshot
 from rotapipe.runtime.optstate import StatePrecision
 
 

@@ -23,7 +23,7 @@ import torch
 import rotapipe
 from models import emulated, tiny_transformer, token_batch
 from rotapipe.runtime.kernels import ActionRunner
-from rotapipe.runtime.optimizer import Snapshot
+from rotapipe.runtime.stepping import Snapshot
 from rotapipe.runtime.store import Store
 from rotapipe.schedule.roundpipe import grad_window
 from test_exactness import OPTIMIZERS, RTOL, ATOL, step_batches, train_reference

@@ -107,7 +107,9 @@ def test_overlap_stops_speculating_while_the_clip_takes_effect():
     below the limit brings the speculation back."""
     from types import SimpleNamespace
 
-    from rotapipe.runtime.optimizer import HostOptimizer, OverlapStep, WholeStep
+    from rotapipe.runtime.optimizer import HostOptimizer
+    from rotapipe.runtime.overlapstep import OverlapStep
+    from rotapipe.runtime.stepping import WholeStep
     clipped = HostOptimizer.clipped.fget
     assert clipped(SimpleNamespace(max_norm=1.0, last_norm=2.0))
     assert not clipped(SimpleNamespace(max_norm=1.0, last_norm=0.5))

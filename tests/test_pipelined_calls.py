@@ -401,7 +401,7 @@ def rows_run(model: nn.Module, workers: int, microbatches: int, optimizer: str,
     :func:`few_rows`). Returns the pipeline (open), the data, the losses, one entry per
     table whose rows were stepped first, and the failure (``None``)."""
     from rotapipe.runtime.calls import Call
-    from rotapipe.runtime.optimizer import OverlapStep
+    from rotapipe.runtime.overlapstep import OverlapStep
     data = data or few_rows(size=max(8, microbatches))
     previews = []
     real_rows_first, real_preview = Call.rows_first, OverlapStep._preview

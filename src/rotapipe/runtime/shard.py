@@ -53,7 +53,8 @@ from ..errors import NonFiniteError
 from ..schedule import Schedule
 from .allreduce import InFlight
 from .host import CallGrads, HostState, LossScaler
-from .optimizer import Cost, HostOptimizer, Snapshot, _merged
+from .optimizer import HostOptimizer
+from .stepping import Cost, Snapshot, merged
 
 
 class ShardLayout:
@@ -402,7 +403,7 @@ class ShardedOptimizer(HostOptimizer):
 
 class ShardCall:
     """The optimizer work of one training call of a sharded pipeline (the
-    :class:`~rotapipe.runtime.optimizer.CallHook` interface: :meth:`handoff` on the host
+    :class:`~rotapipe.runtime.stepping.CallHook` interface: :meth:`handoff` on the host
     lane, :meth:`commit` once the call is complete, :meth:`abort` when it failed)."""
 
     def __init__(self, owner: ShardedOptimizer, optimizer, schedule: Schedule,
@@ -428,7 +429,7 @@ class ShardCall:
         it is in the send buffer."""
         g = self.grads.staged.pop(pid, None)
         if self.o.shard is ShardMode.OPTIMIZER:
-            return _merged(self.o.local.get(pid), g, self.keep, self.new)
+            return merged(self.o.local.get(pid), g, self.keep, self.new)
         return g
 
     def _final(self, pid: int) -> torch.Tensor | None:
@@ -436,7 +437,7 @@ class ShardCall:
         if self.o.shard is ShardMode.OPTIMIZER:
             return self.reduced.get(pid)        # already merged before it was sent
         prev = self.prev.get(pid) if self.prev is not None else self.o.masters[pid].grad
-        return _merged(prev, self.reduced.get(pid), self.keep, self.new)
+        return merged(prev, self.reduced.get(pid), self.keep, self.new)
 
     def handoff(self, key: str) -> None:
         try:
@@ -525,7 +526,7 @@ class ShardCall:
                         q.grad = self._final(pid)
                 else:
                     for pid in o.host.trainable:
-                        g = _merged(o.local.get(pid), self.grads.staged.get(pid),
+                        g = merged(o.local.get(pid), self.grads.staged.get(pid),
                                     self.keep, self.new)
                         if g is not None:
                             o.local[pid] = g
