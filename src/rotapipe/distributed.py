@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .errors import ConfigError, InputError
 from .runtime import trees
-from .runtime.allreduce import stop_heartbeats
+from .runtime.heartbeat import stop_heartbeats
 
 __all__ = ["DistInfo", "init_from_env", "info", "rank", "world_size", "is_main",
            "shard_batch", "any_rank", "barrier", "shutdown"]

@@ -32,16 +32,14 @@ parameter no rank touched keeps ``grad=None``, as in a one-process run.
 Failure: every wait polls against a deadline (``timeout_s``) instead of trusting the
 process group's timeout; a gloo error or the deadline raises
 :class:`~rotapipe.errors.DistributedError`, which names the lost rank(s) found by the
-:class:`_Heartbeat` monitor (a rank whose heartbeat stopped died; one whose heartbeat
+:class:`Heartbeat` monitor (a rank whose heartbeat stopped died; one whose heartbeat
 runs but that never issued the collective hung or left the loop).
 """
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +49,7 @@ import torch.distributed as dist
 from ..config import DataParallelConfig
 from ..errors import ConfigError, DistributedError
 from ..schedule import ActionKind as K, Schedule
+from .heartbeat import Heartbeat
 from .host import CallGrads
 
 
@@ -102,7 +101,7 @@ class GradReducer:
         """The backpressure counters of the last training call."""
         self._stage_of: dict[str, str] = {}
         token = f"{time.time_ns()}-{id(self)}"
-        self._heartbeat = _Heartbeat.start(dist.get_rank(), config.heartbeat_s, self)
+        self._heartbeat = Heartbeat.start(dist.get_rank(), config.heartbeat_s, self)
         gathered: list = [None] * self.world
         try:
             dist.all_gather_object(gathered, (fingerprint, token), group=group)
@@ -190,7 +189,7 @@ class GradReducer:
 
     def fail(self, why: str) -> None:
         """Retire data parallelism for this pipeline: the ranks are out of step. The
-        other ranks' diagnosis then reads why this one left (:meth:`_Heartbeat.mark`)."""
+        other ranks' diagnosis then reads why this one left (:meth:`Heartbeat.mark`)."""
         if self.broken is None:
             self.broken = (f"a previous call failed on rank {dist.get_rank()} ({why}), so "
                            "the ranks' collectives are out of step: restart the job from "
@@ -505,161 +504,3 @@ def interval_union(intervals: list[tuple[float, float]]) -> float:
         else:
             cur_e = max(cur_e, e)
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
-
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def _within(fn, seconds: float) -> None:
-    """Run ``fn`` (a rendezvous-store call) on a daemon thread for at most ``seconds``:
-    a store whose host is gone never answers, and the caller must not wait for it."""
-    t = threading.Thread(target=fn, daemon=True)
-    t.start()
-    t.join(seconds)
-
-
-@atexit.register
-def stop_heartbeats() -> None:
-    """Stop every heartbeat thread of this process (before the process group goes away,
-    and at interpreter exit for pipelines never closed)."""
-    for hb in list(_LIVE):
-        hb.stop()
-
-
-class _Heartbeat:
-    """Liveness and progress of every rank, through the rendezvous store.
-
-    Each rank's thread writes ``"<beat> <collectives issued>"`` under
-    ``rotapipe/<pipeline token>/hb/<global rank>`` every ``interval`` seconds. When a
-    collective fails, :meth:`diagnose` reads every rank twice, a few intervals apart: a
-    rank whose beat did not move is dead; one whose beat moved but that has not issued
-    the failed collective is hung (or left the training loop)."""
-
-    def __init__(self, store, rank: int, interval: float, reducer: GradReducer):
-        self.store, self.rank, self.interval = store, rank, interval
-        self.reducer = weakref.ref(reducer)
-        self.prefix: str | None = None
-        self.members = reducer.members
-        self._stop = threading.Event()
-        self._beat = 0
-        self._thread: threading.Thread | None = None
-
-    @classmethod
-    def start(cls, rank: int, interval: float, reducer: GradReducer) -> _Heartbeat | None:
-        try:
-            store = dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - no default store: no diagnosis, still exact
-            return None
-        hb = cls(store, rank, interval, reducer)
-        weakref.finalize(reducer, hb._stop.set)
-        hb._thread = threading.Thread(target=hb._run, name=f"rotapipe-heartbeat-{rank}",
-                                      daemon=True)
-        hb._thread.start()
-        _LIVE.add(hb)
-        return hb
-
-    def stop(self) -> None:
-        """Stop beating and wait (bounded) for a store write in flight to finish. A
-        daemon thread still inside a C++ store call when the interpreter exits is torn
-        down mid-call, and the process aborts ("terminate called without an active
-        exception"), so ``close()`` / ``shutdown()`` must not return before it is out."""
-        self._stop.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=2.0 + 2 * self.interval)
-
-    def _key(self, rank: int, what: str = "hb") -> str:
-        return f"{self.prefix}/{what}/{rank}"
-
-    def mark(self, why: str) -> None:
-        """Tell the other ranks why this one leaves the collectives (bounded: a store
-        that does not answer is not waited for)."""
-        if self.prefix is None:
-            return
-
-        def write():
-            try:
-                self.store.set(self._key(self.rank, "left"), why)
-            except Exception:  # noqa: BLE001 - store gone: diagnose() says so
-                pass
-        _within(write, 1.0)
-
-    def _run(self) -> None:
-        # The prefix is agreed on by a collective after the thread starts; the thread
-        # only writes once it is known.
-        while not self._stop.wait(self.interval if self.prefix else 0.01):
-            if self.prefix is None:
-                continue
-            reducer = self.reducer()
-            if reducer is None:
-                return
-            self._beat += 1
-            try:
-                self.store.set(self._key(self.rank), f"{self._beat} {reducer.issued}")
-                del reducer     # no strong reference while sleeping
-            except Exception:  # noqa: BLE001 - store gone; diagnose() reports it
-                return
-
-    def _read(self) -> dict[int, tuple[int, int] | None] | None:
-        """Every member's (beat, issued); None where missing; None overall when the
-        store does not answer within a few intervals."""
-        out: dict = {}
-
-        def read():
-            for r in self.members:
-                try:
-                    if self.store.check([self._key(r)]):
-                        beat, issued = self.store.get(self._key(r)).decode().split()
-                        out[r] = (int(beat), int(issued))
-                    else:
-                        out[r] = None
-                except Exception:  # noqa: BLE001
-                    return
-            out["ok"] = True
-
-        _within(read, max(2.0, 4 * self.interval))
-        return out if out.get("ok") else None
-
-    def _left(self, ranks: list[int]) -> dict[int, str]:
-        """``{rank: why}`` of the ranks that said why they left (:meth:`mark`)."""
-        out: dict[int, str] = {}
-
-        def read():
-            for r in ranks:
-                try:
-                    if self.store.check([self._key(r, "left")]):
-                        out[r] = self.store.get(self._key(r, "left")).decode()
-                except Exception:  # noqa: BLE001
-                    return
-        _within(read, max(2.0, 4 * self.interval))
-        return dict(out)
-
-    def diagnose(self, seq: int) -> tuple[list[int], str]:
-        if self.prefix is None:
-            return [], "the failure came before the ranks agreed on a heartbeat"
-        first = self._read()
-        time.sleep(3 * self.interval)
-        second = self._read()
-        if first is None or second is None:
-            lost = [self.members[0]] if self.rank != self.members[0] else []
-            return lost, ("the rendezvous store does not answer: the process hosting it "
-                          "(rank 0, or the torchrun agent of the first node) is gone")
-        others = [r for r in self.members if r != self.rank]
-        left = self._left(others)
-        if left:
-            return sorted(left), "; ".join(f"rank {r} left the collectives: {why}"
-                                           for r, why in sorted(left.items()))
-        dead = [r for r in others if second.get(r) is None or first.get(r) == second.get(r)]
-        hung = [r for r in others if r not in dead and second[r][1] <= seq]
-        notes = []
-        if dead:
-            notes.append(f"no heartbeat from rank(s) {dead} for {3 * self.interval:g} s: "
-                         "the process died or its machine or network is down")
-        if hung:
-            notes.append(f"rank(s) {hung} are alive but never issued collective #{seq}: "
-                         "stuck in their own work, or they failed and left the training "
-                         "loop")
-        if not notes:
-            notes.append("every rank still beats and has issued the collective: the "
-                         "network between them failed")
-        return dead + hung, "; ".join(notes)
