@@ -65,17 +65,17 @@ def fails(capsys, code, argv, *fragments, limit_s: float = 10.0) -> str:
     (["--microbatches", "0"], ["--microbatches", "0: use an integer in [1, 4,096]"]),
     (["--microbatches", "99999999999999999999999"], ["--microbatches", "use an integer in [1, 4,096]"]),
     (["--microbatches", "four"], ["--microbatches", "'four' is not an integer"]),
-    (["--fwd-ms", "nan"], ["--fwd-ms", "nan: use a finite number > 0"]),
-    (["--bwd-ms", "inf"], ["--bwd-ms", "inf: use a finite number > 0"]),
-    (["--head-fwd-ms", "0"], ["--head-fwd-ms", "> 0"]),
+    (["--fwd-ms", "nan"], ["--fwd-ms", "nan: use a finite number of ms in [1e-06, 1e+06]"]),
+    (["--bwd-ms", "inf"], ["--bwd-ms", "inf: use a finite number of ms in [1e-06, 1e+06]"]),
+    (["--head-fwd-ms", "0"], ["--head-fwd-ms", "[1e-06, 1e+06]"]),
     (["--devices", "0"], ["--devices", "0: use an integer in [1, 1,024]"]),
     (["--devices", "-3"], ["--devices", "-3"]),
     (["--global-batch", "0"], ["--global-batch", "0: use an integer in [1, 1,048,576]"]),
     (["--global-batch", "24"], ["--global-batch 24 is not a multiple of --microbatches 16"]),
-    (["--hop-ms", "nan"], ["--hop-ms", "nan: use a finite number >= 0"]),
-    (["--upload-ms", "-1"], ["--upload-ms", ">= 0"]),
+    (["--hop-ms", "nan"], ["--hop-ms", "nan: use a finite number of ms in [0, 1e+06]"]),
+    (["--upload-ms", "-1"], ["--upload-ms", "[0, 1e+06]"]),
     (["--recompute-ms", "inf"], ["--recompute-ms", "inf"]),
-    (["--layers", "0"], ["--layers", "0: use an integer in [1, 1,048,576]"]),
+    (["--layers", "0"], ["--layers", "0: use an integer in [1, 1,024]"]),
     (["--seq", "0"], ["--seq", "0"]),
     (["--virtual-stages", "0"], ["--virtual-stages", "0"]),
     (["--calls", "1"], ["--calls", "1: use an integer in [2, 64]"]),
@@ -83,7 +83,20 @@ def fails(capsys, code, argv, *fragments, limit_s: float = 10.0) -> str:
     (["--schedules", "zigzag"], ["unknown schedule 'zigzag'"]),
     (["--schedules", ","], ["--schedules ',' names no schedule", "gpipe, 1f1b", "or all"]),
     (["--lora-rank", "4"], ["--lora-rank needs --model"]),
-    (["--memory-gib", "1e-12"], ["--memory-gib", "1e-12: use a finite number of GiB >= 0.001"]),
+    (["--memory-gib", "1e-12"], ["--memory-gib", "1e-12: use a finite number of GiB in "
+                                                  "[0.001, 100000]"]),
+    # Absurd magnitudes printed numbers of hundreds of digits (exit 0), or an
+    # unexpected OverflowError (--memory-gib 1e300, exit 1).
+    (["--fwd-ms", "1e300"], ["argument --fwd-ms: 1e300: use a finite number of ms in "
+                             "[1e-06, 1e+06]"]),
+    (["--bwd-ms", "1e-300"], ["argument --bwd-ms: 1e-300", "[1e-06, 1e+06]"]),
+    (["--head-bwd-ms", "-2"], ["argument --head-bwd-ms: -2", "[1e-06, 1e+06]"]),
+    (["--hop-ms", "1e300"], ["argument --hop-ms: 1e300", "[0, 1e+06]"]),
+    (["--upload-ms", "inf"], ["argument --upload-ms: inf", "[0, 1e+06]"]),
+    (["--recompute-ms", "1e9"], ["argument --recompute-ms: 1e9", "[0, 1e+06]"]),
+    (["--memory-gib", "1e300"], ["argument --memory-gib: 1e300: use a finite number of GiB "
+                                 "in [0.001, 100000]"]),
+    (["--layers", "100000"], ["argument --layers: 100000: use an integer in [1, 1,024]"]),
     # An empty --out drew nothing and said nothing (exit 0).
     (["--out", ""], ["--out is empty: pass the folder"]),
 ])
@@ -95,10 +108,19 @@ def test_simulate_needs_times_or_a_model(capsys):
     fails(capsys, 2, ["simulate", "--layers", "4"], "missing --fwd-ms, --bwd-ms")
 
 
-@pytest.mark.parametrize("value", ["0", "1.5", "nan"])
+@pytest.mark.parametrize("value", ["0", "1.5", "nan", "1e-300", "0.001", "-1"])
 def test_simulate_efficiency_out_of_range(capsys, value):
     fails(capsys, 2, ["simulate", "--model", "qwen3-1.7b", "--efficiency", value],
-          "--efficiency", f"{value}: use a finite number in (0, 1]")
+          "--efficiency", f"{value}: use a finite number in [0.01, 1]")
+
+
+@pytest.mark.parametrize("change, fragments", [
+    (["--lora", "--lora-rank", "1048576"], ["argument --lora-rank: 1048576: use an integer "
+                                            "in [1, 65,536]"]),
+    (["--memory-gib", "-1"], ["argument --memory-gib: -1", "[0.001, 100000]"]),
+])
+def test_simulate_model_flag_out_of_range(capsys, change, fragments):
+    fails(capsys, 2, ["simulate", "--model", "qwen3-1.7b", *change], *fragments)
 
 
 def test_simulate_out_naming_a_file_fails_before_simulating(capsys, tmp_path):
@@ -191,6 +213,53 @@ def test_plan_config_bad_sizes(capsys, tmp_path, changes, fragments):
     fails(capsys, 2, ["plan", _config(tmp_path, **changes)], *fragments)
 
 
+@pytest.mark.parametrize("changes, fragments", [
+    # Each was read wrong or not at all, and the plan printed "fits" (exit 0).
+    ({"max_position_embeddings": -5}, ["max_position_embeddings=-5: use a positive int"]),
+    ({"max_position_embeddings": "4k"}, ["max_position_embeddings='4k': use a positive int "
+                                         "(got str)"]),
+    ({"tie_word_embeddings": "no"}, ["tie_word_embeddings='no': use true or false (a JSON "
+                                     "boolean; got str)"]),
+    ({"tie_word_embeddings": 0}, ["tie_word_embeddings=0: use true or false"]),
+    ({"attention_bias": "false"}, ["attention_bias='false': use true or false"]),
+    ({"sliding_window": -1, "layer_types": ["sliding_attention"] * 28},
+     ["sliding_window=-1: use an int >= 0"]),
+    ({"layer_types": "full_attention"}, ["layer_types='full_attention': use a list of "
+                                         "strings"]),
+    ({"model_type": 3}, ["model_type=3: use the family's name as a string"]),
+    ({"text_config": "qwen3"}, ["text_config='qwen3': use an object"]),
+    ({"text_config": {"max_position_embeddings": "4k"}}, ["max_position_embeddings='4k'"]),
+    ({"hidden_size": 2048.0}, ["hidden_size=2048.0: use a positive int (got float)"]),
+    # Absurd sizes: a verdict in exabytes before.
+    ({"hidden_size": 10**12}, ["hidden_size=1000000000000: use an int in [1, 1,048,576]"]),
+    ({"num_hidden_layers": 5000}, ["num_hidden_layers=5000: use an int in [1, 1,024]"]),
+    ({"vocab_size": 2**30}, ["vocab_size=1073741824: use an int in [1, 4,194,304]"]),
+])
+def test_plan_config_bad_field_names_the_file(capsys, tmp_path, changes, fragments):
+    path = _config(tmp_path, **changes)
+    fails(capsys, 2, ["plan", path], f"{path}: ", *fragments)
+
+
+def test_plan_config_without_the_sizes_names_the_file(capsys, tmp_path):
+    """An empty config.json said "model config (model_type=None) has no 'hidden_size'",
+    naming no file."""
+    path = tmp_path / "config.json"
+    path.write_text("{}")
+    fails(capsys, 2, ["plan", str(tmp_path)], f"{path}: no 'hidden_size', "
+          "'num_hidden_layers', 'num_attention_heads', 'vocab_size' (model_type=None)")
+
+
+def test_plan_config_null_settings_are_unset(capsys, tmp_path):
+    """``null`` is "not set", as transformers reads it: a null head_dim is hidden_size /
+    heads (LlamaConfig fills it in so), a null sliding_window no window; and the flags
+    and sizes of the shipped configs pass."""
+    rc, reference, _ = cli(capsys, "plan", "qwen3-1.7b", "--json")
+    rc2, out, err = cli(capsys, "plan", _config(tmp_path, head_dim=None, sliding_window=None,
+                                                tie_word_embeddings=True), "--json")
+    assert rc == rc2 == 0 and err == ""
+    assert json.loads(out)["step_ms"] == json.loads(reference)["step_ms"]
+
+
 def test_plan_config_of_random_bytes(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_bytes(bytes(range(256)) * 4)
@@ -198,11 +267,11 @@ def test_plan_config_of_random_bytes(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("change, fragments", [
-    (["--host-ram", "nan"], ["--host-ram", "nan: use a finite number of GB in (0, 1e+06]"]),
-    (["--host-ram", "0"], ["--host-ram", "0: use a finite number of GB in (0, 1e+06]"]),
-    (["--efficiency", "0"], ["--efficiency", "(0, 1]"]),
+    (["--host-ram", "nan"], ["--host-ram", "nan: use a finite number of GB in [1, 1e+06]"]),
+    (["--host-ram", "0"], ["--host-ram", "0: use a finite number of GB in [1, 1e+06]"]),
+    (["--efficiency", "0"], ["--efficiency", "[0.01, 1]"]),
     (["--memory-fraction", "nan"], ["--memory-fraction", "nan"]),
-    (["--memory-fraction", "1.5"], ["--memory-fraction", "(0, 1]"]),
+    (["--memory-fraction", "1.5"], ["--memory-fraction", "[0.01, 1]"]),
     (["--copy-chunk-mb", "inf"], ["--copy-chunk-mb", "inf"]),
     (["--microbatches", "0"], ["--microbatches", "0: use an integer in [1, 1,048,576]"]),
     (["--seq", "1e23"], ["--seq", "'1e23' is not an integer"]),
@@ -218,12 +287,50 @@ def test_plan_config_of_random_bytes(capsys, tmp_path):
     (["--hardware", ""], ["--hardware is empty: use DEVICExN"]),
     (["--hardware", "a100x1000000000"], ["--hardware 'a100x1000000000' has 1,000,000,000 "
                                          "devices: use DEVICExN with N in [1, 1,024]"]),
-    (["--host-ram", "1e300"], ["--host-ram", "1e300: use a finite number of GB in (0, 1e+06]"]),
+    (["--host-ram", "1e300"], ["--host-ram", "1e300: use a finite number of GB in [1, 1e+06]"]),
+    # Absurd rates and sizes: the plan printed numbers of hundreds of digits, or a rate
+    # of 1e-300 "fits" (exit 0); a host RAM under a byte read as none (the default 512
+    # GB); a memory fraction of 1e-300 an internal "memory_bytes (0) ... must be >= 1".
+    (["--optimizer-rate", "1e-300"], ["argument --optimizer-rate: 1e-300: use a finite "
+                                      "number of parameters per second in [1e+06, 1e+15]"]),
+    (["--optimizer-rate", "inf"], ["argument --optimizer-rate: inf", "[1e+06, 1e+15]"]),
+    (["--optimizer-rate=-5e9"], ["argument --optimizer-rate: -5e9", "[1e+06, 1e+15]"]),
+    (["--nodes", "2", "--network-gbps", "1e-300"],
+     ["argument --network-gbps: 1e-300: use a finite number of Gb/s in [0.01, 100000]"]),
+    (["--nodes", "2", "--network-gbps", "1e300"], ["argument --network-gbps: 1e300"]),
+    (["--nodes", "2", "--network-gbps", "nan"], ["argument --network-gbps: nan"]),
+    (["--nodes", "2", "--inflight-mb", "1e-300"],
+     ["argument --inflight-mb: 1e-300: use a finite number of MiB in [0.01, 1e+06]"]),
+    (["--nodes", "1048576"], ["argument --nodes: 1048576: use an integer in [1, 65,536]"]),
+    (["--host-ram", "1e-300"], ["argument --host-ram: 1e-300", "[1, 1e+06]"]),
+    (["--efficiency", "1e-300"], ["argument --efficiency: 1e-300: use a finite number in "
+                                  "[0.01, 1]"]),
+    (["--memory-fraction", "1e-300"], ["argument --memory-fraction: 1e-300", "[0.01, 1]"]),
+    (["--pin", "off", "--copy-chunk-mb", "1e-300"],
+     ["argument --copy-chunk-mb: 1e-300: use a finite number of MiB in [0.01, 65536]"]),
+    (["--copy-chunk-mb", "-1"], ["argument --copy-chunk-mb: -1"]),
+    (["--prefetch", "1048576"], ["argument --prefetch: 1048576: use an integer in [1, 1,024]"]),
+    (["--lora", "--lora-rank", "1048576"], ["argument --lora-rank: 1048576: use an integer "
+                                            "in [1, 65,536]"]),
     (["--lora-rank", "4"], ["--lora-rank 4 prices LoRA adapters, but the run is full "
                             "fine-tuning: add --lora (or --qlora)"]),
 ])
 def test_plan_bad_flag(capsys, change, fragments):
     fails(capsys, 2, ["plan", "qwen3-1.7b", *change], *fragments)
+
+
+def test_plan_takes_the_ends_of_each_range(capsys):
+    """The bounds are far from any real machine: both ends plan (and print plain
+    numbers), as the default does."""
+    for ends in (["--optimizer-rate", "1e6", "--efficiency", "0.01", "--memory-fraction",
+                  "0.01", "--host-ram", "1", "--pin", "off", "--copy-chunk-mb", "0.01"],
+                 ["--optimizer-rate", "1e15", "--efficiency", "1", "--memory-fraction", "1",
+                  "--host-ram", "1e6", "--pin", "off", "--copy-chunk-mb", "65536"],
+                 ["--nodes", "2", "--network-gbps", "0.01", "--inflight-mb", "0.01"],
+                 ["--nodes", "2", "--network-gbps", "1e5", "--inflight-mb", "1e6"]):
+        rc, out, err = cli(capsys, "plan", "qwen3-1.7b", *ends)
+        assert rc in (0, 3) and err == "", (ends, err)
+        assert max(map(len, out.split())) < 80, ends          # no 300-digit numbers
 
 
 def test_plan_exit_codes_fit_and_no_fit(capsys):
@@ -282,6 +389,60 @@ def test_train_lora_flags_without_lora(capsys, tmp_path, data, extra, given):
     fails(capsys, 2, ["train", *flags(data=str(data), out_dir=str(out)), *extra],
           f"{given} sets LoRA adapters, but the run trains every weight: add --lora (or "
           "--qlora), or drop", limit_s=5)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--lora", "--qlora"])
+def test_train_lora_without_a_model_is_refused(capsys, tmp_path, data, flag):
+    """LoRA from scratch trained adapters on a random base and exported the adapter
+    alone (exit 0): useless without that base."""
+    out = tmp_path / "o"
+    fails(capsys, 2, ["train", *flags(data=str(data), out_dir=str(out)), flag],
+          f"{flag[2:]} needs model: ", "LoRA trains adapters on pretrained base weights "
+          "(--model PATH)", f"pass --model DIR (or ORG/NAME), or drop {flag}", limit_s=5)
+    assert not out.exists()
+
+
+LAYERS = [f"model.layers.{i}.{m}" for i in range(2) for m in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+"""What PEFT writes as target_modules for all-linear on a 2-layer Qwen3."""
+
+
+@pytest.mark.parametrize("extra, refused", [
+    (["--lora-rank", "16"], "--lora-rank 16 conflicts with the adapter resumed from {a} "
+                            "(lora_rank=4 in its adapter_config.json)"),
+    (["--lora-alpha", "32"], "--lora-alpha 32.0 conflicts with the adapter resumed from {a} "
+                             "(lora_alpha=8.0 in its adapter_config.json)"),
+    (["--lora-rank", "4", "--lora-targets", "q_proj,v_proj"],
+     "--lora-targets q_proj,v_proj conflicts with the adapter resumed from {a} (lora_targets="
+     "down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj in its adapter_config.json)"),
+    (["--lora-rank", "16", "--lora-alpha", "32"],
+     "--lora-rank 16 --lora-alpha 32.0 conflicts with the adapter resumed from {a} "
+     "(lora_rank=4, lora_alpha=8.0 in its adapter_config.json), whose own shape is kept: "
+     "drop --lora-rank, --lora-alpha (or give the adapter's values), or drop "
+     "--resume-from-adapter to train a new adapter"),
+    # The adapter's own values pass this check (the run then stops at the next one: the
+    # base model directory here is empty).
+    (["--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "all-linear"], None),
+    (["--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"], None),
+])
+def test_train_lora_shape_flags_must_match_the_resumed_adapter(capsys, tmp_path, data, extra,
+                                                               refused):
+    """The resumed adapter's own shape won and the flags were silently ignored (exit 0,
+    the exported adapter still of rank 4)."""
+    adapter, out = tmp_path / "adapter", tmp_path / "o"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"r": 4, "lora_alpha": 8.0, "target_modules": LAYERS, "peft_type": "LORA"}))
+    (tmp_path / "base").mkdir()
+    argv = ["train", *flags(data=str(data), out_dir=str(out)), "--model",
+            str(tmp_path / "base"), "--resume-from-adapter", str(adapter), *extra]
+    if refused is not None:
+        fails(capsys, 2, argv, refused.format(a=adapter), limit_s=5)
+    else:
+        line = fails(capsys, 2, argv, "has no config.json", limit_s=5)
+        assert "adapter" not in line, line
     assert not out.exists()
 
 

@@ -133,3 +133,37 @@ def test_a_resume_refusal_gives_the_flag_that_resumes():
         with pytest.raises(ConfigError, match=re.escape(fix)):
             check_resume_config("ckpt", saved, cfg)
     check_resume_config("ckpt", dataclasses.asdict(cfg), cfg)
+
+
+def test_lora_needs_a_pretrained_model():
+    """A config with LoRA and no model can be built (the host-RAM check prices --lora as
+    a fix for any run), but a run of it is refused where it starts."""
+    for kw in ({"lora": True}, {"qlora": True}):
+        cfg = TrainConfig(**kw)
+        with pytest.raises(ConfigError, match="needs model: .*pretrained base weights"):
+            cfg.effective()
+    assert TrainConfig(model="m", lora=True).effective().lora
+
+
+@pytest.mark.parametrize("saved, given, same", [
+    (["q_proj", "v_proj"], "v_proj,q_proj", True),
+    (["q_proj", "v_proj"], "q_proj", False),
+    (["q_proj", "v_proj"], "all-linear", False),
+    (["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"], "all-linear", True),
+    (["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.up_proj"], "up_proj,q_proj",
+     True),
+    ("all-linear", "all-linear", True),
+])
+def test_resumed_adapter_targets_compare_as_layer_names(tmp_path, saved, given, same):
+    """PEFT writes all-linear out as every wrapped layer's full name and keeps names
+    given as they are; the flag matches either form."""
+    import json
+    from rotapipe.train.config import check_lora_flags
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"r": 8, "lora_alpha": 16, "target_modules": saved}))
+    cfg = TrainConfig(model="m", resume_from_adapter=str(tmp_path), lora_targets=given)
+    if same:
+        check_lora_flags(cfg, {"lora_targets": given, "lora_rank": 8, "lora_alpha": 16.0})
+    else:
+        with pytest.raises(ConfigError, match=f"--lora-targets {given} conflicts"):
+            check_lora_flags(cfg, {"lora_targets": given})

@@ -1,5 +1,6 @@
-"""Field checks shared by the config dataclasses: type, range, finiteness, enums; and
-the output-folder probe the commands share (:func:`cannot_make_folder`).
+"""Field checks shared by the config dataclasses: type, range, finiteness, enums; the
+command line's typed flags (:func:`int_flag`, :func:`real_flag`); and the output-folder
+probe the commands share (:func:`cannot_make_folder`).
 
 Each check returns the value (normalized: an enum member, an ``int`` for an integral
 float of bytes) or raises :class:`~rotapipe.errors.ConfigError` whose message names the
@@ -10,6 +11,7 @@ Python, but ``microbatches=True`` is a mistake, not 1).
 
 from __future__ import annotations
 
+import argparse
 import enum
 import math
 import os
@@ -19,8 +21,8 @@ from numbers import Integral, Real
 
 from .errors import ConfigError
 
-__all__ = ["integer", "number", "boolean", "text", "choice", "nearest_existing",
-           "cannot_make_folder"]
+__all__ = ["integer", "number", "boolean", "text", "choice", "int_flag", "real_flag",
+           "nearest_existing", "cannot_make_folder"]
 
 
 def _fail(name: str, value, allowed: str, optional: bool, wrong_type: bool):
@@ -106,6 +108,44 @@ def choice(kind: type[enum.Enum], name: str, value) -> enum.Enum:
     choices = ", ".join(repr(k.value) for k in kind)
     got = "" if isinstance(value, str) else f" (got {type(value).__name__})"
     raise ConfigError(f"{name}={value!r} is invalid: use one of {choices}{got}")
+
+
+# -- flag types: argparse turns their errors into "argument --x: ..." and exit 2 -----------
+def int_flag(minimum: int = 1, maximum: int = 2**20):
+    """An int flag in ``[minimum, maximum]``: the default maximum (a million) is far
+    beyond any real run, so a typo fails here, not as an overflow or a simulation that
+    never ends."""
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{text}: use an integer in [{minimum}, "
+                                             f"{maximum:,}]")
+        return value
+    convert.__name__ = "int"
+    return convert
+
+
+def real_flag(low: float | None = 0.0, high: float | None = None, *, low_open: bool = True,
+              unit: str = ""):
+    """A finite float flag in a range (NaN and inf refused); default: > 0. A flag that
+    prices something physical (a rate, a size, a time) takes both bounds, far beyond
+    any real machine on either side: ``1e-300`` or ``1e300`` is a typo, not a setting,
+    and would print numbers of hundreds of digits."""
+    def convert(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        try:
+            return number("", value, low=low, high=high, low_open=low_open, unit=unit)
+        except ConfigError as exc:
+            allowed = str(exc).split(": ", 1)[1]           # "use a finite number > 0"
+            raise argparse.ArgumentTypeError(f"{text}: {allowed}") from None
+    convert.__name__ = "float"
+    return convert
 
 
 def nearest_existing(path: pathlib.Path) -> pathlib.Path:

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import _validate
+from ._validate import int_flag as _count, real_flag as _real
 from .errors import ConfigError, RotapipeError
 
 __all__ = ["main", "COMMANDS", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_NO_FIT"]
@@ -35,9 +36,16 @@ EXIT_NO_FIT = 3
 """``rotapipe plan``: the run does not fit the machine."""
 EXIT_INTERRUPTED = 130
 MAX_HOST_RAM_GB = 1_000_000
-"""``plan --host-ram`` above this (a petabyte per server) is a typo, not a machine."""
-MIN_MEMORY_GIB = 0.001
-"""``simulate --memory-gib`` below this (about 1 MiB) is a typo, not a device."""
+"""``plan --host-ram`` above this (a petabyte per server) is a typo, not a machine; below
+1 GB neither (and under a byte it read as no value: the default RAM)."""
+MIN_MEMORY_GIB, MAX_MEMORY_GIB = 0.001, 100_000
+"""``simulate --memory-gib`` outside this (about 1 MiB to 100 TiB) is a typo, not a
+device."""
+MAX_MS = 1e6
+"""``simulate``'s explicit times (``--fwd-ms``, ``--hop-ms``, ...) above this (17 minutes
+for one block and microbatch) are typos; compute times are at least 1e-6 ms (1 ns)."""
+MAX_LORA_RANK = 65536
+"""``--lora-rank`` of ``plan`` and ``simulate`` at most this, as ``train``'s."""
 
 
 def _lora(args) -> bool:
@@ -89,42 +97,6 @@ def _model_name(name: str) -> str:
         raise ConfigError(f"no model config at {name!r}: did you mean {close[0]!r}? Give "
                           f"a config.json path or one of {', '.join(KNOWN_MODELS)}")
     return name
-
-
-# -- flag types: argparse turns their errors into "argument --x: ..." and exit 2 -----------
-def _count(minimum: int = 1, maximum: int = 2**20):
-    """An int flag in ``[minimum, maximum]``: the default maximum (a million) is far
-    beyond any real run, so a typo fails here, not as an overflow or a simulation that
-    never ends."""
-    def convert(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not minimum <= value <= maximum:
-            raise argparse.ArgumentTypeError(f"{text}: use an integer in [{minimum}, "
-                                             f"{maximum:,}]")
-        return value
-    convert.__name__ = "int"
-    return convert
-
-
-def _real(low: float | None = 0.0, high: float | None = None, *, low_open: bool = True,
-          unit: str = ""):
-    """A finite float flag in a range (NaN and inf refused); default: > 0."""
-    def convert(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        try:
-            return _validate.number("", value, low=low, high=high, low_open=low_open,
-                                    unit=unit)
-        except ConfigError as exc:
-            allowed = str(exc).split(": ", 1)[1]           # "use a finite number > 0"
-            raise argparse.ArgumentTypeError(f"{text}: {allowed}") from None
-    convert.__name__ = "float"
-    return convert
 
 
 def _plain(text: str) -> str:
@@ -197,19 +169,14 @@ def train(args: argparse.Namespace) -> int:
 
     from .train import load_config
     from .train import train as run_training
-    from .train.config import field_types
+    from .train.config import check_lora_flags, field_types
 
     overrides = {k: v for k, v in vars(args).items() if k in field_types()}
     base = load_config(recipe_path(args.recipe)) if args.recipe else None
     cfg = load_config(args.config, overrides, base=base)
-    # As plan's --lora-rank: a LoRA flag on a run without LoRA would be ignored. (Only
-    # flags: a config file may hold LoRA settings for the runs that turn it on.)
-    stray = [n for n in ("lora_rank", "lora_alpha", "lora_targets") if n in overrides]
-    if stray and not (cfg.lora or cfg.qlora or cfg.resume_from_adapter):
-        given = " ".join(f"--{n.replace('_', '-')} {overrides[n]}" for n in stray)
-        raise ConfigError(f"{given} sets LoRA adapters, but the run trains every weight: "
-                          "add --lora (or --qlora), or drop "
-                          + ", ".join("--" + n.replace("_", "-") for n in stray))
+    # As plan's --lora-rank: a LoRA flag that would be ignored (no LoRA, or an adapter
+    # resumed with another shape) is refused.
+    check_lora_flags(cfg, overrides)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     run_training(cfg)              # Ctrl-C: the job saves a checkpoint and returns
     return 0
@@ -232,6 +199,7 @@ def recipe_path(name: str):
 
 
 def _simulate_arguments(p: argparse.ArgumentParser) -> None:
+    from .plan.hardware import MIN_EFFICIENCY
     from .sim import SCHEDULES
 
     a = p.add_argument
@@ -243,38 +211,41 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     a("--microbatches", type=_count(maximum=4096), default=16,
       help="microbatches per step (default: 16)")
     g = p.add_argument_group("explicit per-layer times (ms per microbatch)")
-    g.add_argument("--layers", type=_count(),
+    g.add_argument("--layers", type=_count(maximum=1024),
                    help="decoder blocks (the LM head comes on top)")
-    g.add_argument("--fwd-ms", type=_real(), help="forward of one block")
-    g.add_argument("--bwd-ms", type=_real(), help="backward of one block (no recompute)")
-    g.add_argument("--recompute-ms", type=_real(low_open=False), default=None,
+    ms, ms0 = _real(1e-6, MAX_MS, low_open=False, unit="ms"), _real(0.0, MAX_MS,
+                                                                     low_open=False, unit="ms")
+    g.add_argument("--fwd-ms", type=ms, help="forward of one block")
+    g.add_argument("--bwd-ms", type=ms, help="backward of one block (no recompute)")
+    g.add_argument("--recompute-ms", type=ms0, default=None,
                    help="recompute of one block (default: --fwd-ms)")
-    g.add_argument("--head-fwd-ms", type=_real(),
+    g.add_argument("--head-fwd-ms", type=ms,
                    help="forward of the LM head with the loss")
-    g.add_argument("--head-bwd-ms", type=_real(), help="backward of the LM head")
-    g.add_argument("--hop-ms", type=_real(low_open=False), default=0.0,
+    g.add_argument("--head-bwd-ms", type=ms, help="backward of the LM head")
+    g.add_argument("--hop-ms", type=ms0, default=0.0,
                    help="one activation or gradient transfer over one host link "
                         "(device-to-device costs two: down, then up; default: 0)")
-    g.add_argument("--upload-ms", type=_real(low_open=False), default=0.0,
+    g.add_argument("--upload-ms", type=ms0, default=0.0,
                    help="weight upload of one block or the head (default: 0)")
     g = p.add_argument_group("a model config on a hardware profile")
     g.add_argument("--model", help="config.json path or a known name (qwen3-1.7b, "
                                    "llama-3.1-8b, qwen3-32b, qwen3-235b-a22b)")
     g.add_argument("--hardware", default="rtx4090x8",
                    help="DEVICExN: rtx4090, a100, a800, h100-pcie (default: rtx4090x8)")
-    g.add_argument("--efficiency", type=_real(0.0, 1.0), default=None,
-                   help="fraction of peak TFLOPS layers reach (default: 0.6)")
+    g.add_argument("--efficiency", type=_real(MIN_EFFICIENCY, 1.0, low_open=False),
+                   default=None, help="fraction of peak TFLOPS layers reach, in [0.01, 1] "
+                   "(default: 0.6)")
     g.add_argument("--fp16-accumulate", action="store_true",
                    help="fp16 math with fp16 accumulation (2x on GeForce cards)")
-    g.add_argument("--memory-gib", type=_real(MIN_MEMORY_GIB, low_open=False, unit="GiB"),
-                   default=None,
-                   help="device memory to check peaks against, at least 0.001 GiB "
+    g.add_argument("--memory-gib", type=_real(MIN_MEMORY_GIB, MAX_MEMORY_GIB, low_open=False,
+                                              unit="GiB"), default=None,
+                   help="device memory to check peaks against, in [0.001, 100000] GiB "
                         "(default: the hardware's)")
     g.add_argument("--lora", action="store_true",
                    help="LoRA on a frozen base, priced as LoRA (as plan --lora): a frozen "
                         "weight's backward computes only its input gradient, only the "
                         "adapters' gradients go down")
-    g.add_argument("--lora-rank", type=_count(), default=None,
+    g.add_argument("--lora-rank", type=_count(maximum=MAX_LORA_RANK), default=None,
                    help="LoRA rank, with --lora or --qlora (default: 8, as plan and train)")
     g.add_argument("--qlora", action="store_true",
                    help="QLoRA: --lora with the blocks uploaded as NF4")
@@ -402,6 +373,8 @@ def _check_out_folder(path: str) -> None:
 
 
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    from .plan.hardware import MIN_EFFICIENCY
+
     a = p.add_argument
     what = ("config.json path, a Hugging Face model folder, or a known name (qwen3-1.7b, "
             "llama-3.1-8b, qwen3-32b, qwen3-235b-a22b)")
@@ -416,54 +389,56 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="microbatches per step (default: the planner tries every divisor of the "
            "global batch up to 64)")
     a("--lora", action="store_true", help="LoRA fine-tuning instead of full fine-tuning")
-    a("--lora-rank", type=_count(), default=None,
+    a("--lora-rank", type=_count(maximum=MAX_LORA_RANK), default=None,
       help="LoRA rank, with --lora or --qlora (default: 8, as train)")
     a("--qlora", action="store_true",
       help="QLoRA: LoRA on a frozen base held and uploaded as NF4 (implies --lora)")
     a("--layout", choices=("sync", "overlap", "lean", "stale"), default=None,
       help="host layout of the optimizer side (docs/memory.md; default: stale with "
            "--stale, else the first of sync and lean that fits the host RAM)")
-    a("--prefetch", type=_count(), default=1,
+    a("--prefetch", type=_count(maximum=1024), default=1,
       help="PipeConfig.prefetch, for the lean layout's gradient count (default: 1)")
     a("--optimizer-state", choices=("fp32", "bf16", "int8"), default="fp32",
       help="how the optimizer state is kept (PipeConfig.optimizer_state_dtype, "
            "docs/optimizer.md; default: fp32)")
-    a("--host-ram", type=_real(0.0, MAX_HOST_RAM_GB, unit="GB"), default=None,
-      help="host RAM in GB (default: 64 GB per device, at least 128)")
+    a("--host-ram", type=_real(1.0, MAX_HOST_RAM_GB, low_open=False, unit="GB"),
+      default=None, help="host RAM in GB, in [1, 1e6] (default: 64 GB per device, at "
+      "least 128)")
     a("--stale", action="store_true",
       help="plan for the one-step-stale optimizer (overlapping steps)")
-    a("--optimizer-rate", type=_real(), default=None,
-      help="host optimizer throughput in parameters per second, for each optimizer "
-           "mode's step (default: 5e9, fused CPU AdamW on a server)")
+    a("--optimizer-rate", type=_real(1e6, 1e15, low_open=False,
+                                     unit="parameters per second"), default=None,
+      help="host optimizer throughput in parameters per second, in [1e6, 1e15], for each "
+           "optimizer mode's step (default: 5e9, fused CPU AdamW on a server)")
     a("--modes", action="store_true",
       help="also simulate the steady state of pipelined overlap and stale calls on the "
            "plan (sync is always priced)")
     a("--clip", action="store_true",
       help="price the optimizer modes with a global-norm clip (clip_grad_norm: the "
            "whole step at the last hand-off)")
-    a("--efficiency", type=_real(0.0, 1.0), default=None,
-      help="fraction of peak TFLOPS layers reach (default: 0.6)")
+    a("--efficiency", type=_real(MIN_EFFICIENCY, 1.0, low_open=False), default=None,
+      help="fraction of peak TFLOPS layers reach, in [0.01, 1] (default: 0.6)")
     a("--fp16-accumulate", action="store_true",
       help="fp16 math with fp16 accumulation (2x on GeForce cards)")
-    a("--memory-fraction", type=_real(0.0, 1.0), default=0.9,
-      help="share of device memory the plan may use (default: 0.9)")
+    a("--memory-fraction", type=_real(0.01, 1.0, low_open=False), default=0.9,
+      help="share of device memory the plan may use, in [0.01, 1] (default: 0.9)")
     a("--pin", choices=("copy", "register", "off"), default="register",
       help="host memory mode of the weights, as PipeConfig.pin: page-locked by a copy, "
            "page-locked in place, or pageable behind bounce buffers (default: register, "
            "the CUDA default)")
-    a("--copy-chunk-mb", type=_real(), default=32.0,
-      help="bounce-buffer chunk in MiB with --pin off, as PipeConfig.copy_chunk_mb "
-           "(default: 32)")
-    a("--nodes", type=_count(), default=1,
+    a("--copy-chunk-mb", type=_real(0.01, 65536, low_open=False, unit="MiB"), default=32.0,
+      help="bounce-buffer chunk in MiB with --pin off, as PipeConfig.copy_chunk_mb, in "
+           "[0.01, 65536] (default: 32)")
+    a("--nodes", type=_count(maximum=65536), default=1,
       help="data-parallel servers (default: 1); host RAM is then per server, for each "
            "DataParallelConfig.shard mode")
-    a("--network-gbps", type=_real(), default=25.0,
-      help="link rate between servers in Gb/s, for the communication time per step "
-           "(default: 25)")
-    a("--inflight-mb", type=_real(), default=100.0,
+    a("--network-gbps", type=_real(0.01, 1e5, low_open=False, unit="Gb/s"), default=25.0,
+      help="link rate between servers in Gb/s, in [0.01, 1e5], for the communication "
+           "time per step (default: 25)")
+    a("--inflight-mb", type=_real(0.01, 1e6, low_open=False, unit="MiB"), default=100.0,
       help="with --nodes: MiB of gradient buffers each server keeps in flight before "
-           "the backward waits, as DataParallelConfig.inflight_mb (default: 100, "
-           "4 x bucket_mb)")
+           "the backward waits, as DataParallelConfig.inflight_mb, in [0.01, 1e6] "
+           "(default: 100, 4 x bucket_mb)")
     a("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
       help="with --nodes: dtype the sharded modes send gradients in, as "
            "DataParallelConfig.grad_dtype (default: float32)")

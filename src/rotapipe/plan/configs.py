@@ -52,6 +52,13 @@ def load_config(model: str | pathlib.Path | Mapping | object) -> dict:
         raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not an object: a "
                           "model config.json is an object of settings (hidden_size, ...)")
     check_architecture(cfg, str(path))
+    merged = text_settings(cfg)
+    missing = [k for k in _REQUIRED if merged.get(k) is None]
+    if missing:
+        raise ConfigError(f"{path}: no {', '.join(map(repr, missing))} (model_type="
+                          f"{cfg.get('model_type')!r}): rotapipe needs "
+                          f"{'it' if len(missing) == 1 else 'them'} to count FLOPs; give "
+                          "the config.json of a Hugging Face decoder model")
     return cfg
 
 
@@ -88,20 +95,80 @@ def tied_head(config) -> bool:
     return cfg.get("model_type") in _TIED_BY_DEFAULT if tied is None else bool(tied)
 
 
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+"""Sizes every family's cost is counted from (a config file without one is refused
+naming the file; the family-specific ones are reported where they are needed)."""
+_LARGEST = {"num_hidden_layers": 1024, "vocab_size": 2**22}
+"""The largest value of a size in :data:`_SIZES`, else ``2**20``: far beyond any real
+model (a width of a million, 1,024 blocks as ``rotapipe train``'s ``layers``), so that
+``hidden_size: 1e12`` fails naming the field, not as a verdict in exabytes."""
+_COUNTS = {"max_position_embeddings": 1, "sliding_window": 0, "intermediate_size_mlp": 1,
+           "linear_num_key_heads": 1, "linear_num_value_heads": 1,
+           "linear_key_head_dim": 1, "linear_value_head_dim": 1,
+           "linear_conv_kernel_dim": 1, "experts_per_token": 1, "moe_k": 1,
+           "num_ln_in_parallel_attn": 1, "moe_layer_interval": 1,
+           "interleave_moe_layer_step": 1, "first_k_dense_replace": 0,
+           "moe_layer_start_index": 0, "moe_layer_end_index": -1, "n_shared_experts": 0,
+           "moe_num_shared_experts": 0, "shared_intermediate_size": 0}
+"""Other ints the cost model reads, with their least value (``sliding_window: 0`` is
+no window, as ``transformers`` reads it; ``moe_layer_end_index: -1`` the last block)."""
+_FLAGS = ("tie_word_embeddings", "attention_bias", "attention_out_bias", "mlp_bias",
+          "use_bias", "use_qkv_bias", "qkv_bias", "use_qk_norm", "qk_layernorm",
+          "new_decoder_architecture", "multi_query", "parallel_attn", "bias",
+          "use_parallel_residual", "lm_head_bias")
+"""Booleans the cost model reads: ``"no"`` or ``0`` is refused (``bool("no")`` is true,
+and ``transformers`` refuses it too)."""
+_LISTS = {"layer_types": str, "mlp_only_layers": int, "moe_layers": int}
+"""Lists the cost model reads, and the type of their items."""
+
+
 def check_architecture(cfg: Mapping, where: str = "model config") -> None:
-    """Fail with :class:`ConfigError` when a size the cost model reads is not a positive
-    int (``num_attention_heads: 0``, a string, ...) or the heads do not group (absent
-    sizes are reported where they are needed)."""
+    """Fail with :class:`ConfigError` naming ``where``, the field, its value and what is
+    expected when a setting the cost model reads has the wrong type or range: a size
+    that is not a positive int (``num_attention_heads: 0``, ``"4k"``, ``2048.0``) or
+    beyond any real model, a flag that is not a JSON boolean, a list of the wrong items;
+    or when the heads do not group (absent sizes are reported where they are needed)."""
+    if cfg.get("text_config") is not None and not isinstance(cfg["text_config"], Mapping):
+        raise ConfigError(f"{where}: text_config={cfg['text_config']!r}: use an object of "
+                          "the language model's settings")
     merged = text_settings(cfg)
     for key in _SIZES:
+        _check_int(merged, key, where, 1, _LARGEST.get(key, 2**20))
+    for key, least in _COUNTS.items():
+        _check_int(merged, key, where, least)
+    for key in _FLAGS:
         v = merged.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError(f"{where}: {key}={v!r}: use a positive int")
+        if v is not None and not isinstance(v, bool):
+            raise ConfigError(f"{where}: {key}={v!r}: use true or false (a JSON boolean; "
+                              f"got {type(v).__name__})")
+    for key, item in _LISTS.items():
+        v = merged.get(key)
+        if v is not None and not (isinstance(v, (list, tuple)) and all(
+                isinstance(x, item) and not isinstance(x, bool) for x in v)):
+            raise ConfigError(f"{where}: {key}={v!r}: use a list of "
+                              f"{'strings' if item is str else 'ints'}")
+    kind = merged.get("model_type")
+    if kind is not None and not isinstance(kind, str):
+        raise ConfigError(f"{where}: model_type={kind!r}: use the family's name as a "
+                          "string (e.g. \"qwen3\")")
     heads, kv = merged.get("num_attention_heads"), merged.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
                           f"num_key_value_heads={kv}")
     _check_moe(merged, where)
+
+
+def _check_int(cfg: Mapping, key: str, where: str, least: int,
+               largest: int | None = None) -> None:
+    """``cfg[key]`` is absent, ``null`` or an int in ``[least, largest]``."""
+    v = cfg.get(key)
+    wrong = isinstance(v, bool) or not isinstance(v, int)
+    if v is not None and (wrong or v < least or (largest is not None and v > largest)):
+        what = "a positive int" if least == 1 else f"an int >= {least}"
+        if not wrong and v >= least:                 # above largest
+            what = f"an int in [{least}, {largest:,}] (no real model is near it: a typo?)"
+        raise ConfigError(f"{where}: {key}={v!r}: use {what}"
+                          + (f" (got {type(v).__name__})" if wrong else ""))
 
 
 def _check_moe(cfg: Mapping, where: str) -> None:

@@ -13,7 +13,12 @@ from types import MappingProxyType
 
 from ..errors import ConfigError
 
-__all__ = ["DeviceProfile", "Hardware", "DEVICES", "hardware", "layer_chunks"]
+__all__ = ["DeviceProfile", "Hardware", "DEVICES", "hardware", "layer_chunks",
+           "MIN_EFFICIENCY"]
+
+MIN_EFFICIENCY = 0.01
+"""The lowest :attr:`Hardware.efficiency`: layers at 1% of the peak are a typo (``0.6``
+written ``0.006``), and at ``1e-300`` every time the planner prints has 300 digits."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,9 @@ class Hardware:
     def __post_init__(self):
         if self.count < 1:
             raise ConfigError(f"Hardware.count must be >= 1, got {self.count}")
-        if not 0 < self.efficiency <= 1:
-            raise ConfigError(f"Hardware.efficiency must be in (0, 1], got {self.efficiency}")
+        if not MIN_EFFICIENCY <= self.efficiency <= 1:
+            raise ConfigError(f"Hardware.efficiency={self.efficiency!r}: use a fraction of "
+                              f"the peak TFLOPS in [{MIN_EFFICIENCY:g}, 1] (e.g. 0.6)")
 
     @property
     def name(self) -> str:

@@ -30,8 +30,8 @@ if typing.TYPE_CHECKING:
 from .. import _validate as check
 from ..errors import ConfigError
 
-__all__ = ["TrainConfig", "load_config", "field_docs", "FROM_SCRATCH", "PRETRAINED",
-           "REPORT_TO", "CHOICES", "LARGEST", "INT_LIMIT"]
+__all__ = ["TrainConfig", "load_config", "field_docs", "check_lora_flags", "FROM_SCRATCH",
+           "PRETRAINED", "REPORT_TO", "CHOICES", "LARGEST", "INT_LIMIT"]
 
 FROM_SCRATCH = {"lr": 4e-3, "warmup": 20, "weight_decay": 0.1, "steps": 400,
                 "sample_prompt": "def "}
@@ -78,7 +78,8 @@ class TrainConfig:
     tokenizer_bytes: int = 3_000_000
     """From scratch: bytes of training text the tokenizer is trained on."""
     lora: bool = False
-    """Train a LoRA adapter (peft) instead of every weight; export writes the adapter."""
+    """Train a LoRA adapter (peft) instead of every weight; export writes the adapter.
+    Needs a pretrained ``model``: from scratch the base would stay random."""
     qlora: bool = False
     """QLoRA: a LoRA adapter (as ``lora``, implied) on a frozen base kept in host memory
     as 4-bit NormalFloat, uploaded packed and dequantized on the workers
@@ -383,7 +384,17 @@ class TrainConfig:
         """This config with the settings left at ``None`` filled in for the run: the
         demo's values from scratch (:data:`FROM_SCRATCH`), fine-tuning values for a
         pretrained model (:data:`PRETRAINED`). ``steps`` stays ``None`` when it is to be
-        counted from ``epochs`` and the data (:meth:`with_steps`)."""
+        counted from ``epochs`` and the data (:meth:`with_steps`).
+
+        LoRA without a pretrained ``model`` is refused here, where a run starts (not at
+        construction: a config is also built to price ``--lora`` as a fix)."""
+        if (self.lora or self.qlora) and not self.pretrained:
+            name, what = ("qlora", "QLoRA") if self.qlora else ("lora", "LoRA")
+            raise ConfigError(f"{name} needs model: {what} trains adapters on pretrained "
+                              "base weights (--model PATH), and from scratch the base stays "
+                              "random, so the exported adapter is useless without it: pass "
+                              f"--model DIR (or ORG/NAME), or drop --{name} to train every "
+                              "weight")
         if self.pretrained:
             fill = {"lr": PRETRAINED["lora_lr" if self.uses_lora else "lr"],
                     "weight_decay": PRETRAINED["weight_decay"]}
@@ -446,6 +457,77 @@ def _integer(name: str, value, *, minimum: int = 1, optional: bool = False) -> N
     largest = LARGEST.get(name, INT_LIMIT)
     if value is not None and value > largest:
         raise ConfigError(f"{name}={value}: use an int in [{minimum}, {largest:,}]")
+
+
+LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_targets")
+"""The settings that shape a new LoRA adapter."""
+
+
+def check_lora_flags(cfg: TrainConfig, given: dict) -> None:
+    """The LoRA flags ``given`` on the command line (values by field name) take effect:
+    refused on a run without LoRA, and with ``resume_from_adapter`` where they differ
+    from the adapter's ``adapter_config.json`` (PEFT loads the adapter's own shape).
+    Only flags: a config file or recipe may hold LoRA settings for other runs."""
+    stray = [n for n in LORA_FLAGS if n in given]
+    flag = {n: "--" + n.replace("_", "-") for n in LORA_FLAGS}
+    if stray and not (cfg.lora or cfg.qlora or cfg.resume_from_adapter):
+        raise ConfigError(" ".join(f"{flag[n]} {given[n]}" for n in stray) + " sets LoRA "
+                          "adapters, but the run trains every weight: add --lora (or "
+                          "--qlora), or drop " + ", ".join(flag[n] for n in stray))
+    if not stray or not cfg.resume_from_adapter:
+        return
+    saved = _adapter_shape(cfg.resume_from_adapter)
+    if saved is None:
+        return              # the run's own check names the missing adapter_config.json
+    clash = [n for n in stray if not _same_lora(n, given[n], saved[n])]
+    if clash:
+        theirs = ", ".join(f"{n}={_short(saved[n]) if n == 'lora_targets' else saved[n]}"
+                           for n in clash)
+        raise ConfigError(
+            " ".join(f"{flag[n]} {given[n]}" for n in clash) + " conflicts with the adapter "
+            f"resumed from {cfg.resume_from_adapter} ({theirs} in its adapter_config.json), "
+            "whose own shape is kept: drop " + ", ".join(flag[n] for n in clash) + " (or "
+            "give the adapter's values), or drop --resume-from-adapter to train a new "
+            "adapter")
+
+
+def _adapter_shape(folder: str) -> dict | None:
+    """``{lora_rank, lora_alpha, lora_targets}`` of a PEFT adapter directory, or ``None``
+    when it has no ``adapter_config.json``."""
+    import json
+
+    path = pathlib.Path(folder) / "adapter_config.json"
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} cannot be read ({exc}): pass the directory a LoRA run "
+                          "exported (its final/)") from None
+    targets = saved.get("target_modules")
+    if isinstance(targets, (list, tuple)):
+        targets = ",".join(sorted(str(t) for t in targets))
+    return {"lora_rank": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
+            "lora_targets": targets}
+
+
+def _short(targets) -> str:
+    """Saved targets as the layer names they wrap (``q_proj,v_proj``), not every
+    layer's full name."""
+    return ",".join(sorted({t.rsplit(".", 1)[-1] for t in str(targets).split(",") if t}))
+
+
+def _same_lora(name: str, given, saved) -> bool:
+    """Whether a flag's value is the saved adapter's. PEFT writes ``all-linear`` out as
+    the full name of every linear layer it wrapped, and keeps names given as they are:
+    targets match as the same set of layer names (the last part of each full name)."""
+    if name != "lora_targets":
+        return saved is not None and float(given) == float(saved)
+    names = {t.strip() for t in str(given).split(",") if t.strip()}
+    wrapped = {t for t in str(saved).split(",") if t}
+    if names == {"all-linear"}:
+        return saved == "all-linear" or bool(wrapped) and all("." in t for t in wrapped)
+    return names == wrapped or ",".join(sorted(names)) == _short(saved)
 
 
 def field_docs() -> dict[str, str]:
