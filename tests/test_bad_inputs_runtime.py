@@ -566,6 +566,157 @@ def test_weights_edited_in_place_between_calls_are_what_the_next_call_reads(mode
     assert losses[0] == losses[1]
 
 
+@pytest.mark.parametrize("workers,microbatches", [(2, 2), (3, 4)])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_users_own_optimizer_loop_equals_plain_pytorch(workers, microbatches,
+                                                           set_to_none):
+    """``opt.zero_grad(); pipe.forward_backward(x, y); opt.step()``, the plain PyTorch
+    idiom with the user stepping their own optimizer: every call starts a new
+    accumulation once the gradients were cleared (either way), as ``pipe.zero_grad()``
+    does; before, each call's gradient was weighted as one part of the mean over
+    every call since construction (1, 1/2, 1/3, ...)."""
+    ref = linear_model()
+    model = copy.deepcopy(ref)
+    pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss,
+                              config=emulated(workers, microbatches))
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for step in range(4):
+        x, y = batch(seed=step)
+        opt.zero_grad(set_to_none=set_to_none)
+        pipe.forward_backward(x, y)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        nn.functional.mse_loss(ref(x), y).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL,
+                                       msg=f"step {step} {name}")
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    pipe.close()
+
+
+def test_gradients_cleared_for_part_of_the_model_are_refused():
+    """Clearing some accumulated gradients and not others leaves no single set of
+    calls the next gradient could average over: an InputError, nothing changed."""
+    model = linear_model()
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2)) as pipe:
+        x, y = batch()
+        pipe.forward_backward(x, y)
+        model[0].weight.grad = None
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        with pytest.raises(rotapipe.InputError, match=r"gradient of 0\.weight was cleared.*"
+                           r"pipe\.zero_grad\(\)"):
+            pipe.forward_backward(x, y)
+        assert {n: p.grad for n, p in model.named_parameters()} == grads
+        assert pipe.calls == 1
+        pipe.zero_grad()
+        pipe.forward_backward(x, y)          # and it trains on
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_of_the_users_own_optimizer_reaches_the_workers_copies(fused):
+    """bf16: the workers upload bf16 copies of the fp32 masters. A step the user takes
+    with their own optimizer reaches them at the next call even when its kernel
+    (``fused=True``) does not bump the parameters' version counters: the evaluation
+    and the next loss equal those of a pipeline given the same weights with
+    ``load_state_dict``."""
+    x, y = batch()
+    outs, losses = [], []
+    for how in ("own step", "load_state_dict"):
+        model = linear_model()
+        pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss,
+                                  config=emulated(2, 2, precision="bfloat16"))
+        opt = torch.optim.AdamW(pipe.parameters(), lr=0.05, fused=fused)
+        pipe.forward_backward(x, y)
+        if how == "own step":
+            opt.step()
+        else:
+            twin = copy.deepcopy(model)
+            for p, q in zip(twin.parameters(), model.parameters()):
+                p.grad = q.grad.clone()
+            torch.optim.AdamW(twin.parameters(), lr=0.05, fused=fused).step()
+            pipe.load_state_dict({k: v.clone() for k, v in twin.state_dict().items()})
+        pipe.zero_grad()
+        outs.append(pipe(x))
+        losses.append(pipe.forward_backward(x, y))
+        pipe.close()
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert losses[0] == losses[1]
+
+
+def _replace_weight(model):
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+
+
+def _new_storage(model):
+    model[0].weight.data = model[0].weight.detach().clone()
+
+
+def _swap_layer(model):
+    model[2] = nn.Linear(8, 8)
+
+
+CHANGES = {
+    "a new nn.Parameter": (_replace_weight, r"parameter 0\.weight was replaced"),
+    ".data = ...": (_new_storage, r"parameter 0\.weight got new storage"),
+    ".half()": (lambda m: m[2].half(), r"parameter 2\.weight was converted from "
+                                       r"torch\.float32 to torch\.float16"),
+    "a swapped submodule": (_swap_layer, r"submodule 2 was replaced"),
+    "unfrozen": (lambda m: m[3].bias.requires_grad_(True),
+                 r"parameter 3\.bias was frozen .* requires_grad=True"),
+}
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_parameters_changed_after_wrapping_are_refused(change, mode):
+    """The workers run copies of the layers taken at construction and the host keeps
+    the tensors it wrapped: a parameter replaced, converted or unfrozen after wrapping
+    would be silently ignored (the model and ``state_dict()`` showing one set of
+    weights, training another). The next call, training or evaluation, refuses it
+    and changes nothing; freezing a trained parameter is followed."""
+    model = linear_model()
+    model[3].bias.requires_grad_(False)
+    pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss,
+                              config=emulated(2, 2, optimizer_mode=mode))
+    pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+    x, y = batch()
+    pipe.train_step(x, y)
+    pipe.flush()
+    do, message = CHANGES[change]
+    do(model)
+    before = state_of(model)
+    for call in (lambda: pipe.train_step(x, y), lambda: pipe(x)):
+        with pytest.raises(rotapipe.InputError, match=message + ".*build a new RoundPipe"):
+            call()
+    assert_state(model, before)
+    assert pipe.calls == 1
+    pipe.close()
+
+
+def test_a_parameter_frozen_after_wrapping_stops_training():
+    """Freezing is followed: the frozen weight gets no gradient and keeps its value,
+    the rest trains as plain PyTorch with that weight frozen."""
+    ref = linear_model()
+    model = copy.deepcopy(ref)
+    pipe = rotapipe.RoundPipe(model, nn.functional.mse_loss, config=emulated(2, 2))
+    pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model[0].weight.requires_grad_(False)
+    ref[0].weight.requires_grad_(False)
+    for step in range(2):
+        x, y = batch(seed=step)
+        pipe.train_step(x, y)
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    pipe.close()
+
+
 # -- load_state_dict: all or nothing ---------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -12,9 +12,12 @@ import threading
 import time
 import weakref
 
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
 from .errors import ConfigError, InputError
 from .runtime.dispatchers import on_worker_thread
 from .runtime.executor import ABANDON_S, abandon
+from .runtime.host import in_own_step
 
 __all__ = ["claim", "CallLock", "reentry", "close_devices"]
 
@@ -24,10 +27,33 @@ trains it. Process-wide on purpose: ownership belongs to the parameter objects,
 whichever pipeline wraps them (tensors compare by value, so not a WeakKeyDictionary)."""
 
 
+_WATCH: list = []
+"""The handle of the process-wide optimizer step hook (:func:`_stepped`), once set."""
+
+
+def _stepped(optimizer, args, kwargs) -> None:
+    """After any ``torch.optim`` step in the process: one the user took on a pipeline's
+    masters (not the pipeline's own, :func:`~rotapipe.runtime.host.own_step`) must
+    reach the workers' compute copies at the next call, which fused kernels would not
+    tell by the version counters alone."""
+    if in_own_step() or not _OWNERS:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            param, owner = _OWNERS.get(id(p), (None, None))
+            pipe = owner() if param is not None and param() is p else None
+            host = getattr(pipe, "host", None)
+            if host is not None:
+                host.stepped_elsewhere(p)
+
+
 def claim(pipe) -> None:
     """Make ``pipe`` the owner of its layers' parameters, refusing parameters that
     another live pipeline trains: two pipelines accumulating into one ``.grad``
-    would overwrite each other's gradients."""
+    would overwrite each other's gradients. The first claim also starts watching the
+    optimizer steps the process takes (:func:`_stepped`)."""
+    if not _WATCH:
+        _WATCH.append(register_optimizer_step_post_hook(_stepped))
     def taken():
         out = []
         for p, name in zip(pipe.layerset.params, pipe.layerset.param_names):

@@ -10,10 +10,10 @@ import math
 import torch
 
 from ..config import PipeConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, InputError
 
 __all__ = ["kind", "check_arguments", "check_optimizer_step", "check_scheduler",
-           "check_state", "check_pipeline_state"]
+           "check_state", "check_pipeline_state", "ModelWatch"]
 
 
 def kind(value) -> str:
@@ -147,3 +147,53 @@ def check_pipeline_state(state) -> tuple[int, int, float, int]:
         raise CheckpointError(f"the pipeline state's scaler 'scale' is {scale!r}: it must "
                               f"be a finite number > 0; {fix}")
     return out[0], out[1], float(scale), out[2]
+
+
+class ModelWatch:
+    """What a pipeline took from the wrapped model when it was built: each submodule and
+    parameter object where it sat, with the parameter's storage, dtype and whether it
+    trained. The workers run copies of the layers taken then and the host keeps these
+    very tensors, so a parameter replaced since (``layer.weight = nn.Parameter(...)``,
+    ``.data = ...``, ``.set_()``, ``.half()``, a swapped submodule) or unfrozen would
+    be silently ignored: :meth:`check` refuses the next call instead (a flat pass over
+    the recorded slots, no module traversal). Freezing a parameter is followed (it
+    gets no gradient), and so are values edited in place."""
+
+    def __init__(self, container: torch.nn.Module):
+        self.modules = [(parent, name, child, f"{prefix}{'.' if prefix else ''}{name}")
+                        for prefix, parent in container.named_modules(remove_duplicate=False)
+                        for name, child in parent._modules.items() if child is not None]
+        self.params = [(module, name, p, p.data_ptr(), p.dtype, p.requires_grad,
+                        f"{prefix}{'.' if prefix else ''}{name}")
+                       for prefix, module in container.named_modules(remove_duplicate=False)
+                       for name, p in module._parameters.items() if p is not None]
+
+    def check(self) -> None:
+        fix = ("the pipeline keeps the tensors it wrapped and runs copies of the layers "
+               "taken when it was built, so the change would be ignored. Change values in "
+               "place instead (under torch.no_grad(), or pipe.load_state_dict()), or "
+               "build a new RoundPipe over the changed model")
+        for parent, name, child, where in self.modules:
+            if parent._modules.get(name) is not child:
+                raise InputError(f"submodule {where} was replaced or removed after the "
+                                 f"pipeline was built: {fix}")
+        for module, name, p, ptr, dtype, trained, where in self.params:
+            q = module._parameters.get(name)
+            if q is p and q.data_ptr() == ptr and q.dtype == dtype and \
+                    (trained or not q.requires_grad):
+                continue
+            if q is None:
+                why = "is gone from the model"
+            elif q is not p:
+                why = "was replaced by another tensor (a new nn.Parameter)"
+            elif q.dtype != dtype:
+                why = f"was converted from {dtype} to {q.dtype} (.half(), .to())"
+            elif q.data_ptr() != ptr:
+                why = "got new storage (.data = ..., .set_(), a module conversion)"
+            else:
+                raise InputError(
+                    f"parameter {where} was frozen when the pipeline was built and has "
+                    "requires_grad=True now: the pipeline keeps frozen weights without "
+                    "a trainable master and never trains them. Set requires_grad "
+                    "before wrapping (build a new RoundPipe)")
+            raise InputError(f"parameter {where} {why} after the pipeline was built: {fix}")

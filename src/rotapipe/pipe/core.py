@@ -42,7 +42,7 @@ from ..runtime.optimizer import HostOptimizer
 from ..runtime.optstate import StatePrecision
 from ..runtime.shard import ShardedOptimizer
 from ..runtime import trees
-from .checks import check_arguments
+from .checks import ModelWatch, check_arguments
 from .introspect import Inspection
 from .state import StateIO
 from .training import TrainCalls
@@ -221,6 +221,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
             raise ConfigError("partition='refine' re-plans from this process's timings, "
                               "but data-parallel ranks must keep one plan: use "
                               "partition='auto' (or pass plan=)")
+        self._watch = ModelWatch(self._container)
         self.optimizer = self.scheduler = None
         if optimizer is not None:
             self.attach_optimizer(optimizer if isinstance(optimizer, torch.optim.Optimizer)
@@ -394,6 +395,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         auxiliary mean) comes back as a list, one value per microbatch."""
         self._check_open()
         with self._lock:
+            self._watch.check()
             self._flush()
             self.host.follow_edits()
             M = min(self.config.microbatches, trees.batch_size(inputs, "inputs"))

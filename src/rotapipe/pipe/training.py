@@ -36,9 +36,12 @@ class TrainCalls:
         step (the mode's hook steps, or the caller does in ``sync``)."""
         stream, dp = self._stream, self.data_parallel
         overlap = self._overlapping()
+        self._watch.check()                 # parameters replaced since wrapping
         self._reaped(stream.reap(1) if overlap else stream.drain())
         if not stream.inflight:
-            self.host.follow_edits()        # weights edited in place since the last call
+            self.host.follow_edits()        # weights edited or stepped since the last call
+            if self._shard is None:
+                self.host.follow_grads()    # gradients cleared by optimizer.zero_grad()
         schedule = self._schedule(True)
         M = schedule.microbatches
         mbs, lbs, units = split_batch(inputs, labels, M, self.host.dtype, self.loss_weight)

@@ -15,18 +15,47 @@ time where they are merged or stepped, the host holds one fp32 gradient per para
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ..config import PrecisionConfig
+from ..errors import InputError
 from ..model import LayerSet
 from ..model.quant import NF4Weight, quantized
 from .pinning import HostPinning
 from .pool import BlockPool
+
+
+class _OwnSteps(threading.local):
+    active = False
+
+
+_OWN_STEPS = _OwnSteps()
+"""Per thread: whether an optimizer step running on it is the pipeline's own (which
+writes its compute copies back itself). Thread-local, not shared state: it only marks
+a frame of the thread's own stack."""
+
+
+@contextlib.contextmanager
+def own_step():
+    """Mark the optimizer steps taken inside as the pipeline's own: the process-wide
+    watch on optimizer steps (:meth:`HostState.stepped_elsewhere`) skips them."""
+    before, _OWN_STEPS.active = _OWN_STEPS.active, True
+    try:
+        yield
+    finally:
+        _OWN_STEPS.active = before
+
+
+def in_own_step() -> bool:
+    """Whether the optimizer step now running on this thread is a pipeline's own."""
+    return _OWN_STEPS.active
 
 
 class HostState:
@@ -79,6 +108,14 @@ class HostState:
         self._versions = {pid: layerset.params[pid]._version for pid in self._separate}
         """Per master with a copy of its own: its version counter when last copied (an
         in-place edit since bumps it: :meth:`follow_edits`)."""
+        self._stepped: set[int] = set()
+        """Masters an optimizer step outside the pipeline updated since they were last
+        copied (fused kernels do not bump the version counter): :meth:`stepped_elsewhere`."""
+        self._pid_of = {id(p): pid for pid, p in enumerate(layerset.params)}
+        self._left: dict[int, tuple[weakref.ref, int]] = {}
+        """Per parameter, the ``.grad`` the last :meth:`commit` left (weakly: a step
+        drops it) and its version: :meth:`follow_grads` tells from them what the user
+        cleared since."""
         self.views: list[list[torch.Tensor]] = [self.compute]
         """Sets of compute copies the workers may upload (one, or two for ``stale``):
         frozen weights are shared by every set."""
@@ -128,6 +165,7 @@ class HostState:
                     compute[pid].copy_(params[pid].data)
         for pid in todo:
             self._versions[pid] = params[pid]._version
+            self._stepped.discard(pid)
 
     def settle(self, pids) -> None:
         """Record masters ``pids`` as matching their compute copies (restored together
@@ -146,11 +184,55 @@ class HostState:
         # A parameter that holds its compute copy itself (sharded optimizer state: the
         # fp32 master is this rank's piece) is edited where the workers read it.
         edited = [pid for pid in self._separate
-                  if params[pid]._version != self._versions[pid]
+                  if (params[pid]._version != self._versions[pid] or pid in self._stepped)
                   and params[pid].data_ptr() != compute[pid].data_ptr()]
+        self._stepped.clear()
         if edited:
             self.write_back(edited)
         return edited
+
+    def stepped_elsewhere(self, param: torch.Tensor) -> None:
+        """An optimizer step outside the pipeline (the user's own ``opt.step()``) just
+        updated ``param``: :meth:`follow_edits` refreshes its compute copies. Fused
+        ``torch.optim`` kernels write the masters without bumping their version
+        counters, so the versions alone would miss it."""
+        pid = self._pid_of.get(id(param))
+        if pid is not None and self.layerset.params[pid] is param:
+            self._stepped.add(pid)
+
+    def follow_grads(self) -> None:
+        """Before a call, with none in flight: if the user cleared the accumulated
+        gradients (``optimizer.zero_grad()``, either way) since the last commit, the
+        next call starts a new accumulation, as after :meth:`zero_grad` (otherwise
+        its gradient would be weighted as one part of the earlier calls' mean).
+        Clearing some but not all is ambiguous: an :class:`InputError`."""
+        if self.samples == 0 or not self._left:
+            return
+        params, names = self.layerset.params, self.layerset.param_names
+        cleared, kept = [], []
+        for pid in self.trainable:
+            g, left = params[pid].grad, self._left.get(pid)
+            if left is None:
+                if g is not None:
+                    kept.append(pid)     # a gradient set by the user: theirs to weight
+                continue
+            if g is None or (g is left[0]() and g._version != left[1] and not g.any()):
+                cleared.append(pid)
+            else:
+                kept.append(pid)
+        if not cleared:
+            return
+        if kept:
+            raise InputError(
+                f"the gradient of {names[cleared[0]]} was cleared since the last call "
+                f"(optimizer.zero_grad() over part of the parameters?) but that of "
+                f"{names[kept[0]]} was not: the next call could not tell which calls "
+                "its gradients average over. Clear them all with pipe.zero_grad() (or "
+                "optimizer.zero_grad() over all of pipe.parameters()), or none")
+        for pid in cleared:
+            params[pid].grad = None
+        self.samples = 0.0
+        self._left = {}
 
     def commit(self, grads: CallGrads, samples: float) -> None:
         """Merge one successful call's gradients so that ``param.grad`` is the gradient
@@ -173,11 +255,14 @@ class HostState:
                     p.grad.mul_(keep).add_(g, alpha=new)
         grads.clear()      # merged: one fp32 gradient per parameter remains
         self.samples = total
+        self._left = {pid: (weakref.ref(params[pid].grad), params[pid].grad._version)
+                      for pid in self.trainable if params[pid].grad is not None}
 
     def zero_grad(self) -> None:
         for pid in self.trainable:
             self.layerset.params[pid].grad = None
         self.samples = 0.0
+        self._left = {}
 
 
 @dataclass(frozen=True)

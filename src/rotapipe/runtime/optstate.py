@@ -31,6 +31,7 @@ from torch import nn
 
 from ..config import StateDtype
 from ..errors import ConfigError
+from .host import own_step
 
 GROUP_ELEMENTS = 1 << 22
 """bf16 state: a whole step widens at most this many parameter elements' state to
@@ -112,7 +113,13 @@ class StatePrecision:
     def step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
         """``optimizer.step()`` over ``params`` (those of them with a ``.grad``; the
         caller leaves every other parameter's ``.grad`` unset), keeping the state in
-        this precision between steps."""
+        this precision between steps. Marked as the pipeline's own step
+        (:func:`~rotapipe.runtime.host.own_step`): the caller writes the compute copies
+        back."""
+        with own_step():
+            self._step_all(optimizer, params)
+
+    def _step_all(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
         if self.dtype is not StateDtype.BF16:
             optimizer.step()
             return

@@ -52,7 +52,7 @@ from ..config import NonFinite, OptimizerMode, ShardMode
 from ..errors import NonFiniteError
 from ..schedule import Schedule
 from .allreduce import InFlight
-from .host import CallGrads, HostState, LossScaler
+from .host import CallGrads, HostState, LossScaler, own_step
 from .optimizer import HostOptimizer
 from .stepping import Cost, Snapshot, merged
 
@@ -389,7 +389,8 @@ class ShardedOptimizer(HostOptimizer):
                 for q in qs:
                     q.grad.mul_(coef)
         if not overflow:
-            optimizer.step()
+            with own_step():
+                optimizer.step()
             if cost is not None:
                 cost([pid for pid, q in self.masters.items() if q.grad is not None])
             views = list(range(len(self.host.views))) if view is None else [view]
@@ -501,7 +502,8 @@ class ShardCall:
             for pid, q in zip(stepped, qs):
                 q.grad = stepped[pid]
             try:
-                self.opt.step()
+                with own_step():
+                    self.opt.step()
             finally:
                 for q in qs:
                     q.grad = None
