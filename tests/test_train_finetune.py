@@ -510,3 +510,59 @@ def test_samples_at_an_interval_from_a_prompt_file_leave_training_alone(tmp_path
     with pytest.raises(ConfigError, match="sample_file .* cannot be read"):
         train(TrainConfig(**common, out_dir=str(tmp_path / "x"),
                           sample_file=str(tmp_path / "nope.txt")), echo=lambda s: None)
+
+
+def test_every_step_trains_in_train_mode(tmp_path, model_dir, monkeypatch):
+    """``from_pretrained`` leaves the model in eval mode (dropout off). Before, only the
+    step-0 evaluation switched the pipeline to training, so a run without evaluation
+    (or a resumed one) trained with dropout silently off. Every training call now
+    runs with each module of the wrapped model in training mode."""
+    from rotapipe.pipe import RoundPipe
+    seen = []
+    step = RoundPipe.train_step
+
+    def train_step(self, inputs, labels):
+        seen.append(all(m.training for layer in self.layerset.layers
+                        for m in layer.modules()))
+        return step(self, inputs, labels)
+    monkeypatch.setattr(RoundPipe, "train_step", train_step)
+    data = chat_jsonl(tmp_path / "chat.jsonl", 60)
+    train(TrainConfig(**RUN, model=str(model_dir), data=str(data), holdout=0.0,
+                      out_dir=str(tmp_path / "o"), steps=2, sample_tokens=0),
+          echo=lambda *a: None)
+    assert seen == [True, True]
+
+
+def test_sequences_with_no_label_to_learn_are_skipped(tmp_path, model_dir):
+    """Prompt/completion records whose prompt is longer than ``seq`` leave sequences with
+    every label ignored; a batch of only those used to stop the run mid-way ("are all
+    labels ignored?"). They are skipped (and counted); data with no label at all
+    within ``seq`` is refused."""
+    words = ["cat", "dog", "sun", "red"]
+    with open(tmp_path / "pc.jsonl", "w") as f:
+        for i in range(40):
+            n = 60 if i % 3 else 3                   # two of three prompts too long
+            f.write(json.dumps({"prompt": " ".join(words[(i + k) % 4] for k in range(n)),
+                                "completion": "cat dog"}) + "\n")
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for packing in ("pad", "documents"):
+        stream = TrainBatches([tmp_path / "pc.jsonl"], tok, batch=2, seq=16, seed=0,
+                              holdout=0.0, fields=TextFields(), packing=packing)
+        for _ in range(12):
+            batch = stream.next()
+            assert ((batch.labels[:, 1:] != IGNORE).sum(1) > 0).all(), packing
+        assert sum(s.skipped for s in stream.lanes) > 0, packing
+    lines = []
+    result = train(TrainConfig(**RUN | dict(seq=16, batch=2), model=str(model_dir),
+                               data=str(tmp_path / "pc.jsonl"), holdout=0.0, packing="pad",
+                               out_dir=str(tmp_path / "o"), steps=6, sample_tokens=0),
+                   echo=lines.append)
+    assert result.step == 6
+    assert any(line.startswith("skipped ") for line in lines), lines
+    with open(tmp_path / "long.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": " ".join(words * 20), "completion": "cat"}) + "\n")
+    stream = TrainBatches([tmp_path / "long.jsonl"], tok, batch=1, seq=16, seed=0,
+                          holdout=0.0, fields=TextFields(), packing="pad")
+    with pytest.raises(ConfigError, match="no sequence of the training split has a label"):
+        stream.next()

@@ -137,6 +137,8 @@ class PackedStream:
         self.carry_pos: list[int] = []
         self.pending: list[tuple[list[int], list[int]]] = []   # pad: documents not yet out
         self._records: Iterator | None = None
+        self.skipped = 0
+        """Training sequences skipped because no label of theirs counts (:meth:`next_row`)."""
 
     # -- cursor ------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -196,7 +198,28 @@ class PackedStream:
 
     def next_row(self) -> tuple[list[int], list[int], list[int] | None, list[int] | None] | None:
         """``(ids, labels, position ids or None, attention mask or None)`` of the next
-        ``seq``-token sequence; None when a held-out pass ends."""
+        ``seq``-token sequence; None when a held-out pass ends.
+
+        Training skips a sequence none of whose next-token labels counts (a prompt
+        longer than ``seq``, cut before its completion): it adds nothing to the loss,
+        and a batch of only such sequences would have nothing to average over (the
+        step would fail mid-run). :attr:`skipped` counts them. A whole epoch of them
+        is a :class:`ConfigError`."""
+        start = None
+        while True:
+            row = self._row()
+            if row is None or self.heldout or any(x != IGNORE for x in row[1][1:]):
+                return row
+            self.skipped += 1
+            start = self.epoch if start is None else start
+            if self.epoch > start + 1:
+                raise ConfigError(
+                    f"no sequence of the training split has a label to learn within seq="
+                    f"{self.seq} tokens (every completion starts after them, or every "
+                    "label is ignored): raise --seq, shorten the prompts, or check the "
+                    "data's completion fields")
+
+    def _row(self) -> tuple[list[int], list[int], list[int] | None, list[int] | None] | None:
         pad = self.tokens.pad
         if self.packing == "pad":                   # one document, cut at seq, padded
             if not self.pending:
@@ -262,7 +285,8 @@ class TrainBatches:
         return min(s.epoch for s in self.lanes)
 
     def next(self) -> Batch:
-        """The next :class:`Batch` (``[batch, seq]`` tensors)."""
+        """The next :class:`Batch` (``[batch, seq]`` tensors; rows with no label to
+        learn skipped, :meth:`PackedStream.next_row`)."""
         return _stack([s.next_row() for s in self.lanes])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -179,6 +179,10 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     wrapped = wrap_hf(model, verify="full" if cfg.verify else "tail",
                       quantize="nf4" if cfg.qlora else None)
     pipe = wrapped.pipe(cfg.pipe_config())
+    # Training mode from the first step, dropout included: from_pretrained leaves a model
+    # in eval mode, and a resumed run starts without the step-0 evaluation that used to
+    # switch it (a resume must train its next step as the run it continues did).
+    pipe.train()
     try:
         # Before the first step allocates the rest: the whole count on this plan.
         ram_plan = None if dinfo.distributed else check_run_ram(cfg, pipe, tokenizer)
@@ -513,6 +517,10 @@ def _loop(job: _Job) -> TrainResult:
             job.save()
     wall = time.perf_counter() - t_start
     sample = None
+    skipped = sum(s.skipped for s in job.stream.lanes)
+    if skipped:
+        job.echo(f"skipped {skipped} training sequences with no label to learn within "
+                 f"seq={cfg.seq} (prompts longer than that; a longer --seq keeps them)")
     if stop.agreed:
         job.echo(f"stopped at step {job.step}; saved {job.checkpoint}; continue with "
                  "--resume")
