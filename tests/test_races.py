@@ -5,7 +5,8 @@ not wait on an event recorded after the write raises :class:`rotapipe.RaceError`
 wait (direct or transitive) makes the same read legal. At the schedule level: a
 schedule with one data dependency deleted fails with a race naming the action, while
 the generated schedule passes; a schedule whose dependencies form a cycle is rejected
-before it runs.
+before it runs. A buffer held by several layers is ordered per buffer, not per layer:
+every upload of it waits for its last download, and training matches plain PyTorch.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import threading
 
 import pytest
 import torch
+from torch import nn
 
 import rotapipe
 from rotapipe.runtime.emulated import EmulatedDevice
 from rotapipe.runtime.store import Store
-from rotapipe.schedule import Lane
+from rotapipe.schedule import ActionKind as K, Lane
 from models import emulated, lm_loss, reference_forward_backward, tiny_transformer, token_batch
 
 
@@ -186,3 +188,133 @@ def test_dependency_cycle_is_rejected_as_a_deadlock(key, extra):
             pipe.use_schedule(cyclic)
         x, y = token_batch(4, 5)
         pipe.forward_backward(x, y)   # the pipeline kept its valid schedule
+
+
+# -- a buffer held by several layers -------------------------------------------------------
+
+def buffer_deps(schedule: rotapipe.Schedule) -> dict[str, set[str]]:
+    """Weight upload -> the buffer downloads (``DB``) it waits for."""
+    return {a.stage: {d for d in a.deps if d.startswith("DB:")} for a in schedule.actions
+            if a.kind is K.UPLOAD_WEIGHTS}
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_a_shared_buffer_passes_from_holder_to_holder(workers):
+    """Layers 0, 5 and 8 hold buffer ``c`` (layer 5 also one of its own): each upload of
+    a stage holding ``c`` waits for the last earlier download of ``c``, forward stages
+    included, and a backward stage for the last download of each buffer it holds. Keyed
+    by layer (a plain collection) two holders of ``c`` were not ordered at all."""
+    plan = rotapipe.Plan.from_text("F0[0:2] F1[2:4] F2[4:7] T[7:9] "
+                                   "B0[0:1] B1[1:3] B2[3:5] B3[5:7]")
+    held = {0: ["c"], 5: ["c", "own"], 8: ["c"]}
+    s = rotapipe.roundpipe_schedule(plan, workers, 4, buffer_layers=held)
+    rotapipe.validate(s, dataflow=True)
+    assert rotapipe.Schedule.from_text(s.to_text()) == s
+    assert [a.stage for a in s.actions if a.kind is K.DOWNLOAD_BUFFERS] == ["F0", "F2", "T"]
+    assert buffer_deps(s) == {"F0": set(), "F1": set(), "F2": {"DB:F0"}, "T": {"DB:F2"},
+                              "B3": {"DB:T", "DB:F2"}, "B2": set(), "B1": set(),
+                              "B0": {"DB:T"}}
+    per_layer = rotapipe.roundpipe_schedule(plan, workers, 4, buffer_layers=sorted(held))
+    assert buffer_deps(per_layer) == {"F0": set(), "F1": set(), "F2": set(), "T": set(),
+                                      "B3": {"DB:F2"}, "B2": set(), "B1": set(),
+                                      "B0": {"DB:F0"}}
+
+
+class SharedScale(nn.Module):
+    """``tanh(lin(x) * scale)``: ``scale`` is a buffer several layers may hold (as PEFT
+    VeRA's projections), ``seen`` one its forward updates in place (samples trained on),
+    shared or ``None``."""
+
+    def __init__(self, scale: torch.Tensor, seen: torch.Tensor | None):
+        super().__init__()
+        self.lin = nn.Linear(scale.numel(), scale.numel())
+        self.register_buffer("scale", scale)
+        self.register_buffer("seen", seen)
+
+    def forward(self, x):
+        if self.training and self.seen is not None:
+            self.seen += x.shape[0]
+        return torch.tanh(self.lin(x) * self.scale)
+
+
+def shared_buffer_model(layers: int = 6, dim: int = 8) -> nn.Sequential:
+    """Every layer holds one ``scale``; layers 0, 2 and the last one ``seen``."""
+    torch.manual_seed(0)
+    scale, seen = torch.rand(dim) + 0.5, torch.zeros((), dtype=torch.long)
+    return nn.Sequential(*(SharedScale(scale, seen if l in (0, 2, layers - 1) else None)
+                           for l in range(layers)))
+
+
+def mse(y, t):
+    return ((y - t) ** 2).mean()
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def reference_shared(microbatches: int, data, stale: bool):
+    """Plain PyTorch, a step of SGD per call: (losses, each call's gradients, state).
+    ``stale``: call ``t`` runs on the weights before step ``t - 1`` (``w_-1 = w_0``)
+    and step ``t`` applies its gradients (``test_optimizer_modes``)."""
+    model = shared_buffer_model()
+    runs = copy.deepcopy(model) if stale else model     # the weights the calls run on
+    opt = sgd(model.parameters())
+    losses, grads = [], []
+    for call, (x, y) in enumerate(data):
+        runs.zero_grad(set_to_none=True)
+        losses.append(reference_forward_backward(runs, x, y, microbatches, call,
+                                                 loss_fn=mse))
+        grads.append({n: p.grad.clone() for n, p in runs.named_parameters()})
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for n, p in model.named_parameters():
+            p.grad = grads[-1][n]
+        opt.step()
+        if stale:
+            with torch.no_grad():
+                for n, p in runs.named_parameters():
+                    p.copy_(before[n])
+    # The buffers as the forwards left them, the weights as the optimizer did.
+    return losses, grads, {**runs.state_dict(), **dict(model.named_parameters())}
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap", "stale"])
+@pytest.mark.parametrize("workers, microbatches", [(2, 2), (3, 4), (4, 8)])
+def test_buffers_shared_by_layers_train_exactly(workers, microbatches, mode):
+    """Every layer holds one buffer, three layers a second one their forward updates:
+    losses, gradients (``sync``), weights and buffers over three steps equal plain
+    PyTorch's, element by element. Keyed by layer, the uploads raced with the other
+    holders' downloads (a RaceError on almost every run), and a holder started from
+    the call's first value of ``seen``, losing the earlier holders' counts."""
+    data = [(torch.randn(16, 8, generator=torch.Generator().manual_seed(c)),
+             torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + c)))
+            for c in range(3)]
+    model = shared_buffer_model()
+    config = emulated(workers, microbatches, optimizer_mode=mode)
+    losses, grads = [], []
+    with rotapipe.RoundPipe(model, mse, config=config, optimizer=sgd) as pipe:
+        # The schedule keyed by buffer: the pipeline's own gets layers only
+        # (runtime/calls.py passes ls.buffer_layers()).
+        ls = pipe.layerset
+        pipe.use_schedule(rotapipe.roundpipe_schedule(
+            pipe.plan, workers, microbatches,
+            buffer_layers={l: ls.layer_buffers[l] for l in ls.buffer_layers()}))
+        for x, y in data:
+            if mode == "sync":
+                losses.append(pipe.forward_backward(x, y))
+                grads.append({n: p.grad.clone() for n, p in pipe.named_parameters()})
+                assert pipe.step()
+            else:
+                losses.append(pipe.train_step(x, y))
+        state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    want_losses, want_grads, want = reference_shared(microbatches, data, mode == "stale")
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    for got_call, want_call in zip(grads, want_grads):
+        assert got_call.keys() == want_call.keys()
+        for n in want_call:
+            torch.testing.assert_close(got_call[n], want_call[n], rtol=1e-5, atol=1e-6)
+    assert state.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(state[k], want[k].detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+    assert int(state["0.seen"]) == 3 * 16 * len(data)

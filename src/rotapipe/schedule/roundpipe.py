@@ -37,28 +37,45 @@ the next exact call only at those rows: the backward stage holding it (and nothi
 else) hands off in two host actions, ``OR`` (the rows the next call looks up, stepped
 first) and ``O`` (the whole table), and the next call's forward stage reading the
 table waits for the ``OR`` only (``rows_first``).
+
+A buffer that forward stages may update (``buffer_layers``) is downloaded (``DB``) after
+the last microbatch of every forward or tail stage holding it, and the upload of any
+later stage holding it (forward, tail or backward) waits for the last such download:
+the host copy of a buffer has one writer at a time, and a stage reads the buffer as the
+previous holder left it. The order is kept per buffer, not per layer: a buffer held by
+several layers (PEFT VeRA's projections, shared by every adapted block) passes from one
+holder to the next in program order, so a forward stage holding it starts only once the
+previous holder's forward has run every microbatch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Hashable, Mapping
 
 from ..errors import ScheduleError
 from ..plan import Plan, Stage, StageKind
 from ..plan.partition import INPUT_DEPTH
 from .actions import HOST, Action, ActionKind as K, Schedule, action_key
 
+BufferLayers = Collection[int] | Mapping[int, Collection[Hashable]]
+"""Layers holding buffers their forward may update: a collection of layers (each holding
+buffers of its own) or a mapping from each such layer to the ids of its buffers."""
+
+
 def roundpipe_schedule(plan: Plan, workers: int, microbatches: int, *,
                        side_inputs: bool = False,
-                       buffer_layers: Collection[int] = (),
+                       buffer_layers: BufferLayers = (),
                        training: bool = True, tail_barrier: bool = False,
                        prefetch: int = 1) -> Schedule:
     """Generate the RoundPipe schedule of one training call.
 
     ``side_inputs``: the model has per-microbatch side inputs, uploaded once per
     microbatch per worker (``UZ`` actions). ``buffer_layers``: layers with buffers that
-    their forward may update; the stages holding them download buffers (``DB``) and
-    backward stages wait for those downloads before uploading the layers again.
+    their forward may update, or a mapping from each such layer to the ids of the
+    buffers it holds (two layers naming one id hold one buffer; a plain collection: each
+    layer's buffers are its own); the forward and tail stages holding them download
+    buffers (``DB``), and a later stage holding one of those buffers uploads it only
+    after the last such download (module docstring).
     ``tail_barrier``: the first fused-tail action waits until every microbatch's tail
     input has reached host memory (for losses that need whole-batch statistics).
     ``prefetch``: how many jobs ahead of its compute a worker's weight upload may run
@@ -71,7 +88,7 @@ def roundpipe_schedule(plan: Plan, workers: int, microbatches: int, *,
                                 "must be >= 1")
         # Evaluation: forward stages only, the tail's layers run as one more forward
         # stage, nothing is checkpointed and no buffer update is kept.
-        gen = _Generator(plan, workers, microbatches, side_inputs, frozenset(), prefetch)
+        gen = _Generator(plan, workers, microbatches, side_inputs, (), prefetch)
         gen.jobs = plan.eval_jobs()
         gen.checkpoints = frozenset()
         for j, stage in enumerate(gen.jobs):
@@ -86,7 +103,7 @@ def roundpipe_schedule(plan: Plan, workers: int, microbatches: int, *,
 def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
                    reads: int | None = None, whole_step: bool = False,
                    ties: Collection[Collection[int]] = (), side_inputs: bool = False,
-                   buffer_layers: Collection[int] = (), tail_barrier: bool = False,
+                   buffer_layers: BufferLayers = (), tail_barrier: bool = False,
                    prefetch: int = 1, grad_window: int | None = None,
                    frozen: Collection[int] = (),
                    rows_first: Collection[int] = ()) -> tuple[Action, ...]:
@@ -134,8 +151,7 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
         raise ScheduleError(f"rows_first={sorted(rows)} needs per-stage steps, but "
                             "whole_step=True steps the whole model at the last hand-off: "
                             "pass one of them")
-    gen = _Generator(plan, workers, microbatches, side_inputs, frozenset(buffer_layers),
-                     prefetch)
+    gen = _Generator(plan, workers, microbatches, side_inputs, buffer_layers, prefetch)
     gen.grad_window = grad_window
     gen.rows_first = rows
     gen.start_call(call)
@@ -232,13 +248,20 @@ def prefetch_depth(plan: Plan, workers: int, resident: Mapping[str, int], budget
     return best
 
 
+def _buffers_of(buffer_layers: BufferLayers) -> dict[int, frozenset]:
+    """Layer -> the ids of the buffers it holds (a plain collection: the layer itself)."""
+    if isinstance(buffer_layers, Mapping):
+        return {l: frozenset(ids) for l, ids in buffer_layers.items() if ids}
+    return {l: frozenset([l]) for l in buffer_layers}
+
+
 class _Generator:
     def __init__(self, plan, workers, mbs, side, buffer_layers, prefetch=1):
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ScheduleError(f"prefetch={prefetch!r} must be an int >= 1")
         self.prefetch = prefetch
         self.plan, self.W, self.M = plan, workers, mbs
-        self.side, self.buffer_layers = side, buffer_layers
+        self.side, self.buffers_of = side, _buffers_of(buffer_layers)
         self.jobs = plan.jobs()
         self.checkpoints = plan.checkpoint_boundaries()
         self.out: list[Action] = []
@@ -252,7 +275,7 @@ class _Generator:
         self.call = call
         self.side_key: dict[tuple[int, int], str] = {}   # (worker, mb) -> UZ key
         self.act_producer: dict[int, str] = {}           # boundary -> forward stage name
-        self.buffer_dl: dict[int, str] = {}              # layer -> DB key
+        self.buffer_dl: dict[Hashable, str] = {}         # buffer id -> last DB key
         self.tail_barrier = False
 
     def key(self, kind, stage_name, mb=None, at=None, call=None):
@@ -275,8 +298,9 @@ class _Generator:
         if g >= back:
             call2, j2 = divmod(g - back, len(self.jobs))
             room.append(self.key(K.FREE, self.jobs[j2].name, call=call2))
-        up_deps = sorted({self.buffer_dl[l] for l in s.layers if l in self.buffer_dl}) \
-            if s.kind is StageKind.BACKWARD else []
+        # The buffers it holds come as the last earlier stage holding them left them.
+        buffers = frozenset().union(*(self.buffers_of.get(l, ()) for l in s.layers))
+        up_deps = sorted({self.buffer_dl[b] for b in buffers if b in self.buffer_dl})
         if split:
             uw = self.emit(K.UPLOAD_WEIGHTS, w, s, deps=up_deps, host_deps=room)
             uw = self.emit(K.UPLOAD_TRAINED, w, s, deps=[uw], host_deps=weight_deps)
@@ -313,10 +337,10 @@ class _Generator:
                                         deps=[compute_keys[-1]])
         self.emit(K.FREE, w, s)
         last = compute_keys[-1]
-        if s.kind is not StageKind.BACKWARD and any(l in self.buffer_layers for l in s.layers):
+        if s.kind is not StageKind.BACKWARD and buffers:
             db = self.emit(K.DOWNLOAD_BUFFERS, w, s, deps=[last])
-            for l in s.layers:
-                self.buffer_dl[l] = db
+            for b in buffers:
+                self.buffer_dl[b] = db
         if s.kind is not StageKind.FORWARD:
             # The weight gradients become ready with the last input gradient; the
             # critical one goes first (the links would let a started chunk finish).
