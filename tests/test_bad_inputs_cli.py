@@ -456,6 +456,26 @@ def test_train_seq_of_one_token_fails_before_setup(capsys, tmp_path, data):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("env, fragment", [
+    ({"WORLD_SIZE": "two"}, "environment variable WORLD_SIZE='two': use an integer >= 1"),
+    ({"WORLD_SIZE": "-3"}, "environment variable WORLD_SIZE='-3': use an integer >= 1"),
+    ({"LOCAL_RANK": "x"}, "environment variable LOCAL_RANK='x': use an integer >= 0"),
+    ({"LOCAL_WORLD_SIZE": "0"}, "environment variable LOCAL_WORLD_SIZE='0'"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"},
+     "environment variable MASTER_PORT='http': use an integer >= 1 and <= 65535"),
+])
+def test_train_bad_launcher_environment_is_named(capsys, monkeypatch, tmp_path, data, env,
+                                                 fragment):
+    """torchrun's variables set by hand and wrong: named, exit 2 (was "unexpected
+    ValueError: invalid literal for int()", exit 1; WORLD_SIZE=-3 trained alone)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = ["train", *flags(data=str(data), out_dir=str(tmp_path / "o"))]
+    if "MASTER_PORT" in env:
+        argv += ["--batch", "4", "--microbatches", "2"]
+    fails(capsys, 2, argv, fragment, "torchrun sets it", limit_s=30)
+
+
 @pytest.mark.parametrize("argv, fragments", [
     (["--lr", "fast"], ["argument --lr", "'fast'"]),
     (["--steps", "1.5"], ["argument --steps", "'1.5'"]),

@@ -29,7 +29,7 @@ from .errors import ConfigError, InputError
 from .runtime import trees
 from .runtime.heartbeat import stop_heartbeats
 
-__all__ = ["DistInfo", "init_from_env", "info", "rank", "world_size", "is_main",
+__all__ = ["DistInfo", "env_int", "init_from_env", "info", "rank", "world_size", "is_main",
            "shard_batch", "any_rank", "barrier", "shutdown"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -54,6 +54,23 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+def env_int(name: str, default: int, least: int = 0, most: int | None = None) -> int:
+    """The integer environment variable ``name`` (``default`` when unset or empty), or a
+    :class:`ConfigError` naming the variable, its value and what torchrun would set."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < least or (most is not None and value > most):
+        allowed = f"an integer >= {least}" + (f" and <= {most}" if most is not None else "")
+        raise ConfigError(f"environment variable {name}={raw!r}: use {allowed} (torchrun "
+                          "sets it; unset it to run as one process)")
+    return value
 
 
 def init_from_env(timeout_s: float = 300.0, backend: str = "gloo") -> DistInfo:
@@ -83,13 +100,16 @@ def init_from_env(timeout_s: float = 300.0, backend: str = "gloo") -> DistInfo:
             raise ConfigError(f"the environment sets {present} but not {missing}: launch "
                               "with torchrun, or set all of RANK, WORLD_SIZE, MASTER_ADDR "
                               "and MASTER_PORT")
+        world = env_int("WORLD_SIZE", 1, least=1)
+        env_int("RANK", 0, most=world - 1)
+        env_int("MASTER_PORT", 0, least=1, most=65535)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return info()
 
 
 def info() -> DistInfo:
     """This process's rank, world size and local rank (rank 0 of 1 without a group)."""
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    local = env_int("LOCAL_RANK", 0)
     if not (dist.is_available() and dist.is_initialized()):
         return DistInfo(0, 1, local)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local)

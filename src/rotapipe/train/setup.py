@@ -72,14 +72,14 @@ def eval_sequences(cfg: TrainConfig, files, eval_files, tokenizer, fields) -> Ba
 def join(cfg: TrainConfig) -> distributed.DistInfo:
     """Under torchrun (``WORLD_SIZE`` > 1) join the gloo process group (the pipeline then
     turns data parallelism on by itself); else rank 0 of 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = distributed.env_int("WORLD_SIZE", 1, least=1)
     if world <= 1:
         if cfg.shard.value != "none":
             raise ConfigError(f"shard={cfg.shard.value!r} splits the optimizer state across "
                               "data-parallel ranks, but this is one process: launch with "
                               "torchrun --nproc-per-node N (N >= 2; or --nnodes) -m rotapipe "
                               "train ..., or drop --shard")
-        return distributed.DistInfo(0, 1, int(os.environ.get("LOCAL_RANK", 0)))
+        return distributed.DistInfo(0, 1, distributed.env_int("LOCAL_RANK", 0))
     if cfg.batch % world or cfg.batch < world * cfg.microbatches:
         raise ConfigError(f"batch={cfg.batch} cannot be split over {world} ranks of "
                           f"{cfg.microbatches} microbatches: use a multiple of {world} that "
@@ -108,7 +108,7 @@ def check_host_ram_everywhere(cfg: TrainConfig, tokenizer, dinfo) -> str:
     closed connection or at ``dist_timeout``."""
     try:
         ram, refusal = check_host_ram(cfg, tokenizer, dinfo.world_size,
-                                      int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), None
+                                      distributed.env_int("LOCAL_WORLD_SIZE", 1, least=1)), None
     except ConfigError as exc:
         ram, refusal = "", exc
     if dinfo.distributed:
