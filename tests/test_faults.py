@@ -403,3 +403,179 @@ def test_a_worker_stuck_past_the_drain_timeout_retires_the_pipeline():
             pipe.forward_backward(x, y)
         with pytest.warns(RuntimeWarning, match="abandoning rotapipe-w0.compute"):
             pipe.close()
+
+
+# -- an optimizer step raising part-way -------------------------------------------------
+
+class StepsThenRaises(torch.optim.SGD):
+    """SGD whose step, while ``armed``, steps the first parameter group (as SGD would)
+    and then raises on the second: an optimizer failing part-way through a step."""
+
+    armed = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.armed:
+            return super().step(closure)
+        groups = self.param_groups
+        self.param_groups = groups[:1]
+        try:
+            super().step(closure)
+        finally:
+            self.param_groups = groups
+        raise RuntimeError("optimizer failed on parameter group 1")
+
+
+def _two_groups(model: nn.Module) -> list[dict]:
+    first = list(model[0].parameters())
+    return [{"params": first},
+            {"params": [p for p in model.parameters() if all(p is not q for q in first)]}]
+
+
+class WholeStepRaises(torch.optim.SGD):
+    """Steps stage by stage as usual; a step over every parameter at once (overlap's
+    redo when the clip first takes effect) updates the first two, then raises."""
+
+    armed = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not (self.armed and all(p.grad is not None for p in params)):
+            return super().step(closure)
+        for p in params[:2]:
+            p.add_(p.grad, alpha=-0.1)
+        raise RuntimeError("whole step failed part-way")
+
+
+def test_overlaps_redo_step_raising_part_way_is_reported():
+    """``overlap`` steps per stage speculatively; when the clip then takes effect it
+    undoes them and steps the whole model once, with no snapshot. That step raising
+    part-way leaves the call partly stepped, the workers' copies on the masters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    config = emulated(2, 2, optimizer_mode="overlap", clip_grad_norm=1e-3,
+                      precision="bfloat16")
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=config) as pipe:
+        opt = WholeStepRaises(pipe.parameters(), lr=0.1)
+        pipe.attach_optimizer(opt)
+        opt.armed = True
+        with pytest.raises(RuntimeError, match="whole step failed part-way") as info:
+            pipe.train_step(x, y)
+            pipe.flush()
+        err, msg = info.value, str(info.value)
+        assert err.calls_partly_stepped == [0] and err.calls_discarded == [], msg
+        assert err.calls_committed == 1 == pipe.calls, msg
+        changed = [k for k in before if not torch.equal(before[k], model.state_dict()[k])]
+        assert changed == ["0.weight", "0.bias"], changed
+        assert all(p.grad is not None for p in model.parameters())
+        host = pipe.host
+        for view in host.views:
+            for pid in host.trainable:
+                torch.testing.assert_close(view[pid], host.layerset.params[pid].detach()
+                                           .to(view[pid].dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode,clip", [("sync", None), ("sync", 1e-3), ("stale", 1e-3),
+                                       ("overlap", 1e-3)])
+def test_an_optimizer_step_raising_part_way_in_a_training_call_is_reported(mode, clip):
+    """``train_step``'s whole step (sync; stale with clipping; overlap once a clip took
+    effect) merges the call's gradients and steps with no snapshot: when the optimizer
+    raises part-way the call is not "discarded" but partly stepped: the exception says
+    what stayed (the parameters stepped before the failure, the merged gradients), the
+    workers compute with the masters, and restoring a checkpoint trains on exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    ref = copy.deepcopy(model)
+    x0, y0 = torch.randn(8, 6), torch.randn(8, 3)
+    x1, y1 = torch.randn(8, 6), torch.randn(8, 3)
+    mse = nn.functional.mse_loss
+    config = emulated(2, 2, optimizer_mode=mode, clip_grad_norm=clip)
+    with rotapipe.RoundPipe(model, mse, config=config) as pipe:
+        opt = StepsThenRaises(_two_groups(model), lr=0.1, momentum=0.9)
+        ref_opt = StepsThenRaises(_two_groups(ref), lr=0.1, momentum=0.9)
+        pipe.attach_optimizer(opt)
+        pipe.train_step(x0, y0)
+        pipe.flush()
+        mse(ref(x0), y0).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert mode != "overlap" or pipe._host_opt.clipped   # the next step is whole
+        checkpoint = {"pipe": {k: v.clone() for k, v in pipe.state_dict().items()},
+                      "opt": copy.deepcopy(opt.state_dict())}
+
+        opt.armed = ref_opt.armed = True
+        with pytest.raises(RuntimeError, match="optimizer failed on parameter group 1") \
+                as info:
+            pipe.train_step(x1, y1)
+            pipe.flush()
+        opt.armed = False
+        mse(ref(x1), y1).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        with pytest.raises(RuntimeError):
+            ref_opt.step()       # plain PyTorch: group 0 stepped, group 1 not
+
+        err, msg = info.value, str(info.value)
+        assert err.calls_partly_stepped == [1] and err.calls_discarded == [], msg
+        assert err.calls_committed == 2 == pipe.calls, msg
+        assert "call 1: discarded" not in msg and "run the discarded" not in msg, msg
+        assert "raised part-way" in msg and "keep their update" in msg, msg
+        assert "restore a checkpoint" in msg, msg
+        # What the message says: group 0 stepped, group 1 not, the merged (and clipped)
+        # gradients in .grad; the workers compute with those weights.
+        assert not torch.equal(model[0].weight, checkpoint["pipe"]["0.weight"])
+        assert torch.equal(model[2].weight, checkpoint["pipe"]["2.weight"])
+        assert_close_to_reference(pipe, ref, "after the failed step")
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x1), ref(x1), rtol=RTOL, atol=ATOL)
+
+        # The fix the message names: restore the checkpoint, train on exactly.
+        pipe.load_state_dict(checkpoint["pipe"])
+        opt.load_state_dict(copy.deepcopy(checkpoint["opt"]))   # torch keeps the tensors
+        pipe.zero_grad()
+        ref.load_state_dict(checkpoint["pipe"])
+        ref_opt.load_state_dict(copy.deepcopy(checkpoint["opt"]))
+        ref_opt.armed = False
+        ref_opt.zero_grad()
+        pipe.train_step(x1, y1)
+        pipe.flush()
+        mse(ref(x1), y1).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_opt.step()
+        assert_close_to_reference(pipe, ref, "after the restored step", grads=False)
+
+
+@pytest.mark.parametrize("mode,clip", [("sync", None), ("stale", 1e-3), ("overlap", 1e-3)])
+def test_a_partly_stepped_call_leaves_the_workers_on_the_masters(mode, clip):
+    """bf16 compute copies and a fused optimizer (which does not bump the masters'
+    version counters, so no later check would notice them): after a step raising
+    part-way every set of compute copies the workers upload holds the masters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    config = emulated(2, 2, optimizer_mode=mode, clip_grad_norm=clip,
+                      precision=rotapipe.PrecisionConfig(compute_dtype=torch.bfloat16))
+    with rotapipe.RoundPipe(model, nn.functional.mse_loss, config=config) as pipe:
+        opt = StepsThenRaises(_two_groups(model), lr=0.1, fused=True)
+        pipe.attach_optimizer(opt)
+        pipe.train_step(x, y)
+        pipe.flush()
+        before = model[0].weight.detach().clone()
+        opt.armed = True
+        with pytest.raises(RuntimeError, match="part-way") as info:
+            pipe.train_step(x, y)
+            pipe.flush()
+        assert info.value.calls_partly_stepped == [1]
+        assert not torch.equal(model[0].weight, before)
+        host = pipe.host
+        for view in host.views:
+            for pid in host.trainable:
+                master = host.layerset.params[pid].detach()
+                assert torch.equal(view[pid], master.to(torch.bfloat16)), \
+                    host.layerset.param_names[pid]

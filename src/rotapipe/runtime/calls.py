@@ -345,6 +345,10 @@ class Call:
         self.hook, self.step, self.units, self.reduce = hook, step, units, reduce
         self._buffers, self._after_step = buffers, after_step
         self.committed = False
+        self.partly: str | None = None
+        """Set when the commit failed after changing the state (the hook's
+        :attr:`~rotapipe.runtime.stepping.CallHook.changed`: a whole step raising
+        part-way): what stays. The failure reports the call as partly stepped."""
         self.result: StepResult | None = None     # of the step it ended
         self.loss: float | None = None
         self.returned = False
@@ -379,7 +383,16 @@ class Call:
             return
         if self.reduce is not None:
             self.reduce.finish()        # the reduced gradients are in place
-        self.hook.commit()
+        try:
+            self.hook.commit()
+        except BaseException:
+            # Past the merge (a whole step raising part-way) the call has changed the
+            # state and nothing can undo it: its forward's buffer updates stay with it.
+            self.partly = getattr(self.hook, "changed", None)    # CallHook's, if one
+            if self.partly is not None:
+                self._buffers(self.state.host_store)
+                self._buffers = self._after_step = None
+            raise
         self._buffers(self.state.host_store)
         # Committed from here: a failing scheduler (after_step) leaves the step applied,
         # and the failure reports this call as kept.
@@ -407,7 +420,10 @@ class CallStream:
     A failure aborts every call in flight. Calls that committed keep their effect; the
     others are undone (:meth:`CallHook.abort`) and reported in the exception, which
     carries ``calls_committed`` (the pipeline's call count after it: the step boundary
-    the state is at) and ``calls_discarded`` (the numbers of the calls dropped)."""
+    the state is at) and ``calls_discarded`` (the numbers of the calls dropped). A call
+    whose commit failed after changing the state (its whole step raising part-way,
+    :attr:`Call.partly`) can be neither: it counts in ``calls_committed`` and is listed
+    in ``calls_partly_stepped``, and the state is at no step boundary."""
 
     def __init__(self, runner: CallRunner):
         self.runner = runner
@@ -517,33 +533,51 @@ class CallStream:
         if session is not None and session.failure is None:
             session.kill()
         kept = [c for c in self.inflight if c.committed]
-        dropped = [c for c in self.inflight if not c.committed]
+        partly = [c for c in self.inflight if not c.committed and c.partly is not None]
+        dropped = [c for c in self.inflight if not c.committed and c.partly is None]
         for c in reversed(dropped):
             c.hook.abort()
+        for c in partly:
+            c.hook.keep_changes()      # the workers have stopped: nothing reads the copies
         for c in self.inflight:
             self.runner.end(c.index)
         for c in kept:
             self.results[c.number] = c.result
-        self.committed += len(kept)
+        self.committed += len(kept) + len(partly)
         self.inflight = []
         # The next call uploads the compute copies it would have (stale keeps two
         # sets), as if the discarded calls had never run.
         self.steps -= sum(1 for c in dropped if c.step)
         self._reset()
-        if kept or dropped:
-            fates = [f"call {c.number}: completed, its update is kept" for c in kept] + \
-                [f"call {c.number}: discarded" + (" (train_step already returned its loss)"
-                                                  if c.returned else "")
-                 for c in dropped]
-            state = f"that after call {self.committed - 1}" if self.committed else \
-                "the one before the first call"
-            note = ("calls in flight when it failed: " + "; ".join(fates) +
-                    f". The state is {state} (pipe.calls = {self.committed}): run the "
-                    "discarded calls' batches again.")
+        if kept or partly or dropped:
+            note = "calls in flight when it failed: " + self._fates(kept, partly, dropped)
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (exc.args[0] + "\n\n" + note,) + exc.args[1:]
+            elif partly and hasattr(exc, "add_note"):      # e.g. KeyboardInterrupt()
+                exc.add_note(note)
         exc.calls_committed = self.committed
         exc.calls_discarded = [c.number for c in dropped]
+        exc.calls_partly_stepped = [c.number for c in partly]
+
+    def _fates(self, kept: list[Call], partly: list[Call], dropped: list[Call]) -> str:
+        """The failure's report of every call in flight, and what to do."""
+        order = sorted(kept + partly + dropped, key=lambda c: c.number)
+        fates = "; ".join(
+            f"call {c.number}: completed, its update is kept" if c.committed else
+            f"call {c.number}: partly stepped ({c.partly})" if c.partly is not None else
+            f"call {c.number}: discarded" + (" (train_step already returned its loss)"
+                                             if c.returned else "")
+            for c in order)
+        if partly:
+            return (fates + f". The state is at no step boundary (pipe.calls = "
+                    f"{self.committed} counts call {partly[0].number}): restore a "
+                    "checkpoint (pipe.load_state_dict and the optimizer's "
+                    "load_state_dict, or resume the training job) and run the batches "
+                    "since it again.")
+        state = f"that after call {self.committed - 1}" if self.committed else \
+            "the one before the first call"
+        return (fates + f". The state is {state} (pipe.calls = {self.committed}): run "
+                "the discarded calls' batches again.")
 
 
 def timeline(history: Sequence[tuple[Schedule, list]]):

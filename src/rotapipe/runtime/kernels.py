@@ -27,7 +27,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..config import RecomputeGrain
 from ..errors import InputError
@@ -94,6 +94,9 @@ class ActionRunner:
                  pinned_empty: Callable[[int], torch.Tensor] | None = None):
         self.ls, self.host, self.loss_fn = layerset, host, loss_fn
         self._trainable = frozenset(host.trainable)
+        self._masters = {id(layerset.params[pid]): pid for pid in host.trainable}
+        """id -> index of the trainable masters: a loss must not reach them
+        (:meth:`_check_loss_graph`)."""
         self.devices, self.shells, self.stages = devices, shells, stages
         self.states: dict[int, CallState] = {}
         self.lookups = None
@@ -237,8 +240,12 @@ class ActionRunner:
                 "in a buffer (buffer updates made in forward are kept)")
 
     def _layers(self, a: Action, layers, x, side, keep=None):
+        """Run ``layers`` on ``x``; ``keep(boundary, y, shared)`` sees each output,
+        ``shared`` when a further layer of ``layers`` gets it next (and may change it
+        in place, as a layer may in plain PyTorch: what is kept must be a copy)."""
         dev, shells = self.devices[a.worker], self.shells[a.worker]
         rows = _rows(x)
+        last = layers[-1] if len(layers) else None
         for l in layers:
             mb = a.mb + self.ctx.mb_offset
             with dev.seeded(layer_seed(self.ctx.seed, self.ctx.call, mb, l)):
@@ -246,7 +253,7 @@ class ActionRunner:
             if rows >= 0:
                 self._check_rows(l, x, rows)
             if keep is not None:
-                keep(l + 1, x)
+                keep(l + 1, x, l != last)
         return x
 
     def _check_rows(self, l: int, out, rows: int) -> None:
@@ -273,7 +280,8 @@ class ActionRunner:
         x = self._take_input(a)
         with self._bound(a), torch.no_grad():
             out = self._layers(a, s.layers, x, self._side(a), self._keeper(a))
-            self._hand_on(a, out)
+            self._hand_on(a, out, kept=s.stop in self.routes.downloads.get((s.name, a.mb),
+                                                                            ()))
             if a.mb == self.ctx.microbatches - 1:
                 self._keep_buffers(a, s)
 
@@ -290,8 +298,8 @@ class ActionRunner:
         labels = store.pop(("labels", a.mb))
         with self._bound(a) as params, torch.enable_grad(), \
                 _WorkingSet(self.devices[a.worker], params, f"working set of {a.key}"):
-            x = _leaf(x) if s.start > 0 else x
-            out = self._layers(a, s.layers, x, self._side(a))
+            x, inputs = _leaf(x) if s.start > 0 else (x, x)
+            out = self._layers(a, s.layers, inputs, self._side(a))
             contribution = self._contribution(a, s, out, labels)
             (contribution * self.ctx.loss_scale).backward()
             store.put(("gin", s.name, a.mb), _input_grads(x) if s.start > 0 else None)
@@ -327,7 +335,48 @@ class ActionRunner:
                 "grad (detached, .item() turned back into a tensor, or built with "
                 "torch.tensor): compute it from the model's output with differentiable, "
                 "floating-point operations")
+        self._check_loss_graph(contribution, out)
         return contribution
+
+    def _check_loss_graph(self, contribution: torch.Tensor, out) -> None:
+        """Refuse a loss that uses a trainable parameter of the model itself (an L2
+        term on a weight, a temperature kept in the model): workers compute with
+        copies of the weights, so autograd would write that term's gradient into the
+        master's ``.grad`` from this worker thread, outside the call's gradients (the
+        merge then drops it). Runs before any backward: nothing is written.
+
+        Walks the loss's own part of the graph, from its root down to the nodes that
+        produced the layers' outputs (the layers compute with this worker's copies):
+        a few nodes per microbatch, whatever the size of the tail."""
+        layers = {t.grad_fn for t in tree_flatten(out)[0]
+                  if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        seen, todo, found = set(layers), [contribution.grad_fn], []
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)        # an AccumulateGrad node's leaf
+            if var is not None:
+                pid = self._masters.get(id(var))
+                if pid is not None and self.ls.params[pid] is var:
+                    found.append(pid)
+                continue
+            todo.extend(f for f, _ in fn.next_functions)
+        if found:
+            found.sort()
+            names = [self.ls.param_names[pid] for pid in found]
+            layer = int(names[0].split(".", 1)[0])
+            more = f" (and {len(names) - 1} more: {', '.join(names[1:])})" \
+                if len(names) > 1 else ""
+            raise InputError(
+                f"the loss function uses the model's parameter {names[0]} (layer {layer}, "
+                f"{type(self.ls.layers[layer]).__name__}){more} directly: workers compute "
+                "with copies of the weights, so the gradient of that term would be lost. "
+                "Compute the term inside the forward of the layer holding the parameter "
+                "(a layer may return (output, term) and pass the term on; loss_fn adds "
+                "the term the last layer returns), or, for an L2 penalty, use the "
+                "optimizer's weight_decay (in a parameter group of its own)")
 
     def _tail_value(self, s: Stage):
         """The whole-batch context of the loss: computed by the first fused-tail action
@@ -348,14 +397,17 @@ class ActionRunner:
             saved = 0
             if self.ctx.grain is RecomputeGrain.STAGE:
                 with torch.enable_grad(), _SavedBytes(params) as counter:
-                    x = _leaf(x) if s.start > 0 else x
-                    out = self._layers(a, s.layers, x, self._side(a))
+                    x, inputs = _leaf(x) if s.start > 0 else (x, x)
+                    out = self._layers(a, s.layers, inputs, self._side(a))
                 graph, saved = (x, out), counter.bytes
             else:
-                inputs = [x]
+                # Each layer's input, for its backward; the pass runs all but the last
+                # layer, each of which may change its input in place: keep copies.
+                run = list(s.layers)[:-1]
+                inputs = [_copy(x) if run else x]
                 with torch.no_grad():
-                    self._layers(a, list(s.layers)[:-1], x, self._side(a),
-                                 lambda _b, y: inputs.append(y))
+                    self._layers(a, run, x, self._side(a), lambda _b, y, shared:
+                                 inputs.append(_copy(y) if shared else y))
                 graph = inputs
         store.put(("graph", s.name, a.mb), graph, f"recompute state of {s.name} mb {a.mb}",
                   extra_bytes=saved)
@@ -376,8 +428,8 @@ class ActionRunner:
                     l = s.start + i
                     with torch.enable_grad(), _WorkingSet(self.devices[a.worker], params,
                                                           f"working set of {a.key} layer {l}"):
-                        xi = _leaf(graph[i]) if l > 0 else graph[i]
-                        y = self._layers(a, [l], xi, side)
+                        xi, inputs = _leaf(graph[i]) if l > 0 else (graph[i], graph[i])
+                        y = self._layers(a, [l], inputs, side)
                         _backward(y, g)
                     g = _input_grads(xi) if l > 0 else None
                     graph[i] = None
@@ -393,14 +445,14 @@ class ActionRunner:
         x = self._take_input(a)
         labels = store.pop(("labels", a.mb)) if s.kind is StageKind.TAIL else None
         with self._bound(a) as params, torch.enable_grad(), _SavedBytes(params) as counter:
-            x = _leaf(x) if s.start > 0 else x
-            out = self._layers(a, s.layers, x, self._side(a), self._keeper(a))
+            x, inputs = _leaf(x) if s.start > 0 else (x, x)
+            out = self._layers(a, s.layers, inputs, self._side(a), self._keeper(a))
             if labels is not None:
                 contribution = self._contribution(a, s, out, labels)
                 store.put(("loss", a.mb), contribution.detach())
                 out = contribution * self.ctx.loss_scale
             else:
-                self._hand_on(a, out)
+                self._hand_on(a, out, kept=True)       # the graph keeps it
             if a.key in self.routes.last_pass:
                 self._keep_buffers(a, s)
         # Keyed by the weights' stage (Bc for Fc): BK:Bc backpropagates through it.
@@ -429,7 +481,8 @@ class ActionRunner:
         store = self.stores[a.worker]
         x = store.pop(("in", a.stage, a.mb))
         for stage in self.routes.also_input.get((a.stage, a.mb), ()):
-            store.put(("in", stage, a.mb), x, f"input of {stage} mb {a.mb}")
+            # A copy: the forward's first layer may change its input in place.
+            store.put(("in", stage, a.mb), _copy(x), f"input of {stage} mb {a.mb}")
         return x
 
     def _keeper(self, a: Action):
@@ -437,17 +490,22 @@ class ActionRunner:
         s, store = self.stages[a.stage], self.stores[a.worker]
         wanted = self.routes.downloads.get((s.name, a.mb), ())
 
-        def keep(boundary, y):
+        def keep(boundary, y, shared):
             if boundary in wanted:
-                store.put(("out", s.name, a.mb, boundary), _detach(y),
-                          f"activation at layer {boundary} mb {a.mb}")
+                # The next layer of this forward may change y in place: keep a copy.
+                store.put(("out", s.name, a.mb, boundary), _copy(y) if shared else
+                          _detach(y), f"activation at layer {boundary} mb {a.mb}")
         return keep
 
-    def _hand_on(self, a: Action, out) -> None:
-        """Give a forward's output to the stages on this device that read it directly."""
-        for stage in self.routes.act_to.get(a.key, ()):
-            self.stores[a.worker].put(("in", stage, a.mb), _detach(out),
-                                      f"input of {stage} mb {a.mb}")
+    def _hand_on(self, a: Action, out, kept: bool) -> None:
+        """Give a forward's output to the stages on this device that read it directly
+        (``kept``: the forward keeps it too, for a download or its graph; a stage
+        reading it may change it in place, so then each reader gets a copy)."""
+        readers = self.routes.act_to.get(a.key, ())
+        for i, stage in enumerate(readers):
+            mine = not kept and i == len(readers) - 1
+            self.stores[a.worker].put(("in", stage, a.mb), _detach(out) if mine else
+                                      _copy(out), f"input of {stage} mb {a.mb}")
 
     def _give_input_grad(self, a: Action, s: Stage, gin) -> None:
         """Store a backward's input gradient for its ``DG``, or as the output gradient
@@ -581,10 +639,48 @@ def _detach(tree):
     return map_tensors(lambda t: t.detach(), tree)
 
 
+class _StageInput(torch.autograd.Function):
+    """The input a stage's (at layer grain, a layer's) layers get under autograd:
+    ``x`` itself (no copy), not a leaf, whose gradient goes to ``anchor`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, anchor, x):
+        return x.detach()          # the same storage; not a view: in-place is allowed
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def _leaf(tree):
-    """Detached copies of the floating leaves that require grad (stage inputs)."""
-    return tree_map(lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor)
-                    and t.is_floating_point() else t, tree)
+    """``(leaves, inputs)`` for a stage's (at layer grain, a layer's) input ``tree``.
+
+    ``leaves``: for each floating tensor ``x``, a leaf that requires grad, whose
+    ``.grad`` is the gradient w.r.t. ``x`` (:func:`_input_grads`): one element
+    broadcast to ``x``'s shape. ``inputs``, what the layers get: ``x`` itself through
+    :class:`_StageInput`, not a leaf, so that a layer may change its input in place as
+    in plain PyTorch (``nn.ReLU(inplace=True)``, ``x.add_()``: autograd refuses that on
+    a leaf that requires grad). No copy and no arithmetic: the values are ``x``'s, and
+    ``x`` must be this action's alone (what else reads a stage input gets a copy:
+    :meth:`ActionRunner._take_input`, :meth:`ActionRunner._hand_on`, ``keep`` in
+    :meth:`ActionRunner._layers`)."""
+    xs, spec = tree_flatten(tree)
+    leaves, inputs = [], []
+    for x in xs:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            leaf = x.new_zeros(()).expand(x.shape).requires_grad_()
+            leaves.append(leaf)
+            inputs.append(_StageInput.apply(leaf, x))
+        else:
+            leaves.append(x)
+            inputs.append(x)
+    return tree_unflatten(leaves, spec), tree_unflatten(inputs, spec)
+
+
+def _copy(tree):
+    """A copy of every tensor of ``tree`` that a layer is about to receive while
+    something else holds it too: a layer may change its input in place."""
+    return map_tensors(lambda t: t.detach().clone(), tree)
 
 
 def _input_grads(tree):

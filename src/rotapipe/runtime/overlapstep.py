@@ -16,7 +16,7 @@ from ..errors import NonFiniteError
 from ..plan.costs import ROWS_FIRST_COST
 from ..schedule import Schedule
 from .host import CallGrads
-from .stepping import CallHook, Cost, Snapshot, clip, merged, per_element
+from .stepping import CallHook, Cost, Snapshot, clip, merged, partly_stepped, per_element
 
 if typing.TYPE_CHECKING:
     from .optimizer import HostOptimizer
@@ -258,8 +258,12 @@ class OverlapStep(CallHook):
                                 self.new)
                 self.prev[pid] = None       # the call commits: nothing to put back
                 self.params[pid].grad = g
+            # No snapshot of this whole step: an optimizer raising part-way leaves the
+            # call partly stepped (CallHook.changed, reported by CallStream._fail).
+            self.changed = partly_stepped(clipped=True)
             clip((self.params[pid] for pid in pids), self.max_norm)
             self.owner.states.step(self.opt, [self.params[pid] for pid in pids])
+            self.changed = None
             self.host.write_back(pids, view=self.view)
             if self.cost is not None:
                 self.cost(pids)
@@ -284,6 +288,14 @@ class OverlapStep(CallHook):
         norms = [self.norms[pid] for pid in self.host.trainable if pid in self.norms]
         total = torch.linalg.vector_norm(torch.stack(norms))
         return bool(self.max_norm / (total + 1e-6) < 1.0)
+
+    def keep_changes(self) -> None:
+        """The redo step of :meth:`commit` raised part-way: ``.grad`` holds the merged
+        gradients (this call's samples included), every set of compute copies follows
+        the masters."""
+        self.host.samples += self.units
+        self.host.write_back()
+        self._drop()
 
     def abort(self) -> None:
         """The call failed: undo every step and put the accumulated gradients back

@@ -21,8 +21,8 @@ from .host import CallGrads, HostState
 if typing.TYPE_CHECKING:
     from .optimizer import HostOptimizer
 
-__all__ = ["Cost", "CallHook", "WholeStep", "merged", "Room", "per_element", "clip",
-           "step_params", "Snapshot"]
+__all__ = ["Cost", "CallHook", "WholeStep", "partly_stepped", "merged", "Room",
+           "per_element", "clip", "step_params", "Snapshot"]
 
 Cost = Callable[[list[int]], None] | None
 """Called after the optimizer stepped a set of parameters (indices into
@@ -56,6 +56,10 @@ class CallHook:
         self.norms: dict[int, torch.Tensor] = {}     # pid -> its L2 norm
         self.checks = owner is not None and owner.nonfinite is NonFinite.RAISE \
             and not owner.scaler.dynamic
+        self.changed: str | None = None
+        """Set when :meth:`commit` failed after it had changed the state (a whole step
+        raising part-way: nothing to undo it from): what stays, for the failure's
+        report (:meth:`CallStream._fail`), which then calls :meth:`keep_changes`."""
 
     def handoff(self, key: str) -> None:
         if self.reduce is not None:
@@ -93,13 +97,21 @@ class CallHook:
     def abort(self) -> None:
         pass
 
+    def keep_changes(self) -> None:
+        """After a failed :meth:`commit` that set :attr:`changed`, once the workers
+        stopped: leave the state it changed consistent (nothing here to do)."""
+
 
 class WholeStep(CallHook):
     """``sync`` and ``stale``: once the call is complete, one whole step on the
     gradients accumulated since the last step plus this call's (clip, skip on
     overflow, step), written into the compute copies of ``view`` (``None``: every
     set; ``stale``: the set the calls two steps later read, the next step's calls
-    read the other). Nothing changes if the call fails."""
+    read the other). Nothing changes if the call fails before its commit. The step
+    itself keeps no snapshot (a copy of every weight and optimizer state per step): an
+    optimizer raising part-way leaves the parameters it stepped before stepped and the
+    merged gradients in ``.grad``; :attr:`changed` says so, and :meth:`keep_changes`
+    makes the workers follow the masters, as :meth:`HostOptimizer.sync_step` does."""
 
     def __init__(self, owner: HostOptimizer, optimizer, grads: CallGrads, units: float,
                  cost: Cost, view: int | None, reduce=None, schedule: Schedule | None = None,
@@ -115,14 +127,32 @@ class WholeStep(CallHook):
         # a non-finite step is skipped and its gradients dropped anyway.
         checked = self.checks
         self.check()
+        self.changed = "merging its gradients into .grad failed part-way"
         host.commit(self.grads, self.units)
+        self.changed = partly_stepped(owner.max_norm is not None)
         pids = list(host.trainable)
         step_params(owner, self.opt, pids, {pid: params[pid].grad for pid in pids
                                             if params[pid].grad is not None}, self.cost,
                     checked=checked)
+        self.changed = None
         host.write_back(view=self.view)
         host.zero_grad()
         self.grads.clear()     # the call object outlives its step: drop them now
+
+    def keep_changes(self) -> None:
+        # Every set of compute copies (stale keeps two): the next call, whichever set
+        # it reads, computes with the masters as the failed step left them.
+        self.host.write_back()
+        self.grads.clear()
+
+
+def partly_stepped(clipped: bool) -> str:
+    """What a whole step that raised part-way left (:attr:`CallHook.changed`)."""
+    return ("its gradients were merged into .grad" +
+            (" (and clipped to clip_grad_norm)" if clipped else "") +
+            " and the optimizer's step raised part-way: the parameters it updated "
+            "before raising keep their update (the workers' copies follow them), the "
+            "others do not, and .grad keeps the merged gradients")
 
 
 def merged(prev: torch.Tensor | None, g: torch.Tensor | None, keep: float,
