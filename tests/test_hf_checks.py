@@ -167,6 +167,60 @@ def test_a_block_that_fails_on_its_arguments_is_refused_with_its_error():
         wrap_hf(model)
 
 
+# -- 4. dropout outside the blocks that the layers would not apply ---------------------
+class _DropoutModel(transformers.LlamaModel):
+    """Applies dropout where rotapipe's layers would not: functionally between blocks
+    (``config.between_dropout``), or with a module after the last one
+    (``config.final_dropout``); ``None``: not at all."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device)[None]
+        mask = create_causal_mask(config=self.config, inputs_embeds=h,
+                                  attention_mask=attention_mask, past_key_values=None,
+                                  position_ids=position_ids)
+        rotary = self.rotary_emb(h, position_ids)
+        for i, block in enumerate(self.layers):
+            if i == 1 and self.config.between_dropout is not None:
+                h = nn.functional.dropout(h, self.config.between_dropout, self.training)
+            h = block(h, attention_mask=mask, position_embeddings=rotary,
+                      position_ids=position_ids)
+        if self.config.final_dropout is not None:
+            h = self.final_drop(h)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h))
+
+
+def _dropping_llama(between=None, final=None):
+    model = _llama(between_dropout=between, final_dropout=final)
+    model.model.__class__ = _DropoutModel
+    model.model.final_drop = nn.Dropout(final or 0.0)
+    return model
+
+
+@pytest.mark.parametrize("where, message", [
+    (dict(between=0.1), r"_DropoutModel.forward applies dropout\(p=0.1\) to the hidden "
+                        r"states after decoder layer 0, .*set that dropout probability "
+                        r"to 0"),
+    (dict(final=0.1), r"_DropoutModel.forward applies dropout \(module Dropout, "
+                      r"p=0.1\) after its last decoder layer.*set that dropout "
+                      r"probability to 0")])
+def test_dropout_the_layers_would_not_apply_is_refused(where, message):
+    """Found in eval mode too (the probe records every dropout it makes an identity):
+    a model in eval mode would otherwise be taken and then train without it."""
+    model = _dropping_llama(**where).eval()
+    with pytest.raises(AdapterError, match=message):
+        wrap_hf(model)
+
+
+def test_dropout_of_probability_zero_is_no_dropout():
+    """The fix the refusals give: probability 0 there, and the model trains exactly."""
+    model = _dropping_llama(between=0.0, final=0.0).train()
+    assert wrap_hf(model).layers[0].dropout is None
+    _equal_to_hf(model, runs=((2, 2),))
+
+
 # -- the checks themselves -------------------------------------------------------------
 def test_checks_leave_the_random_stream_alone():
     model = _llama()
@@ -195,6 +249,34 @@ def test_full_verify_catches_what_the_probe_cannot_see():
     with pytest.raises(AdapterError, match=r"verify='full'.*differ from "
                                            r"LlamaForCausalLM.forward by up to"):
         wrap_hf(model, verify="full")
+
+
+def _flags(model) -> dict[str, bool]:
+    return {name: m.training for name, m in model.named_modules()}
+
+
+def test_checks_run_with_dropout_off_and_give_each_module_its_flag_back():
+    """A model in train mode with dropout on: the checks compare forwards that would
+    draw different dropout masks (false alarms: "rotapipe would train this model
+    wrong", "Training would use a wrong loss"), so they run it in eval mode and then
+    give every module its own training flag back, also when a check refuses."""
+    import peft
+    model = _llama(attention_dropout=0.5).train()
+    model.model.layers[1].eval()
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "lm_head"],
+        init_lora_weights=False))
+    model.train()
+    model.base_model.model.model.layers[2].self_attn.eval()
+    before = _flags(model)
+    wrap_hf(model, verify="full")
+    assert _flags(model) == before
+    refused = _scaled().train()
+    refused.model.layers[0].eval()
+    before = _flags(refused)
+    with pytest.raises(AdapterError, match="logits differ"):
+        wrap_hf(refused, verify="full")
+    assert _flags(refused) == before
 
 
 def test_verify_value_is_checked():

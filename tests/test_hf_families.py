@@ -202,3 +202,172 @@ def test_packed_sequences_keep_their_documents_apart():
         got = pipe.forward_backward(wrapped.inputs(ids, None, pos), labels)
     assert got == pytest.approx(want.loss.item(), rel=1e-5, abs=1e-6)
     assert_grads_equal(m, ref)
+
+
+# -- dropout the model's forward applies to the embeddings ------------------------------
+def _dropout_family(cls: str, config: str, **kw):
+    return lambda: getattr(transformers, cls)(getattr(transformers, config)(**kw))
+
+
+_GPTJ_STYLE = dict(vocab_size=COMMON["vocab_size"], n_embd=32, n_layer=3, n_head=4,
+                   rotary_dim=4, n_positions=64, n_inner=48, resid_pdrop=0.0,
+                   attn_pdrop=0.0, embd_pdrop=0.3, bos_token_id=1, eos_token_id=2,
+                   pad_token_id=0, attn_implementation="eager")
+
+EMBEDDING_DROPOUT = {
+    # family: builder with the dropout its forward applies to the embeddings at 0.3
+    # (PhiModel: embed_dropout; GPTNeoXModel: emb_dropout, the blocks' hidden_dropout
+    # too; CodeGen, GPT-J: drop; Starcoder2: functional dropout, embedding_dropout).
+    "phi": _dropout_family("PhiForCausalLM", "PhiConfig", **COMMON, embd_pdrop=0.3,
+                           resid_pdrop=0.0, attention_dropout=0.0,
+                           attn_implementation="eager"),
+    "gpt_neox": _dropout_family("GPTNeoXForCausalLM", "GPTNeoXConfig", **COMMON,
+                                hidden_dropout=0.3, attention_dropout=0.0,
+                                attn_implementation="eager"),
+    "codegen": _dropout_family("CodeGenForCausalLM", "CodeGenConfig", **_GPTJ_STYLE),
+    "gptj": _dropout_family("GPTJForCausalLM", "GPTJConfig", **_GPTJ_STYLE),
+    "starcoder2": _dropout_family("Starcoder2ForCausalLM", "Starcoder2Config", **COMMON,
+                                  embedding_dropout=0.3, residual_dropout=0.0,
+                                  attention_dropout=0.0, attn_implementation="eager"),
+}
+
+
+def _seeded_hf_backward(model, ids, mask, labels, microbatches: int, call: int) -> float:
+    """The model's own forward and backward in its current mode, each microbatch with
+    the random streams rotapipe gives its layers (``rotapipe.layer_seed(0, call, m,
+    l)``): layer 0's before the forward (the embedding and the dropout applied to it),
+    block ``l - 1``'s before that block. Microbatch losses weighted by their counted
+    tokens, as the pipeline does."""
+    blocks = next(m for m in model.modules()
+                  if isinstance(m, torch.nn.ModuleList) and len(m) == 3)
+    seed = {}
+
+    def reseed(layer):
+        def hook(module, args):
+            torch.manual_seed(rotapipe.layer_seed(0, call, seed["m"], layer))
+        return hook
+    handles = [b.register_forward_pre_hook(reseed(i + 1)) for i, b in enumerate(blocks)]
+    counted = (labels[:, 1:] != -100).sum().item()
+    total = 0.0
+    try:
+        for m, (x, a, y) in enumerate(zip(ids.tensor_split(microbatches),
+                                          mask.tensor_split(microbatches),
+                                          labels.tensor_split(microbatches))):
+            seed["m"] = m
+            torch.manual_seed(rotapipe.layer_seed(0, call, m, 0))
+            loss = model(input_ids=x, attention_mask=a, labels=y).loss
+            loss = loss * (y[:, 1:] != -100).sum().item() / counted
+            loss.backward()
+            total += loss.item()
+    finally:
+        for h in handles:
+            h.remove()
+    return total
+
+
+@pytest.mark.parametrize("family", sorted(EMBEDDING_DROPOUT))
+def test_embedding_dropout_is_the_models_own(family):
+    """Wrapped in eval mode (as ``from_pretrained`` leaves a model): ``pipe.eval()``
+    gives the model's eval-mode loss and gradients; after ``pipe.train()`` the dropout
+    its forward applies to the embeddings is on, and the loss and every gradient equal
+    the model's own train-mode forward run with rotapipe's per-layer seeds."""
+    torch.manual_seed(0)
+    model = EMBEDDING_DROPOUT[family]().eval()
+    ids, mask, labels = batch()
+    ref = clone(model)
+    want_eval = hf_backward(ref, ids, mask, labels)
+    ref_train = clone(model).train()
+    want_train = _seeded_hf_backward(ref_train, ids, mask, labels, 2, call=1)
+    assert abs(want_train - want_eval) > 1e-4          # the dropout changes the loss
+    m = clone(model)
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
+                                          backend="emulated")) as pipe:
+        pipe.eval()
+        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
+        assert got == pytest.approx(want_eval, rel=1e-5, abs=1e-6)
+        assert_grads_equal(m, ref)
+        pipe.zero_grad()
+        pipe.train()
+        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
+    assert got == pytest.approx(want_train, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref_train)
+
+
+@pytest.mark.parametrize("family", ["phi", "starcoder2"])
+def test_embedding_dropout_in_train_mode_wraps_and_trains_exactly(family):
+    """A model wrapped in train mode with embedding dropout on is taken (the wrap-time
+    checks run it in eval mode) and trains like its own seeded forward; computing the
+    side inputs (the model's forward with stub blocks, dropout an identity there) draws
+    nothing from the caller's random stream. Phi's dropout is its own module,
+    Starcoder2's a functional call."""
+    torch.manual_seed(0)
+    model = EMBEDDING_DROPOUT[family]().train()
+    ids, mask, labels = batch()
+    ref = clone(model)
+    want = _seeded_hf_backward(ref, ids, mask, labels, 4, call=0)
+    m = clone(model)
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+    dropout = wrapped.layers[0].dropout
+    if family == "phi":
+        assert dropout is m.model.embed_dropout
+    else:
+        assert isinstance(dropout, torch.nn.Dropout) and dropout.p == 0.3
+        assert dropout.training
+    torch.manual_seed(5)
+    stream = torch.rand(3)
+    torch.manual_seed(5)
+    with wrapped.pipe(rotapipe.PipeConfig(workers=3, microbatches=4,
+                                          backend="emulated")) as pipe:
+        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
+        assert torch.equal(torch.rand(3), stream)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
+# -- multimodal wrappers, trained on text ----------------------------------------------
+def _qwen2_vl():
+    text = dict(COMMON, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2,
+                  spatial_merge_size=1, temporal_patch_size=1, in_channels=3,
+                  out_hidden_size=32, intermediate_size=32, mlp_ratio=2)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision,
+                                        image_token_id=90, video_token_id=91,
+                                        vision_start_token_id=92)
+    return config, "Qwen2VLForConditionalGeneration"
+
+
+def _gemma3():
+    # No final_logit_softcapping: Gemma3ForConditionalGeneration's forward does not
+    # apply it (Gemma3ForCausalLM's does); the tail check refuses such a config.
+    text = dict(COMMON, head_dim=8, sliding_window=4)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=8, patch_size=4)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=1, image_token_index=90,
+                                       boi_token_index=91, eoi_token_index=92)
+    return config, "Gemma3ForConditionalGeneration"
+
+
+MULTIMODAL = {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3}
+
+
+@pytest.mark.parametrize("family", sorted(MULTIMODAL))
+def test_multimodal_wrapper_trains_its_language_model_on_text(family):
+    """A vision-language model given token ids only: its language model is found under
+    the wrapper (``model.language_model``), ``verify="full"`` reads the text config,
+    and the loss and every gradient equal the model's own text-only forward (the
+    vision tower does not run and gets no gradient)."""
+    config, cls = MULTIMODAL[family]()
+    for c in (config, config.text_config, config.vision_config):
+        c._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(config)
+    wrapped = rotapipe.adapters.wrap_hf(clone(model), verify="full")
+    assert wrapped.parts["layers"] == "model.language_model.layers"
+    ref, m = clone(model), clone(model)
+    want = hf_backward(ref, *batch())
+    got = pipe_backward(m, *batch(), 2, 2)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)

@@ -230,3 +230,33 @@ def test_a_4d_attention_mask_is_still_taken():
                                           backend="emulated")) as pipe:
         got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_inputs_embeds_are_refused_by_name():
+    """The pipeline's layer 0 is the embedding (it trains): inputs give token ids."""
+    wrapped = wrap_hf(tiny("qwen3"))
+    ids = torch.ones(1, 2, dtype=torch.long)
+    embeds = torch.zeros(1, 2, 32)
+    for inputs in ({"inputs_embeds": embeds}, {"input_ids": ids, "inputs_embeds": embeds}):
+        with pytest.raises(AdapterError, match=r"inputs_embeds: .*pass input_ids"):
+            wrapped.side_inputs(inputs)
+
+
+def test_encoder_decoder_is_refused_as_such():
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=97, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4))
+    for paths in ({}, dict(layers_path="decoder.block")):
+        with pytest.raises(AdapterError, match=r"T5ForConditionalGeneration is an "
+                                               r"encoder-decoder .*is_encoder_decoder=True"):
+            wrap_hf(model, **paths)
+
+
+def test_flex_attention_is_refused_at_wrap_time():
+    """Flex attention's block masks are not tensors the pipeline uploads, and its
+    backward does not run on the CPU: refused before anything runs."""
+    from hf_models import COMMON
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **COMMON, attn_implementation="flex_attention"))
+    with pytest.raises(AdapterError, match=r"attn_implementation='flex_attention'.*"
+                                           r"'eager' or 'sdpa'"):
+        wrap_hf(model)

@@ -4,7 +4,8 @@ Three checks, from cheapest:
 
 - **Between the blocks** (:func:`check_chain`): the model's forward, run with stub blocks
   (:class:`~rotapipe.adapters.side.SideInputs`), hands block 0 the input embeddings
-  unchanged (or scaled by a known multiplier) and every block its predecessor's output.
+  unchanged (or scaled by a known multiplier, then dropped out: the dropout found is
+  the embedding layer's) and every block its predecessor's output.
 - **The tail** (:func:`find_tail` and :func:`check_tail`): the whole causal-LM forward,
   run with stub blocks whose last one returns known random hidden states ``H``, gives
   Hugging Face's logits for ``H``; the adapter's head layer (final norm, LM head, logit
@@ -15,8 +16,11 @@ Three checks, from cheapest:
   adapter's layers, run one after another on a few padded tokens, against the model's
   own forward.
 
-Each mismatch raises :class:`AdapterError` naming the model class, what differs and
-how to fix it, so no family trains with a silently wrong loss. Two structural checks
+They run the model in eval mode (:func:`~rotapipe.adapters.side.eval_mode`: dropout
+off, each module's own flag given back after). Each mismatch raises
+:class:`AdapterError` naming the model class, what differs and how to fix it, so no
+family trains with a silently wrong loss. Before them, :func:`check_model` refuses an
+encoder-decoder or flex attention by its config. Two structural checks
 refuse what the adapter or the runtime cannot train: PEFT prompt learning
 (:func:`check_peft`) and a buffer held by two layers (:func:`check_shared_buffers`).
 """
@@ -27,10 +31,13 @@ import torch
 from torch import nn
 
 from .errors import AdapterError
-from .side import SideInputs, shallow_clone
+from .side import DropoutCall, SideInputs, eval_mode, shallow_clone
 
-__all__ = ["check_chain", "find_tail", "check_tail", "verify_full", "tolerance",
-           "check_peft", "check_shared_buffers"]
+__all__ = ["check_model", "check_chain", "find_tail", "check_tail", "verify_full",
+           "tolerance", "check_peft", "check_shared_buffers"]
+
+ATTENTION = ("eager", "sdpa")
+"""Attention implementations the wrap-time checks and the tests cover on the CPU."""
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -39,11 +46,49 @@ def tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype in (torch.float32, torch.float64) else 4 * torch.finfo(dtype).eps
 
 
-def check_chain(side: SideInputs, multiplier: float | None, name: str) -> None:
+def check_model(base: nn.Module, config) -> None:
+    """What the config says rules the model out: an encoder-decoder (its decoder
+    blocks need the encoder's output), or flex attention (its block masks are objects
+    the pipeline does not upload, and its backward does not run on the CPU).
+    ``config``: the text config."""
+    name = type(base).__name__
+    configs = (base.config, config)
+    if any(getattr(c, "is_encoder_decoder", False) for c in configs):
+        raise AdapterError(f"{name} is an encoder-decoder (config.is_encoder_decoder="
+                           "True): rotapipe trains decoder-only causal LMs, whose forward "
+                           "is embeddings -> decoder blocks -> norm -> LM head")
+    supported = " or ".join(map(repr, ATTENTION))
+    for c in configs:
+        attn = getattr(c, "_attn_implementation", None)
+        if isinstance(attn, str) and "flex" in attn:
+            raise AdapterError(
+                f"{name} uses attn_implementation={attn!r}, which rotapipe does not "
+                "support (its block masks are not tensors the pipeline uploads, and its "
+                f"backward does not run on the CPU): use {supported}, e.g. "
+                "model.set_attn_implementation('sdpa') before wrap_hf")
+
+
+def check_chain(side: SideInputs, multiplier: float | None,
+                name: str) -> nn.Module | None:
     """Every block is reached, block 0 gets the input embeddings (times the known
-    ``multiplier``), and each later block gets its predecessor's output."""
+    ``multiplier``, then through dropout), and each later block gets its predecessor's
+    output. Returns the dropout the forward applies to the embeddings (the model's own
+    module, or an ``nn.Dropout`` of the probability its forward passes to
+    ``F.dropout``; its mode is then the pipeline's: ``pipe.train()``,
+    ``pipe.eval()``), or ``None``."""
+    with eval_mode(side.probe):
+        dropout = _check_chain(side, multiplier, name)
+    if dropout is not None and dropout.module is None:
+        # A functional dropout of the forward follows the model's flag: start there.
+        return nn.Dropout(dropout.p).train(side.probe.training)
+    return None if dropout is None else dropout.module
+
+
+def _check_chain(side: SideInputs, multiplier: float | None,
+                 name: str) -> DropoutCall | None:
     ones = torch.ones(1, 2, side.hidden_size, dtype=side.dtype)
     calls = side.run(ones, torch.ones(1, 2, dtype=torch.long), None)
+    dropouts = side.dropouts
     first = calls[0][0]
     if first is not ones:
         if multiplier is None or not torch.equal(first, ones * multiplier):
@@ -70,6 +115,37 @@ def check_chain(side: SideInputs, multiplier: float | None, name: str) -> None:
                     "previous layer's output, so that argument would be a constant and "
                     "its gradient lost; build the layers yourself and pass them to "
                     "rotapipe.RoundPipe")
+    return _embedding_dropout(dropouts, first, name)
+
+
+def _embedding_dropout(dropouts: list[DropoutCall], first: torch.Tensor,
+                       name: str) -> DropoutCall | None:
+    """The one dropout the forward applies to what block 0 gets, if any; any other
+    dropout before or between the blocks is refused (the layers would not apply it).
+    Dropout of probability 0 changes nothing and is left out."""
+    def where(d: DropoutCall) -> str:
+        what = getattr(d.fn, "__name__", str(d.fn))
+        by = f" (module {type(d.module).__name__})" if d.module is not None else ""
+        return f"{what}(p={d.p}){by}"
+    fix = ("set that dropout probability to 0 in the config (or build the layers "
+           "yourself and pass them to rotapipe.RoundPipe)")
+    dropouts = [d for d in dropouts if d.p > 0]
+    later = [d for d in dropouts if d.blocks_before > 0]
+    if later:
+        d = later[0]
+        raise AdapterError(f"{name}.forward applies {where(d)} to the hidden states "
+                           f"after decoder layer {d.blocks_before - 1}, outside the "
+                           f"blocks, which rotapipe's layers do not repeat: {fix}")
+    if not dropouts:
+        return None
+    d = dropouts[0]
+    if len(dropouts) > 1 or d.input is not first or (
+            d.module is None and d.fn is not torch.nn.functional.dropout):
+        applied = ", ".join(where(x) for x in dropouts)
+        raise AdapterError(f"{name}.forward applies dropout before the first decoder "
+                           f"layer in a way rotapipe does not repeat ({applied}; rotapipe "
+                           "applies one dropout to the scaled embeddings): " + fix)
+    return d
 
 
 def _arguments(args, kwargs, args2, kwargs2):
@@ -111,6 +187,12 @@ def find_tail(base: nn.Module, inner_path: str, side: SideInputs, embed: nn.Modu
               dtype: torch.dtype, **forward_kwargs) -> TailRun:
     """Run ``base``'s forward with stub blocks on a padded 2 x 3 batch, the last block
     returning random hidden states; record the logits and what ran after the block."""
+    with eval_mode(base):
+        return _find_tail(base, inner_path, side, embed, dtype, **forward_kwargs)
+
+
+def _find_tail(base: nn.Module, inner_path: str, side: SideInputs, embed: nn.Module,
+               dtype: torch.dtype, **forward_kwargs) -> TailRun:
     inner = base.get_submodule(inner_path) if inner_path else base
     probe = _clone_path(base, inner_path, side.probe)
     g = torch.Generator().manual_seed(0)
@@ -146,6 +228,15 @@ def find_tail(base: nn.Module, inner_path: str, side: SideInputs, embed: nn.Modu
     finally:
         for h in handles:
             h.remove()
+    tail_drop = [d for d in side.dropouts if d.blocks_before == side.num_layers
+                 and d.module is not None and d.p > 0]
+    if tail_drop:
+        d = tail_drop[0]
+        raise AdapterError(f"{type(inner).__name__}.forward applies dropout (module "
+                           f"{type(d.module).__name__}, p={d.p}) after its last decoder "
+                           "layer, which rotapipe's head layer does not repeat: set that "
+                           "dropout probability to 0 in the config (or build the layers "
+                           "yourself and pass them to rotapipe.RoundPipe)")
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, (tuple, list)) and out:
         logits = out[0]
@@ -163,7 +254,7 @@ def check_tail(run: TailRun, head_layer: nn.Module, name: str, where: str) -> No
                            "layers: rotapipe cannot check its tail; build the layers "
                            "yourself and pass them to rotapipe.RoundPipe")
     x = run.hidden if getattr(head_layer, "moe", None) is None else (run.hidden, None)
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(head_layer):
         ours = head_layer(x)
     want = run.logits
     fix = ("pass wrap_hf(model, norm_path=...) if the final norm is another module, "
@@ -199,15 +290,18 @@ def verify_full(wrapped, tokens: int = 6, seed: int = 0) -> float:
     the max abs error, raises :class:`AdapterError` beyond :func:`tolerance`."""
     base = wrapped.base
     config = wrapped.config
+    # A multimodal wrapper's vocabulary is its language model's.
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 2:
-        raise AdapterError("verify='full' needs config.vocab_size")
+        raise AdapterError(f"verify='full' needs the vocabulary size: {type(base).__name__}"
+                           f"'s (text) config has vocab_size={vocab!r}")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(min(3, vocab - 1), vocab, (2, tokens), generator=g)
     mask = torch.ones(2, tokens, dtype=torch.long)
     mask[1, : tokens // 3] = 0                      # left padding in the second row
     inputs = wrapped.inputs(ids, mask)
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(base, *wrapped.layers):
         want = base(input_ids=ids, attention_mask=mask, use_cache=False).logits
         side = wrapped.side_inputs(inputs)
         x = wrapped.layers[0](inputs, **side)

@@ -35,8 +35,8 @@ from ..model.quant import QUANTIZE, quantize_frozen
 from ..model.work import set_work
 from ..plan.costs import model_work
 from .errors import AdapterError
-from .checks import (check_chain, check_peft, check_shared_buffers, check_tail,
-                     find_tail, verify_full)
+from .checks import (check_chain, check_model, check_peft, check_shared_buffers,
+                     check_tail, find_tail, verify_full)
 from .families import embedding_multiplier, logit_transforms
 from .layers import DecoderLayer, EmbedLayer, HeadLayer
 from .loss import TokenCount, head_vocab, lm_loss
@@ -224,6 +224,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
     base = _unwrap_peft(model)
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") \
         else base.config
+    check_model(base, config)
     embed = _get(base, "get_input_embeddings", "input embeddings")
     head = _get(base, "get_output_embeddings", "output embeddings (LM head)")
     inner_path, inner, list_name, block_list = _find_decoder(base, embed, config,
@@ -251,6 +252,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
                       moe=any(routers))
     p = (inner_path + ".") if inner_path else ""
     meta = _on_meta(base)
+    embed_dropout = None
     if meta:
         norm_name, norm = _find_norm(base, inner, inner_path, embed, block_list,
                                      norm_path)
@@ -258,7 +260,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
         # Wrap-time checks draw no numbers from the user's random stream.
         with torch.random.fork_rng(devices=[]):
             side.learn_returns()
-            check_chain(side, multiplier, type(inner).__name__)
+            embed_dropout = check_chain(side, multiplier, type(inner).__name__)
             extra = {"output_router_logits": False} if router is not None else {}
             run = find_tail(base, inner_path, side, embed, _dtype(head, compute_dtype),
                             **extra)
@@ -273,7 +275,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
                            f"head {_path(base, head)}",
                            *(f"{k}={v}" for k, v in head_layer.transforms.items())])
         check_tail(run, head_layer, type(base).__name__, where)
-    layers: list[nn.Module] = [EmbedLayer(embed, multiplier, moe)]
+    layers: list[nn.Module] = [EmbedLayer(embed, multiplier, moe, embed_dropout)]
     layers += [DecoderLayer(b, i, routers[i], moe) for i, b in enumerate(blocks)]
     layers.append(head_layer)
     check_shared_buffers(layers)

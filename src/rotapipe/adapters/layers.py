@@ -35,20 +35,27 @@ class HeadOutput(NamedTuple):
 class EmbedLayer(nn.Module):
     """Layer 0: token embeddings (Gemma's sqrt(hidden) scaling lives in its embedding
     module in transformers 5.x), times ``multiplier`` where the model's forward scales
-    them (Granite's ``embedding_multiplier``)."""
+    them (Granite's ``embedding_multiplier``), then ``dropout`` where the forward drops
+    them out (Phi's ``embed_dropout``, GPT-NeoX's ``emb_dropout``, CodeGen's and GPT-J's
+    ``drop``: the model's own modules; Starcoder2's ``F.dropout`` of
+    ``embedding_dropout``: an ``nn.Dropout``). It draws from the layer's random stream
+    (:func:`rotapipe.layer_seed`) and is on when the pipeline is in train mode."""
 
     def __init__(self, embed: nn.Module, multiplier: float | None = None,
-                 moe: MoESpec | None = None):
+                 moe: MoESpec | None = None, dropout: nn.Module | None = None):
         super().__init__()
         self.embed = embed
         self.multiplier = multiplier
         self.moe = moe
+        self.dropout = dropout
 
     def forward(self, inputs, **side):
         ids, _, _ = unpack_inputs(inputs)
         h = self.embed(ids)
         if self.multiplier is not None:
             h = h * self.multiplier
+        if self.dropout is not None:
+            h = self.dropout(h)
         if self.moe is not None:
             return h, aux_zero(self.moe.num_experts, h.device)
         return h

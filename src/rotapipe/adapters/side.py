@@ -10,7 +10,10 @@ after it never run). Embeddings are not computed: a zero-stride placeholder of t
 shape and dtype stands in for them. A stub returns what the real block returns (the
 hidden states, or a tuple with the hidden states first: some models' forwards unpack
 ``outputs[0]``); :meth:`SideInputs.learn_returns` runs the first real block of each
-class once, at wrap time, to find out.
+class once, at wrap time, to find out. Dropout in the forward (on the embeddings) is an
+identity in the probe, whatever the model's mode: it draws no random numbers in the
+caller's thread, and each call is recorded (:class:`DropoutCall`) for the wrap-time
+checks, which give it to the embedding layer.
 
 The recorded arguments are de-duplicated by identity (one mask tensor serves every
 full-attention layer) into a tuple of tensors plus a per-layer :class:`Layout` that says
@@ -21,17 +24,23 @@ rebuilds its own arguments from it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import InputError
 from .errors import AdapterError
 from .moe import RoutingLog
 
-__all__ = ["SideInputs", "Layout", "unpack_inputs", "check_shapes", "shallow_clone"]
+__all__ = ["SideInputs", "Layout", "DropoutCall", "unpack_inputs", "check_shapes",
+           "shallow_clone", "eval_mode"]
 
 
 def shallow_clone(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
@@ -43,6 +52,24 @@ def shallow_clone(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module
     return clone
 
 
+@contextmanager
+def eval_mode(*roots: nn.Module) -> Iterator[None]:
+    """Every module under ``roots`` in eval mode (dropout off) inside the block; each
+    gets its own training flag back after, also when the block raises. The wrap-time
+    checks compare forwards that would otherwise draw different dropout masks."""
+    flags: dict[int, tuple[nn.Module, bool]] = {}
+    for root in roots:
+        for m in root.modules():
+            flags.setdefault(id(m), (m, m.training))
+    try:
+        for m, _ in flags.values():
+            m.training = False
+        yield
+    finally:
+        for m, training in flags.values():
+            m.training = training
+
+
 def token_ids(inputs) -> torch.Tensor:
     """The token ids of a microbatch's inputs (what the embedding looks up)."""
     return unpack_inputs(inputs)[0]
@@ -52,6 +79,10 @@ def unpack_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tens
     """``(input_ids, attention_mask, position_ids)`` from a tensor of ids or a dict."""
     if isinstance(inputs, torch.Tensor):
         return inputs, None, None
+    if isinstance(inputs, dict) and "inputs_embeds" in inputs:
+        raise AdapterError("inputs hold inputs_embeds: a wrapped Hugging Face model "
+                           "takes token ids, since its layer 0 is the embedding (which "
+                           "trains); pass input_ids instead")
     if isinstance(inputs, dict) and "input_ids" in inputs:
         unknown = set(inputs) - {"input_ids", "attention_mask", "position_ids"}
         if unknown:
@@ -145,6 +176,57 @@ class _Stop(Exception):
     """Raised by the last stub: the probe has what it needs."""
 
 
+class DropoutCall(NamedTuple):
+    """Dropout that the model's forward applied in a probe run (where it is an
+    identity)."""
+
+    fn: Callable
+    """The dropout function (``F.dropout``, ``F.alpha_dropout``, ...)."""
+    p: float
+    input: torch.Tensor
+    """What it was applied to (also what it returned)."""
+    blocks_before: int
+    """How many decoder blocks the forward had called before it."""
+    module: nn.Module | None
+    """The model's dropout module (a child of the model that owns the blocks) that
+    applied it, or ``None`` where the forward calls the function itself."""
+
+
+_DROPOUTS = (F.dropout, F.alpha_dropout, F.feature_alpha_dropout, F.dropout1d,
+             F.dropout2d, F.dropout3d)
+
+
+class _ProbeDropouts(TorchFunctionMode):
+    """Inside a probe run: every dropout function is an identity, and recorded."""
+
+    def __init__(self, state: _ProbeState):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _DROPOUTS:
+            return func(*args, **kwargs)
+        x = args[0] if args else kwargs["input"]
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        self.state.record(func, float(p), x, None)
+        return x
+
+
+class _ProbeDropout(nn.Module):
+    """A dropout child of the inner model as the probe calls it: an identity that
+    records which module it stands for."""
+
+    def __init__(self, dropout: nn.Module, state: _ProbeState):
+        super().__init__()
+        self.dropout, self.state = dropout, state
+
+    def forward(self, x, *args, **kwargs):
+        self.state.record(F.dropout, float(getattr(self.dropout, "p", 0.5)), x,
+                          self.dropout)
+        return x
+
+
 class _ProbeState:
     """What the stubs of one probe share: the calls they record, the return structure
     of each block class, and what the last stub does (stop, or return ``final``)."""
@@ -160,6 +242,11 @@ class _ProbeState:
         """Set: the last stub returns it (a run of the whole forward); else it stops."""
         self.max_position: int | None = None
         """Set: the largest position id of the whole batch (:meth:`SideInputs.for_batch`)."""
+        self.dropouts: list[DropoutCall] = []
+        """The dropout the forward applied in the current (or last) run."""
+
+    def record(self, fn, p: float, x, module: nn.Module | None) -> None:
+        self.dropouts.append(DropoutCall(fn, p, x, len(self.sink), module))
 
 
 class _Stub(nn.Module):
@@ -237,7 +324,9 @@ class SideInputs:
         # list: the user's model is never modified.
         ropes = {name: _WholeBatchRope(m, self._state)
                  for name, m in inner.named_children() if _batch_rope(m)}
-        self.probe = shallow_clone(inner, {layers_name: self.stubs, **ropes})
+        drops = {name: _ProbeDropout(m, self._state) for name, m in inner.named_children()
+                 if isinstance(m, nn.modules.dropout._DropoutNd)}
+        self.probe = shallow_clone(inner, {layers_name: self.stubs, **ropes, **drops})
         self._name = type(inner).__name__
 
     def learn_returns(self) -> None:
@@ -250,8 +339,9 @@ class SideInputs:
         param = next(self._blocks[0].parameters(), None)
         dtype = param.dtype if param is not None and param.is_floating_point() else self.dtype
         try:
-            self.run(torch.ones(1, 2, self.hidden_size, dtype=dtype),
-                     torch.ones(1, 2, dtype=torch.long), None)
+            with eval_mode(self.probe, *self._blocks):
+                self.run(torch.ones(1, 2, self.hidden_size, dtype=dtype),
+                         torch.ones(1, 2, dtype=torch.long), None)
         except AdapterError:
             raise
         except Exception as exc:
@@ -274,9 +364,10 @@ class SideInputs:
         """Run ``model`` (a clone whose inner model is :attr:`probe`) to its output, the
         last stub returning ``final``; ``(output, calls)``."""
         self._state.sink.clear()
+        self._state.dropouts.clear()
         self._state.final = final
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _ProbeDropouts(self._state):
                 out = model(inputs_embeds=hidden, attention_mask=attention_mask,
                             use_cache=False, **kwargs)
         finally:
@@ -287,10 +378,11 @@ class SideInputs:
     def run(self, hidden: torch.Tensor, attention_mask, position_ids) -> list:
         """Run the model's forward with stub blocks; ``[(hidden, args, kwargs)]``."""
         self._state.sink.clear()
+        self._state.dropouts.clear()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _ProbeDropouts(self._state):
                 self.probe(inputs_embeds=hidden, attention_mask=attention_mask,
-                            position_ids=position_ids, use_cache=False)
+                           position_ids=position_ids, use_cache=False)
         except _Stop:
             pass
         calls, self._state.sink[:] = list(self._state.sink), []
@@ -299,6 +391,12 @@ class SideInputs:
                                f"{self.num_layers} decoder layers: rotapipe cannot derive "
                                "their inputs; pass layers explicitly to RoundPipe")
         return calls
+
+    @property
+    def dropouts(self) -> list[DropoutCall]:
+        """The dropout the model's forward applied in the last probe run (an identity
+        there)."""
+        return list(self._state.dropouts)
 
     def for_batch(self, microbatches: list):
         """The side-input function for the microbatches of one call (the runtime asks
