@@ -116,25 +116,77 @@ def test_prompt_learning_is_refused(method):
         rotapipe.adapters.wrap_hf(model)
 
 
-def test_vera_is_refused_for_its_buffers_shared_across_blocks():
-    """VeRA's frozen projections are one buffer held by every adapted block: the
-    runtime orders a buffer's host copies per layer, and a clean-clone CI run caught
-    the race (a RaceError on a backward stage's upload). Refused at wrap time."""
-    model = peft.get_peft_model(tiny("qwen3"), peft.VeraConfig(
-        r=4, target_modules=["q_proj", "v_proj"], init_weights=False))
-    with pytest.raises(rotapipe.adapters.AdapterError,
-                       match=r"VeRA shares its projections across blocks.*use LoRA"):
-        rotapipe.adapters.wrap_hf(model)
+SHARED_BUFFERS = {
+    # PEFT methods whose layers hold one buffer between them: VeRA's frozen projections
+    # (every adapted block), trainable token rows on tied embeddings (embedding and head).
+    "vera": lambda: peft.get_peft_model(tiny("qwen3"), peft.VeraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_weights=False)),
+    "trainable_tokens_tied": lambda: lora(tiny("qwen3"), trainable_token_indices=[5, 7, 9]),
+}
 
 
-def test_trainable_tokens_on_tied_embeddings_are_refused():
-    """PEFT's ``trainable_token_indices`` on tied embeddings shares one buffer between
-    the embedding and the head; the runtime failed the first call with a RaceError.
-    Refused at wrap time with the alternatives (untied, it trains: VARIANTS)."""
-    model = lora(tiny("qwen3"), trainable_token_indices=[5, 7, 9])
-    refusal = r"trainable_token_indices on tied embeddings.*modules_to_save"
-    with pytest.raises(rotapipe.adapters.AdapterError, match=refusal):
-        rotapipe.adapters.wrap_hf(model)
+def peft_steps(model, data, stale: bool):
+    """PEFT's own steps with AdamW: (losses, each call's gradients by name). ``stale``:
+    call ``t`` runs on the weights before step ``t - 1`` and step ``t`` applies its
+    gradients (``test_optimizer_modes``); ``model`` ends with the weights stepped."""
+    runs = clone(model) if stale else model        # the weights the calls run on
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(trained.values(), lr=1e-2)
+    losses, grads = [], []
+    for ids, mask, labels in data:
+        runs.zero_grad(set_to_none=True)
+        losses.append(hf_backward(runs, ids, mask, labels))
+        grads.append({n: p.grad.clone() for n, p in runs.named_parameters()
+                      if p.grad is not None})
+        before = {n: p.detach().clone() for n, p in trained.items()}
+        for n, p in trained.items():
+            p.grad = grads[-1].get(n)
+        opt.step()
+        if stale:
+            with torch.no_grad():
+                for n, p in runs.named_parameters():
+                    if n in before:
+                        p.copy_(before[n])
+    return losses, grads
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap", "stale"])
+@pytest.mark.parametrize("workers,microbatches", [(2, 2), (3, 4)])
+@pytest.mark.parametrize("method", sorted(SHARED_BUFFERS))
+def test_buffers_shared_across_layers_train_like_peft(method, workers, microbatches, mode):
+    """VeRA's projections are one buffer held by every adapted block, trainable tokens
+    on tied embeddings one held by the embedding and the head: the runtime orders a
+    buffer's copies per buffer (``rotapipe.schedule.roundpipe``). Over three steps the
+    losses, the gradients (``sync``) and the trained weights equal PEFT's own. (Ordered
+    per layer, they raced: a RaceError on a backward stage's upload in a CI run.)"""
+    torch.manual_seed(0)
+    model = SHARED_BUFFERS[method]()
+    ref, m = clone(model), clone(model)
+    data = [batch(seed=s) for s in range(1, 4)]
+    want, want_grads = peft_steps(ref, data, stale=mode == "stale")
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+    cfg = rotapipe.PipeConfig(workers=workers, microbatches=microbatches,
+                              backend="emulated", optimizer_mode=mode)
+    got = []
+    with wrapped.pipe(cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)) as pipe:
+        for (ids, mask, labels), grads in zip(data, want_grads):
+            if mode != "sync":
+                got.append(pipe.train_step(wrapped.inputs(ids, mask), labels))
+                continue
+            got.append(pipe.forward_backward(wrapped.inputs(ids, mask), labels))
+            names = {n for n, p in m.named_parameters() if p.grad is not None}
+            assert names == grads.keys()
+            for n, p in m.named_parameters():
+                if n in grads:
+                    torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6,
+                                               msg=n)
+            assert pipe.step()
+        pipe.flush()
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    w = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(p, w[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert {n for n, b in m.named_buffers()} == {n for n, b in ref.named_buffers()}
 
 
 @pytest.mark.parametrize("workers,microbatches", [(2, 1), (3, 4)])

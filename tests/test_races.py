@@ -293,12 +293,6 @@ def test_buffers_shared_by_layers_train_exactly(workers, microbatches, mode):
     config = emulated(workers, microbatches, optimizer_mode=mode)
     losses, grads = [], []
     with rotapipe.RoundPipe(model, mse, config=config, optimizer=sgd) as pipe:
-        # The schedule keyed by buffer: the pipeline's own gets layers only
-        # (runtime/calls.py passes ls.buffer_layers()).
-        ls = pipe.layerset
-        pipe.use_schedule(rotapipe.roundpipe_schedule(
-            pipe.plan, workers, microbatches,
-            buffer_layers={l: ls.layer_buffers[l] for l in ls.buffer_layers()}))
         for x, y in data:
             if mode == "sync":
                 losses.append(pipe.forward_backward(x, y))

@@ -20,9 +20,8 @@ They run the model in eval mode (:func:`~rotapipe.adapters.side.eval_mode`: drop
 off, each module's own flag given back after). Each mismatch raises
 :class:`AdapterError` naming the model class, what differs and how to fix it, so no
 family trains with a silently wrong loss. Before them, :func:`check_model` refuses an
-encoder-decoder or flex attention by its config. Two structural checks
-refuse what the adapter or the runtime cannot train: PEFT prompt learning
-(:func:`check_peft`) and a buffer held by two layers (:func:`check_shared_buffers`).
+encoder-decoder or flex attention by its config. A structural check refuses what the
+adapter cannot train: PEFT prompt learning (:func:`check_peft`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from .errors import AdapterError
 from .side import DropoutCall, SideInputs, eval_mode, shallow_clone
 
 __all__ = ["check_model", "check_chain", "find_tail", "check_tail", "verify_full",
-           "tolerance", "check_peft", "check_shared_buffers"]
+           "tolerance", "check_peft"]
 
 ATTENTION = ("eager", "sdpa")
 """Attention implementations the wrap-time checks and the tests cover on the CPU."""
@@ -342,41 +341,6 @@ def check_peft(model: nn.Module) -> None:
                 "that rotapipe pipelines, so training would ignore them and compute "
                 "another loss. Use an adapter inside the layers (peft.LoraConfig, "
                 "IA3Config, LoHaConfig, ...)")
-
-
-def check_shared_buffers(layers: list[nn.Module]) -> None:
-    """No buffer may be held by two layers: the runtime downloads a layer's buffers
-    after a training forward and uploads them for its backward, ordered per layer, so
-    two layers holding one buffer race on its host copy (a ``RaceError`` in training,
-    timing-dependent). PEFT's VeRA (projections shared by every adapted block) and
-    ``trainable_token_indices`` on tied embeddings (``trainable_tokens_original`` in
-    the embedding and the head) are the known cases. ``layers``: embedding, blocks,
-    head."""
-    names = ["the embedding", *(f"decoder block {i}" for i in range(len(layers) - 2)),
-             "the LM head"]
-    seen: dict[int, tuple[int, str]] = {}
-    for i, layer in enumerate(layers):
-        for bname, b in layer.named_buffers(remove_duplicate=False):
-            j, jname = seen.setdefault(id(b), (i, bname))
-            if j == i:
-                continue
-            if "trainable_tokens" in bname:
-                why, fix = (" (PEFT trainable_token_indices on tied embeddings)",
-                            "untie the embeddings before adding the adapter, or train "
-                            "the embedding with LoraConfig(modules_to_save="
-                            "['embed_tokens']) or target_modules=[..., 'embed_tokens'] "
-                            "instead of trainable_token_indices")
-            elif "vera" in bname:
-                why, fix = (" (PEFT VeRA shares its projections across blocks)",
-                            "use LoRA (peft.LoraConfig) or another adapter that keeps "
-                            "its weights in each layer")
-            else:
-                why, fix = "", "give each layer its own copy of the buffer"
-            raise AdapterError(
-                f"buffer {jname!r} of layer {j} ({names[j]}) is also {bname!r} of layer "
-                f"{i} ({names[i]}){why}: rotapipe's runtime orders a buffer's copies "
-                f"per layer, so two layers holding one buffer would race in training; "
-                f"{fix}")
 
 
 def _join(prefix: str, name: str) -> str:

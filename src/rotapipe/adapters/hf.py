@@ -35,8 +35,8 @@ from ..model.quant import QUANTIZE, quantize_frozen
 from ..model.work import set_work
 from ..plan.costs import model_work
 from .errors import AdapterError
-from .checks import (check_chain, check_model, check_peft, check_shared_buffers,
-                     check_tail, find_tail, verify_full)
+from .checks import (check_chain, check_model, check_peft, check_tail, find_tail,
+                     verify_full)
 from .families import embedding_multiplier, logit_transforms
 from .layers import DecoderLayer, EmbedLayer, HeadLayer
 from .loss import TokenCount, head_vocab, lm_loss
@@ -278,7 +278,6 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
     layers: list[nn.Module] = [EmbedLayer(embed, multiplier, moe, embed_dropout)]
     layers += [DecoderLayer(b, i, routers[i], moe) for i, b in enumerate(blocks)]
     layers.append(head_layer)
-    check_shared_buffers(layers)
     _attach_work(layers, config)
 
     parts = {"embed": _path(base, embed), "layers": p + list_name,

@@ -156,7 +156,8 @@ class CallRunner:
         if key not in self.schedules:
             s = roundpipe_schedule(plan, len(self.devices), microbatches,
                                    side_inputs=self.side_inputs is not None,
-                                   buffer_layers=self.ls.buffer_layers(),
+                                   buffer_layers={l: self.ls.layer_buffers[l]
+                                                  for l in self.ls.buffer_layers()},
                                    tail_barrier=self.tail_context is not None,
                                    training=training, prefetch=self.config.prefetch)
             validate(s)
