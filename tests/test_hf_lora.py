@@ -348,3 +348,39 @@ def test_sharded_optimizer_state_with_lora(one_rank_group, shard):
     for n, p in m.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), n
+
+
+def test_a_lora_heads_dropout_runs_on_its_own_stream():
+    """LoRA on ``lm_head`` with ``lora_dropout > 0`` in train mode: the chunked loss runs
+    the head inside ``loss_fn``, which used to draw from the caller's stream (shared
+    with the other workers): identical runs gave different losses, and the caller's
+    stream moved. It now runs on ``layer_seed(seed, call, microbatch, layers)``: the
+    same runs give the same loss and gradients bit for bit, whatever the caller's
+    stream, which the call leaves alone."""
+    model = peft.get_peft_model(tiny("llama"), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "v_proj", "lm_head"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)          # the dropout shows in the loss
+    ids, mask, labels = batch()
+    runs = []
+    for caller_seed in (0, 0, 123):
+        m = clone(model)
+        m.eval()
+        wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+        with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
+                                              backend="emulated", seed=3)) as pipe:
+            pipe.train()
+            torch.manual_seed(caller_seed)
+            before = torch.random.get_rng_state()
+            loss = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
+            assert torch.equal(before, torch.random.get_rng_state())
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        runs.append((loss, grads))
+    for loss, grads in runs[1:]:
+        assert loss == runs[0][0]
+        assert grads.keys() == runs[0][1].keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], runs[0][1][name], rtol=0, atol=0,
+                                       msg=name)

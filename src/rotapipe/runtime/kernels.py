@@ -309,11 +309,18 @@ class ActionRunner:
                 self._keep_buffers(a, s)
 
     def _contribution(self, a: Action, s: Stage, out, labels) -> torch.Tensor:
-        """Microbatch ``a.mb``'s weighted share of the batch loss (fp32 scalar)."""
-        if self.ctx.tail_context is None:
-            result = self.loss_fn(out, labels)
-        else:
-            result = self.loss_fn(out, labels, self._tail_value(s))
+        """Microbatch ``a.mb``'s weighted share of the batch loss (fp32 scalar).
+
+        ``loss_fn`` may run modules that draw random numbers (the Hugging Face chunked
+        loss runs the LM head, whose LoRA dropout draws): it runs on a stream of its
+        own, ``layer_seed(seed, call, microbatch, number of layers)``, as a layer
+        would, never on the caller's stream (shared with the other workers)."""
+        mb = a.mb + self.ctx.mb_offset
+        args = (out, labels) if self.ctx.tail_context is None else \
+            (out, labels, self._tail_value(s))
+        with self.devices[a.worker].seeded(layer_seed(self.ctx.seed, self.ctx.call, mb,
+                                                      len(self.ls))):
+            result = self.loss_fn(*args)
         # loss_fn returns its microbatch's mean loss; with a tail context, optionally
         # with a second term already normalised over the whole batch (added unweighted).
         loss, extra = result, None
