@@ -27,7 +27,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from ..config import RecomputeGrain
 from ..errors import InputError
@@ -40,6 +40,8 @@ from .host import CallGrads, HostState
 from .rng import layer_seed
 from .store import Store
 from .chunks import ChunkedCopies
+from .stagetensors import (SavedBytes, WorkingSet, backward_tree, batch_rows, copy_tree,
+                           detach_tree, input_grads, loss_scalar, stage_leaves)
 from .transfer import sleep_until
 from .trees import map_tensors
 
@@ -244,7 +246,7 @@ class ActionRunner:
         ``shared`` when a further layer of ``layers`` gets it next (and may change it
         in place, as a layer may in plain PyTorch: what is kept must be a copy)."""
         dev, shells = self.devices[a.worker], self.shells[a.worker]
-        rows = _rows(x)
+        rows = batch_rows(x)
         last = layers[-1] if len(layers) else None
         for l in layers:
             mb = a.mb + self.ctx.mb_offset
@@ -297,12 +299,12 @@ class ActionRunner:
         x = store.pop(("in", s.name, a.mb))
         labels = store.pop(("labels", a.mb))
         with self._bound(a) as params, torch.enable_grad(), \
-                _WorkingSet(self.devices[a.worker], params, f"working set of {a.key}"):
-            x, inputs = _leaf(x) if s.start > 0 else (x, x)
+                WorkingSet(self.devices[a.worker], params, f"working set of {a.key}"):
+            x, inputs = stage_leaves(x) if s.start > 0 else (x, x)
             out = self._layers(a, s.layers, inputs, self._side(a))
             contribution = self._contribution(a, s, out, labels)
             (contribution * self.ctx.loss_scale).backward()
-            store.put(("gin", s.name, a.mb), _input_grads(x) if s.start > 0 else None)
+            store.put(("gin", s.name, a.mb), input_grads(x) if s.start > 0 else None)
             store.put(("loss", a.mb), contribution.detach())
             if a.key in self.routes.last_pass:     # the job's last microbatch (split tails)
                 self._keep_wgrads(a, params)
@@ -332,10 +334,10 @@ class ActionRunner:
                     "outside loss_fn; only with tail_context may it return (loss, "
                     "whole-batch term))")
             loss, extra = result
-        contribution = _scalar(loss).float() * self.ctx.weights[a.mb]
+        contribution = loss_scalar(loss).float() * self.ctx.weights[a.mb]
         if extra is not None:
             # Data parallel: a per-rank whole-batch term counts by the rank's share.
-            contribution = contribution + _scalar(extra).float() * self.ctx.extra_weight
+            contribution = contribution + loss_scalar(extra).float() * self.ctx.extra_weight
         if not contribution.requires_grad:
             raise InputError(
                 f"the loss function returned a {loss.dtype} tensor that does not require "
@@ -403,18 +405,18 @@ class ActionRunner:
         with self._bound(a) as params:
             saved = 0
             if self.ctx.grain is RecomputeGrain.STAGE:
-                with torch.enable_grad(), _SavedBytes(params) as counter:
-                    x, inputs = _leaf(x) if s.start > 0 else (x, x)
+                with torch.enable_grad(), SavedBytes(params) as counter:
+                    x, inputs = stage_leaves(x) if s.start > 0 else (x, x)
                     out = self._layers(a, s.layers, inputs, self._side(a))
                 graph, saved = (x, out), counter.bytes
             else:
                 # Each layer's input, for its backward; the pass runs all but the last
                 # layer, each of which may change its input in place: keep copies.
                 run = list(s.layers)[:-1]
-                inputs = [_copy(x) if run else x]
+                inputs = [copy_tree(x) if run else x]
                 with torch.no_grad():
                     self._layers(a, run, x, self._side(a), lambda _b, y, shared:
-                                 inputs.append(_copy(y) if shared else y))
+                                 inputs.append(copy_tree(y) if shared else y))
                 graph = inputs
         store.put(("graph", s.name, a.mb), graph, f"recompute state of {s.name} mb {a.mb}",
                   extra_bytes=saved)
@@ -427,18 +429,18 @@ class ActionRunner:
         with self._bound(a) as params:
             if self.ctx.grain is RecomputeGrain.STAGE:
                 x, out = graph
-                _backward(out, g)
-                gin = _input_grads(x) if s.start > 0 else None
+                backward_tree(out, g)
+                gin = input_grads(x) if s.start > 0 else None
             else:
                 side = self._side(a)
                 for i in reversed(range(len(s.layers))):
                     l = s.start + i
-                    with torch.enable_grad(), _WorkingSet(self.devices[a.worker], params,
+                    with torch.enable_grad(), WorkingSet(self.devices[a.worker], params,
                                                           f"working set of {a.key} layer {l}"):
-                        xi, inputs = _leaf(graph[i]) if l > 0 else (graph[i], graph[i])
+                        xi, inputs = stage_leaves(graph[i]) if l > 0 else (graph[i], graph[i])
                         y = self._layers(a, [l], inputs, side)
-                        _backward(y, g)
-                    g = _input_grads(xi) if l > 0 else None
+                        backward_tree(y, g)
+                    g = input_grads(xi) if l > 0 else None
                     graph[i] = None
                 gin = g
             self._give_input_grad(a, s, gin)
@@ -451,8 +453,8 @@ class ActionRunner:
         s, store = self.stages[a.stage], self.stores[a.worker]
         x = self._take_input(a)
         labels = store.pop(("labels", a.mb)) if s.kind is StageKind.TAIL else None
-        with self._bound(a) as params, torch.enable_grad(), _SavedBytes(params) as counter:
-            x, inputs = _leaf(x) if s.start > 0 else (x, x)
+        with self._bound(a) as params, torch.enable_grad(), SavedBytes(params) as counter:
+            x, inputs = stage_leaves(x) if s.start > 0 else (x, x)
             out = self._layers(a, s.layers, inputs, self._side(a), self._keeper(a))
             if labels is not None:
                 contribution = self._contribution(a, s, out, labels)
@@ -477,8 +479,8 @@ class ActionRunner:
         if s.kind is StageKind.TAIL:
             out.backward()
         else:
-            _backward(out, store.pop(("gout", s.name, a.mb)))
-        self._give_input_grad(a, s, _input_grads(x) if s.start > 0 else None)
+            backward_tree(out, store.pop(("gout", s.name, a.mb)))
+        self._give_input_grad(a, s, input_grads(x) if s.start > 0 else None)
         if a.key in self.routes.last_pass:
             self._keep_wgrads(a, params)
 
@@ -489,7 +491,7 @@ class ActionRunner:
         x = store.pop(("in", a.stage, a.mb))
         for stage in self.routes.also_input.get((a.stage, a.mb), ()):
             # A copy: the forward's first layer may change its input in place.
-            store.put(("in", stage, a.mb), _copy(x), f"input of {stage} mb {a.mb}")
+            store.put(("in", stage, a.mb), copy_tree(x), f"input of {stage} mb {a.mb}")
         return x
 
     def _keeper(self, a: Action):
@@ -500,8 +502,8 @@ class ActionRunner:
         def keep(boundary, y, shared):
             if boundary in wanted:
                 # The next layer of this forward may change y in place: keep a copy.
-                store.put(("out", s.name, a.mb, boundary), _copy(y) if shared else
-                          _detach(y), f"activation at layer {boundary} mb {a.mb}")
+                store.put(("out", s.name, a.mb, boundary), copy_tree(y) if shared else
+                          detach_tree(y), f"activation at layer {boundary} mb {a.mb}")
         return keep
 
     def _hand_on(self, a: Action, out, kept: bool) -> None:
@@ -511,8 +513,8 @@ class ActionRunner:
         readers = self.routes.act_to.get(a.key, ())
         for i, stage in enumerate(readers):
             mine = not kept and i == len(readers) - 1
-            self.stores[a.worker].put(("in", stage, a.mb), _detach(out) if mine else
-                                      _copy(out), f"input of {stage} mb {a.mb}")
+            self.stores[a.worker].put(("in", stage, a.mb), detach_tree(out) if mine else
+                                      copy_tree(out), f"input of {stage} mb {a.mb}")
 
     def _give_input_grad(self, a: Action, s: Stage, gin) -> None:
         """Store a backward's input gradient for its ``DG``, or as the output gradient
@@ -579,127 +581,3 @@ class ActionRunner:
             self.ctx.grads.add(pid, g)
         if self.ctx.rows_first is not None:
             self.ctx.rows_first(action_key(K.OPTIMIZER, a.stage, call=a.call))
-
-
-class _SavedBytes:
-    """Counts the bytes autograd saves for backward (the activation working set),
-    each storage once, weights excluded (they are accounted as weights)."""
-
-    def __init__(self, params: dict):
-        self._skip = {p.untyped_storage().data_ptr() for p in params.values()}
-        self._seen: set[int] = set()
-        self.bytes = 0
-
-    def _pack(self, t):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in self._skip and ptr not in self._seen:
-            self._seen.add(ptr)
-            self.bytes += st.nbytes()
-        return t
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
-class _WorkingSet(_SavedBytes):
-    """Like :class:`_SavedBytes` for work whose graph dies inside the action: the bytes
-    are charged to the device (a budget check, and the peak) and released at exit."""
-
-    def __init__(self, device: Device, params: dict, what: str):
-        super().__init__(params)
-        self._device, self._what = device, what
-
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        if exc[0] is None and self.bytes:
-            self._device.allocate(self.bytes, self._what)
-            self._device.free(self.bytes)
-
-
-def _scalar(loss) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise InputError(f"the loss function returned {shape}, not a scalar tensor: reduce "
-                         "it (e.g. .mean()) inside loss_fn")
-    if loss.is_complex():
-        raise InputError(f"the loss function returned a {loss.dtype} tensor: a loss to "
-                         "minimise is real (backward() refuses a complex one); return its "
-                         "real part or abs() from loss_fn")
-    return loss.reshape(())
-
-
-def _rows(tree) -> int:
-    """The batch size of a layer input: dim 0 of its first tensor leaf (-1: none)."""
-    for t in tree_flatten(tree)[0]:
-        if isinstance(t, torch.Tensor):
-            return t.shape[0] if t.dim() > 0 else -1
-    return -1
-
-
-def _detach(tree):
-    return map_tensors(lambda t: t.detach(), tree)
-
-
-class _StageInput(torch.autograd.Function):
-    """The input a stage's (at layer grain, a layer's) layers get under autograd:
-    ``x`` itself (no copy), not a leaf, whose gradient goes to ``anchor`` unchanged."""
-
-    @staticmethod
-    def forward(ctx, anchor, x):
-        return x.detach()          # the same storage; not a view: in-place is allowed
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _leaf(tree):
-    """``(leaves, inputs)`` for a stage's (at layer grain, a layer's) input ``tree``.
-
-    ``leaves``: for each floating tensor ``x``, a leaf that requires grad, whose
-    ``.grad`` is the gradient w.r.t. ``x`` (:func:`_input_grads`): one element
-    broadcast to ``x``'s shape. ``inputs``, what the layers get: ``x`` itself through
-    :class:`_StageInput`, not a leaf, so that a layer may change its input in place as
-    in plain PyTorch (``nn.ReLU(inplace=True)``, ``x.add_()``: autograd refuses that on
-    a leaf that requires grad). No copy and no arithmetic: the values are ``x``'s, and
-    ``x`` must be this action's alone (what else reads a stage input gets a copy:
-    :meth:`ActionRunner._take_input`, :meth:`ActionRunner._hand_on`, ``keep`` in
-    :meth:`ActionRunner._layers`)."""
-    xs, spec = tree_flatten(tree)
-    leaves, inputs = [], []
-    for x in xs:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            leaf = x.new_zeros(()).expand(x.shape).requires_grad_()
-            leaves.append(leaf)
-            inputs.append(_StageInput.apply(leaf, x))
-        else:
-            leaves.append(x)
-            inputs.append(x)
-    return tree_unflatten(leaves, spec), tree_unflatten(inputs, spec)
-
-
-def _copy(tree):
-    """A copy of every tensor of ``tree`` that a layer is about to receive while
-    something else holds it too: a layer may change its input in place."""
-    return map_tensors(lambda t: t.detach().clone(), tree)
-
-
-def _input_grads(tree):
-    return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) and t.requires_grad
-                    else None, tree)
-
-
-def _backward(out, grad) -> None:
-    """Backpropagate ``grad`` (same tree as ``out``, ``None`` where no gradient)."""
-    outs, _ = tree_flatten(out)
-    grads, _ = tree_flatten(grad)
-    pairs = [(o, g) for o, g in zip(outs, grads)
-             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
