@@ -10,7 +10,7 @@ import pytest
 from rotapipe.cli import main
 from rotapipe.errors import ConfigError
 from rotapipe.train import TrainConfig, load_config
-from rotapipe.train.config import field_docs
+from rotapipe.train.settings import field_docs
 from train_util import flags, text_jsonl
 
 transformers = pytest.importorskip("transformers")
@@ -158,7 +158,7 @@ def test_resumed_adapter_targets_compare_as_layer_names(tmp_path, saved, given, 
     """PEFT writes all-linear out as every wrapped layer's full name and keeps names
     given as they are; the flag matches either form."""
     import json
-    from rotapipe.train.config import check_lora_flags
+    from rotapipe.train.settings import check_lora_flags
     (tmp_path / "adapter_config.json").write_text(json.dumps(
         {"r": 8, "lora_alpha": 16, "target_modules": saved}))
     cfg = TrainConfig(model="m", resume_from_adapter=str(tmp_path), lora_targets=given)

@@ -105,7 +105,8 @@ def _plain(text: str) -> str:
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    from .train.config import CHOICES, REPORT_TO, TrainConfig, field_docs, field_types
+    from .train.config import CHOICES, REPORT_TO, TrainConfig
+    from .train.settings import field_docs, field_types
 
     p.add_argument("--config", metavar="FILE", default=None,
                    help="TOML (or YAML/JSON) file of settings; flags override it")
@@ -169,7 +170,7 @@ def train(args: argparse.Namespace) -> int:
 
     from .train import load_config
     from .train import train as run_training
-    from .train.config import check_lora_flags, field_types
+    from .train.settings import check_lora_flags, field_types
 
     overrides = {k: v for k, v in vars(args).items() if k in field_types()}
     base = load_config(recipe_path(args.recipe)) if args.recipe else None

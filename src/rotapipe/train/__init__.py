@@ -15,7 +15,8 @@ import typing
 # train --help` reads) does not import torch through the loop and the checkpoints.
 _FROM = {".checkpoint": ("latest_checkpoint", "list_checkpoints", "load_checkpoint",
                          "save_checkpoint"),
-         ".config": ("TrainConfig", "load_config"),
+         ".config": ("TrainConfig",),
+         ".settings": ("load_config",),
          ".loop": ("TrainResult", "train")}
 _WHERE = {name: module for module, names in _FROM.items() for name in names}
 
@@ -24,7 +25,8 @@ __all__ = sorted(_WHERE)
 if typing.TYPE_CHECKING:
     from .checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint,
                              save_checkpoint)
-    from .config import TrainConfig, load_config
+    from .config import TrainConfig
+    from .settings import load_config
     from .loop import TrainResult, train
 
 
