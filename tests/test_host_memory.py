@@ -196,6 +196,22 @@ def test_train_refuses_a_run_whose_state_exceeds_the_ram_before_loading(tmp_path
     assert len(loaded) == 2
 
 
+def test_a_run_from_scratch_is_not_told_to_use_lora():
+    """LoRA needs pretrained weights (``--lora`` without ``--model`` is refused), so a
+    from-scratch run over the RAM is offered the other fixes, never ``--lora``."""
+    from rotapipe.train import TrainConfig
+    from rotapipe.train.model import check_host_ram, host_state
+    cfg = TrainConfig(layers=2, dim=64, heads=2, vocab=512, seq=32, batch=2,
+                      microbatches=2, workers=2, backend="emulated", optimizer_mode="stale")
+    from train_util import chat_tokenizer
+    tok = chat_tokenizer()
+    need = host_state(cfg, tok).state
+    with pytest.raises(rotapipe.ConfigError) as e:
+        check_host_ram(cfg, tok, available=need // 2)
+    assert "--lora" not in str(e.value), str(e.value)
+    assert "--optimizer-mode sync" in str(e.value)
+
+
 def test_cli_flag_turns_the_host_ram_check_off():
     import argparse
     from rotapipe.cli import _train_arguments

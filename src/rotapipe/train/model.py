@@ -271,6 +271,8 @@ def check_host_ram(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int
     for flag, change in _SMALLER:
         if all(getattr(cfg, k) == v for k, v in change.items()):
             continue
+        if change.get("lora") and not cfg.pretrained:
+            continue            # LoRA needs pretrained weights (TrainConfig.effective)
         other = host_state(cfg.replace(**change), tokenizer, ranks, local_ranks)
         if other is not None and other.state < mem.state:
             fits = "fits" if other.state <= available else "does not fit either"
@@ -279,7 +281,9 @@ def check_host_ram(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int
         f"this run's model state needs {mem.describe_state()} of host RAM{machine} "
         f"before activations and buffers, and {size_text(available)} is available"
         f"{whose}: the kernel's out-of-memory killer would stop it. Free memory or add "
-        "RAM, or shrink the state: " + "; ".join(fixes or ["--lora"]) + ". (--no-host-ram-check "
+        "RAM, or shrink the state: " + "; ".join(
+            fixes or ["--lora" if cfg.pretrained else "a smaller model (--layers, --dim)"])
+        + ". (--no-host-ram-check "
         "runs it anyway, e.g. with swap.)")
 
 
@@ -348,8 +352,9 @@ def check_run_ram(cfg: TrainConfig, pipe, tokenizer, available: int | None = Non
         f"{pipe.plan.to_text()}: {size_text(held_now)} of weights and masters are loaded and "
         f"{size_text(more)} more is to come, but {size_text(available)} is available"
         f"{whose}: the kernel's out-of-memory killer would stop it. A smaller --batch or "
-        "--seq (the checkpoints), --optimizer-mode sync, a smaller --optimizer-state or --lora "
-        "shrink it (rotapipe plan prices each); --no-host-ram-check runs it anyway.")
+        "--seq (the checkpoints), --optimizer-mode sync, a smaller --optimizer-state"
+        + (" or --lora" if cfg.pretrained else "") + " shrink it (rotapipe plan prices "
+        "each); --no-host-ram-check runs it anyway.")
 
 
 def _available(given: int | None) -> tuple[int | None, str]:
