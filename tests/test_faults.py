@@ -497,11 +497,16 @@ def test_an_optimizer_step_raising_part_way_in_a_training_call_is_reported(mode,
         opt = StepsThenRaises(_two_groups(model), lr=0.1, momentum=0.9)
         ref_opt = StepsThenRaises(_two_groups(ref), lr=0.1, momentum=0.9)
         pipe.attach_optimizer(opt)
+
+        def ref_grads(x, y):
+            """Plain PyTorch's gradients of the batch, clipped as the pipeline clips."""
+            mse(ref(x), y).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+
         pipe.train_step(x0, y0)
         pipe.flush()
-        mse(ref(x0), y0).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_grads(x0, y0)
         ref_opt.step()
         ref_opt.zero_grad()
         assert mode != "overlap" or pipe._host_opt.clipped   # the next step is whole
@@ -514,9 +519,7 @@ def test_an_optimizer_step_raising_part_way_in_a_training_call_is_reported(mode,
             pipe.train_step(x1, y1)
             pipe.flush()
         opt.armed = False
-        mse(ref(x1), y1).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_grads(x1, y1)
         with pytest.raises(RuntimeError):
             ref_opt.step()       # plain PyTorch: group 0 stepped, group 1 not
 
@@ -544,9 +547,7 @@ def test_an_optimizer_step_raising_part_way_in_a_training_call_is_reported(mode,
         ref_opt.zero_grad()
         pipe.train_step(x1, y1)
         pipe.flush()
-        mse(ref(x1), y1).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ref_grads(x1, y1)
         ref_opt.step()
         assert_close_to_reference(pipe, ref, "after the restored step", grads=False)
 
