@@ -286,3 +286,26 @@ def test_plan_lora_names_the_expert_stacks_train_would_also_adapt(capsys):
     for argv in (["qwen3-1.7b", "--lora"], ["gpt-oss-20b", "--lora"]):
         main(["plan", *argv])
         assert "fused expert stacks" not in capsys.readouterr().out, argv
+
+
+@pytest.mark.parametrize("name,value", [
+    ("optimizer_rate", 1e-300), ("optimizer_rate", float("nan")), ("seq", 2.5),
+    ("host_ram", -1), ("host_ram", 1e300), ("chunk_mb", 1e300), ("nodes", True),
+    ("network_gbps", 1e-300), ("prefetch", 0), ("prefetch", 10**9), ("inflight_mb", 1e300),
+    ("lora_rank", 1e9), ("seq", 10**9), ("memory_fraction", 0)])
+def test_analyze_refuses_what_the_command_line_refuses(name, value, capsys):
+    """`analyze` from Python checks the same table as `rotapipe plan`'s flags: absurd
+    rates said "fits" (1e-300 parameters per second) and a rank of 1e9 planned."""
+    from rotapipe._validate import PLAN_LIMITS
+    from rotapipe.plan.hardware import hardware
+    from rotapipe.planner import analyze
+
+    with pytest.raises(rotapipe.ConfigError, match=f"{name}=.*{PLAN_LIMITS[name].flag}"):
+        analyze("qwen3-1.7b", hardware("rtx4090x8"),
+                **{"seq": 2048, "global_batch": 16, name: value})
+    flag, text = PLAN_LIMITS[name].flag, repr(value)
+    if name == "host_ram":                        # in GB on the command line
+        flag, text = "--host-ram", repr(value / 1e9)
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "qwen3-1.7b", flag, text.replace("True", "1.5")])
+    assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

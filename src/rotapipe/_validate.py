@@ -17,12 +17,13 @@ import math
 import os
 import pathlib
 import tempfile
+from dataclasses import dataclass
 from numbers import Integral, Real
 
 from .errors import ConfigError
 
 __all__ = ["integer", "number", "boolean", "text", "choice", "int_flag", "real_flag",
-           "nearest_existing", "cannot_make_folder"]
+           "nearest_existing", "cannot_make_folder", "Limit", "PLAN_LIMITS", "check_limits"]
 
 
 def _fail(name: str, value, allowed: str, optional: bool, wrong_type: bool):
@@ -146,6 +147,62 @@ def real_flag(low: float | None = 0.0, high: float | None = None, *, low_open: b
             raise argparse.ArgumentTypeError(f"{text}: {allowed}") from None
     convert.__name__ = "float"
     return convert
+
+
+# -- the ranges of the planner's inputs: ``rotapipe plan``'s flags and ``analyze``'s checks ----
+@dataclass(frozen=True)
+class Limit:
+    """The accepted range of one planner input, far beyond any real run on both sides
+    (a value outside is a typo: ``1e-300`` parameters per second said "fits"), with
+    the flag that sets it on the command line."""
+    flag: str
+    low: float
+    high: float
+    unit: str = ""
+    integral: bool = False
+
+    def check(self, name: str, value):
+        """``value`` (``None`` passes: the default), or a :class:`ConfigError` naming
+        both the Python argument and the flag."""
+        if value is None:
+            return None
+        try:
+            if self.integral:
+                return integer(name, value, minimum=int(self.low), maximum=int(self.high))
+            return number(name, value, low=self.low, high=self.high, unit=self.unit)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} ({self.flag} on the command line)") from None
+
+    def flag_type(self):
+        """The argparse type of :attr:`flag` (a host-RAM flag in GB is its own)."""
+        if self.integral:
+            return int_flag(int(self.low), int(self.high))
+        return real_flag(self.low, self.high, low_open=False, unit=self.unit)
+
+
+PLAN_LIMITS = {
+    "seq": Limit("--seq", 1, 2**20, integral=True),
+    "global_batch": Limit("--global-batch", 1, 2**20, integral=True),
+    "microbatches": Limit("--microbatches", 1, 4096, integral=True),
+    "lora_rank": Limit("--lora-rank", 1, 65536, integral=True),
+    "host_ram": Limit("--host-ram", 1e9, 1e15, "bytes"),
+    "optimizer_rate": Limit("--optimizer-rate", 1e6, 1e15, "parameters per second"),
+    "memory_fraction": Limit("--memory-fraction", 0.01, 1.0),
+    "chunk_mb": Limit("--copy-chunk-mb", 0.01, 65536, "MiB"),
+    "nodes": Limit("--nodes", 1, 65536, integral=True),
+    "network_gbps": Limit("--network-gbps", 0.01, 1e5, "Gb/s"),
+    "inflight_mb": Limit("--inflight-mb", 0.01, 1e6, "MiB"),
+    "prefetch": Limit("--prefetch", 1, 1024, integral=True),
+}
+"""What ``rotapipe plan`` and :func:`rotapipe.planner.analyze` accept: one table, so the
+flags and the Python function refuse the same values (``host_ram`` in bytes here, in
+GB on the command line: 1 GB to a petabyte)."""
+
+
+def check_limits(limits: dict[str, Limit], **values) -> None:
+    """Check each ``name=value`` against ``limits[name]``."""
+    for name, value in values.items():
+        limits[name].check(name, value)
 
 
 def nearest_existing(path: pathlib.Path) -> pathlib.Path:

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import _validate
-from ._validate import int_flag as _count, real_flag as _real
+from ._validate import PLAN_LIMITS, int_flag as _count, real_flag as _real
 from .errors import ConfigError, RotapipeError
 
 __all__ = ["main", "COMMANDS", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_NO_FIT"]
@@ -35,17 +35,23 @@ EXIT_USAGE = 2
 EXIT_NO_FIT = 3
 """``rotapipe plan``: the run does not fit the machine."""
 EXIT_INTERRUPTED = 130
-MAX_HOST_RAM_GB = 1_000_000
+MAX_HOST_RAM_GB = PLAN_LIMITS["host_ram"].high / 1e9
 """``plan --host-ram`` above this (a petabyte per server) is a typo, not a machine; below
 1 GB neither (and under a byte it read as no value: the default RAM)."""
+MAX_LORA_RANK = int(PLAN_LIMITS["lora_rank"].high)
+"""``--lora-rank`` of ``plan`` and ``simulate`` at most this, as ``train``'s."""
+
+
+def _limit(name: str):
+    """The flag type of the planner input ``name`` (:data:`~rotapipe._validate.PLAN_LIMITS`:
+    ``rotapipe plan`` and :func:`rotapipe.planner.analyze` accept the same values)."""
+    return PLAN_LIMITS[name].flag_type()
 MIN_MEMORY_GIB, MAX_MEMORY_GIB = 0.001, 100_000
 """``simulate --memory-gib`` outside this (about 1 MiB to 100 TiB) is a typo, not a
 device."""
 MAX_MS = 1e6
 """``simulate``'s explicit times (``--fwd-ms``, ``--hop-ms``, ...) above this (17 minutes
 for one block and microbatch) are typos; compute times are at least 1e-6 ms (1 ns)."""
-MAX_LORA_RANK = 65536
-"""``--lora-rank`` of ``plan`` and ``simulate`` at most this, as ``train``'s."""
 
 
 def _lora(args) -> bool:
@@ -384,20 +390,20 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="the model, as in train and simulate")
     a("--hardware", default="rtx4090x8",
       help="DEVICExN: rtx4090, a100, a800, h100-pcie (default: rtx4090x8)")
-    a("--seq", type=_count(), default=2048, help="tokens per sequence (default: 2048)")
-    a("--global-batch", type=_count(), default=16, help="sequences per step (default: 16)")
-    a("--microbatches", type=_count(), default=None,
+    a("--seq", type=_limit("seq"), default=2048, help="tokens per sequence (default: 2048)")
+    a("--global-batch", type=_limit("global_batch"), default=16, help="sequences per step (default: 16)")
+    a("--microbatches", type=_limit("microbatches"), default=None,
       help="microbatches per step (default: the planner tries every divisor of the "
            "global batch up to 64)")
     a("--lora", action="store_true", help="LoRA fine-tuning instead of full fine-tuning")
-    a("--lora-rank", type=_count(maximum=MAX_LORA_RANK), default=None,
+    a("--lora-rank", type=_limit("lora_rank"), default=None,
       help="LoRA rank, with --lora or --qlora (default: 8, as train)")
     a("--qlora", action="store_true",
       help="QLoRA: LoRA on a frozen base held and uploaded as NF4 (implies --lora)")
     a("--layout", choices=("sync", "overlap", "lean", "stale"), default=None,
       help="host layout of the optimizer side (docs/memory.md; default: stale with "
            "--stale, else the first of sync and lean that fits the host RAM)")
-    a("--prefetch", type=_count(maximum=1024), default=1,
+    a("--prefetch", type=_limit("prefetch"), default=1,
       help="PipeConfig.prefetch, for the lean layout's gradient count (default: 1)")
     a("--optimizer-state", choices=("fp32", "bf16", "int8"), default="fp32",
       help="how the optimizer state is kept (PipeConfig.optimizer_state_dtype, "
@@ -407,8 +413,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       "least 128)")
     a("--stale", action="store_true",
       help="plan for the one-step-stale optimizer (overlapping steps)")
-    a("--optimizer-rate", type=_real(1e6, 1e15, low_open=False,
-                                     unit="parameters per second"), default=None,
+    a("--optimizer-rate", type=_limit("optimizer_rate"), default=None,
       help="host optimizer throughput in parameters per second, in [1e6, 1e15], for each "
            "optimizer mode's step (default: 5e9, fused CPU AdamW on a server)")
     a("--modes", action="store_true",
@@ -421,22 +426,22 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="fraction of peak TFLOPS layers reach, in [0.01, 1] (default: 0.6)")
     a("--fp16-accumulate", action="store_true",
       help="fp16 math with fp16 accumulation (2x on GeForce cards)")
-    a("--memory-fraction", type=_real(0.01, 1.0, low_open=False), default=0.9,
+    a("--memory-fraction", type=_limit("memory_fraction"), default=0.9,
       help="share of device memory the plan may use, in [0.01, 1] (default: 0.9)")
     a("--pin", choices=("copy", "register", "off"), default="register",
       help="host memory mode of the weights, as PipeConfig.pin: page-locked by a copy, "
            "page-locked in place, or pageable behind bounce buffers (default: register, "
            "the CUDA default)")
-    a("--copy-chunk-mb", type=_real(0.01, 65536, low_open=False, unit="MiB"), default=32.0,
+    a("--copy-chunk-mb", type=_limit("chunk_mb"), default=32.0,
       help="bounce-buffer chunk in MiB with --pin off, as PipeConfig.copy_chunk_mb, in "
            "[0.01, 65536] (default: 32)")
-    a("--nodes", type=_count(maximum=65536), default=1,
+    a("--nodes", type=_limit("nodes"), default=1,
       help="data-parallel servers (default: 1); host RAM is then per server, for each "
            "DataParallelConfig.shard mode")
-    a("--network-gbps", type=_real(0.01, 1e5, low_open=False, unit="Gb/s"), default=25.0,
+    a("--network-gbps", type=_limit("network_gbps"), default=25.0,
       help="link rate between servers in Gb/s, in [0.01, 1e5], for the communication "
            "time per step (default: 25)")
-    a("--inflight-mb", type=_real(0.01, 1e6, low_open=False, unit="MiB"), default=100.0,
+    a("--inflight-mb", type=_limit("inflight_mb"), default=100.0,
       help="with --nodes: MiB of gradient buffers each server keeps in flight before "
            "the backward waits, as DataParallelConfig.inflight_mb, in [0.01, 1e6] "
            "(default: 100, 4 x bucket_mb)")

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from .._enums import RecomputeGrain
+from .._validate import PLAN_LIMITS, check_limits
 from ..errors import ConfigError, PlanError
 from ..plan import Hardware, ModelCosts, model_costs, model_work
 from ..plan.configs import FAMILIES, folded_expert_stacks, load_config, text_settings
@@ -403,25 +404,22 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     and ``stale`` calls, priced as with a global-norm clip with ``clip``; one server only
     (``nodes`` > 1: ``None``; data parallelism runs calls one at a time and the sharded
     modes step a share of the model each, which is not modelled)."""
+    check_limits(PLAN_LIMITS, seq=seq, global_batch=global_batch, lora_rank=lora_rank,
+                 host_ram=host_ram, microbatches=microbatches,
+                 memory_fraction=memory_fraction, chunk_mb=chunk_mb, nodes=nodes,
+                 network_gbps=network_gbps, prefetch=prefetch, inflight_mb=inflight_mb,
+                 optimizer_rate=optimizer_rate)
     if qlora and lora_rank is None:
         raise ConfigError("qlora needs a LoRA rank: QLoRA trains LoRA adapters on the "
                           "quantized base")
-    if nodes < 1 or global_batch % nodes:
+    if global_batch % nodes:
         raise ConfigError(f"--nodes {nodes}: the global batch {global_batch} must split "
                           "evenly over the servers (a multiple of --nodes)")
-    if not network_gbps > 0:
-        raise ConfigError(f"--network-gbps {network_gbps}: use the link rate in Gb/s, > 0")
     if grad_dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"--grad-dtype {grad_dtype}: use float32 or bfloat16")
     if grad_dtype != "float32" and nodes == 1:
         raise ConfigError("--grad-dtype bfloat16 is how sharded data parallelism sends "
                           "gradients between servers: add --nodes 2 (or more), or drop it")
-    if not optimizer_rate > 0:
-        raise ConfigError(f"--optimizer-rate {optimizer_rate}: use the host optimizer's "
-                          "throughput in parameters per second, > 0 (e.g. 5e9)")
-    if not inflight_mb > 0:
-        raise ConfigError(f"--inflight-mb {inflight_mb}: use MiB > 0 (the runtime's "
-                          "default is 4 x bucket_mb = 100)")
     if nodes > 1:
         a = analyze(model, hw, seq=seq, global_batch=global_batch // nodes,
                     lora_rank=lora_rank, host_ram=host_ram, microbatches=microbatches,
@@ -450,13 +448,9 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
         return _with_suggestions(out, model, hw, lora_rank,
                                  (microbatches,) if microbatches else
                                  _divisors(global_batch // nodes))
-    if seq < 1 or global_batch < 1:
-        raise ConfigError(f"seq ({seq}) and global batch ({global_batch}) must be >= 1")
-    if microbatches is not None and (microbatches < 1 or global_batch % microbatches):
+    if microbatches is not None and global_batch % microbatches:
         raise ConfigError(f"--microbatches {microbatches} must divide the global batch "
                           f"{global_batch}")
-    if not 0 < memory_fraction <= 1:
-        raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     device_limit = int(hw.device.memory_bytes * memory_fraction)
     host_limit = host_ram or default_host_ram(hw)
     trainable, grads = _trainable(model, hw, lora_rank)
