@@ -1,7 +1,7 @@
 """The planner: chooses a RoundPipe plan (stage cuts, fused tail and its jobs, recompute
 grain, microbatch count) by simulating the best candidates of the partitioner
 (:mod:`.autoplan`, exact on small models: :mod:`.exact`), judges whether a run fits a
-machine (:mod:`.advise`, ``rotapipe plan``), gives a pipeline its plan and refines it
+machine (:mod:`.advise`, ``rotapipe plan``; what it reports: :mod:`.analysis`), gives a pipeline its plan and refines it
 from measured stage times (:mod:`.pipeline`, :mod:`.measured`).
 
 It sits above the simulator: ``plan`` (arithmetic) -> ``schedule`` -> ``sim`` ->
