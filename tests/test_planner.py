@@ -330,8 +330,8 @@ def test_planning_100_layers_stays_within_a_fixed_number_of_estimates(monkeypatc
     costs = ModelCosts((base[0],) + layers + (base[-1],), 2048)
     assert len(costs.layers) == 100
     calls = []
-    estimate = partitioner._estimate
-    monkeypatch.setattr(partitioner, "_estimate",
+    estimate = partitioner.estimate
+    monkeypatch.setattr(partitioner, "estimate",
                         lambda *a, **k: calls.append(1) or estimate(*a, **k))
     cands = candidate_plans(Footprint.of(costs, 16), 8, int(21.6 * 2**30))
     assert cands and 0 < len(calls) <= 1000, len(calls)
@@ -409,16 +409,17 @@ def test_recut_candidates_only_add_plans_that_fit_and_estimate_no_slower(
 def test_the_local_search_retimes_a_move_exactly_as_the_estimate(
         times, uploads, workers, mbs, tail_jobs, calls, seed):
     """The local search times a move from the first job it changes, on the state of
-    the cut it starts from: the same float as :func:`_estimate` of the whole plan,
+    the cut it starts from: the same float as :func:`estimate` of the whole plan,
     along a random walk of moves (each accepted move becomes the new base)."""
-    from rotapipe.plan.partitioner import _estimate, _moves, _Retimer
+    from rotapipe.plan.estimate import Retimer, estimate
+    from rotapipe.plan.partitioner import _moves
     n = len(times)
     tail_jobs = min(tail_jobs, mbs)
     fp = Footprint.of(_model(times, uploads[:n]), mbs)
     body = n - 1
     rng = random.Random(seed)
     fwd, bwd = [(i, i + 1) for i in range(body)], [(0, body)]
-    timed = _Retimer(fp, body, tail_jobs, workers, calls)
+    timed = Retimer(fp, body, tail_jobs, workers, calls)
     timed.rebase(fwd, bwd)
     for _ in range(12):
         d = rng.random() < 0.5
@@ -428,7 +429,7 @@ def test_the_local_search_retimes_a_move_exactly_as_the_estimate(
             moves = list(_moves(fwd if d else bwd))
         runs = rng.choice(moves)
         f2, b2 = (runs, bwd) if d else (fwd, runs)
-        assert timed(f2, b2) == _estimate(fp, f2, body, b2, tail_jobs, workers, calls)
+        assert timed(f2, b2) == estimate(fp, f2, body, b2, tail_jobs, workers, calls)
         if rng.random() < 0.5:
             fwd, bwd = f2, b2
             timed.rebase(fwd, bwd)
