@@ -258,7 +258,15 @@ class GradReducer:
     def _wait(self, work, seq: int, what: str) -> None:
         """Wait for ``work`` (collective number ``seq``) with the deadline."""
         deadline = time.monotonic() + self.config.timeout_s
+        hb = self._heartbeat
         while not work.is_completed():
+            gone = hb.left_before(seq) if hb is not None else []
+            if gone:
+                # A rank that left the loop (its call failed, its pipeline closed)
+                # before issuing this collective never will: fail now, not at the
+                # timeout (the diagnosis reads why it left).
+                raise self._error(seq, what, RuntimeError(
+                    f"rank(s) {gone} left the collectives before issuing this one"))
             if time.monotonic() > deadline:
                 raise self._error(seq, what, TimeoutError(
                     f"not complete after {self.config.timeout_s:g} s "

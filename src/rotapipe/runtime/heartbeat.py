@@ -52,6 +52,11 @@ class Heartbeat:
         self.members = reducer.members
         self._stop = threading.Event()
         self._beat = 0
+        self._seen_left = 0
+        self.gone: dict[int, int] = {}
+        """Ranks that said they left the collectives (:meth:`mark`), with the number of
+        collectives each had issued then: one waiting for a later collective fails at
+        once (:meth:`left_before`) instead of at the timeout."""
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -87,12 +92,34 @@ class Heartbeat:
         if self.prefix is None:
             return
 
+        reducer = self.reducer()
+        issued = reducer.issued if reducer is not None else -1
+
         def write():
             try:
-                self.store.set(self._key(self.rank, "left"), why)
+                self.store.set(self._key(self.rank, "left"), f"{issued} {why}")
+                self.store.add(f"{self.prefix}/left-count", 1)
             except Exception:  # noqa: BLE001 - store gone: diagnose() says so
                 pass
         _within(write, 1.0)
+
+    def left_before(self, seq: int) -> list[int]:
+        """Ranks that left the collectives before issuing collective ``seq``: they
+        never will, so waiting for it is pointless."""
+        return sorted(r for r, issued in self.gone.items() if issued <= seq)
+
+    def _watch_left(self) -> None:
+        """One store round trip per beat: when a rank has marked itself gone since the
+        last look, read how far it got (:attr:`gone`)."""
+        count = self.store.add(f"{self.prefix}/left-count", 0)
+        if count == self._seen_left:
+            return
+        self._seen_left = count
+        for r in self.members:
+            key = self._key(r, "left")
+            if r != self.rank and r not in self.gone and self.store.check([key]):
+                issued = self.store.get(key).decode().split(" ", 1)[0]
+                self.gone[r] = int(issued) if issued.lstrip("-").isdigit() else -1
 
     def _run(self) -> None:
         # The prefix is agreed on by a collective after the thread starts; the thread
@@ -107,6 +134,7 @@ class Heartbeat:
             try:
                 self.store.set(self._key(self.rank), f"{self._beat} {reducer.issued}")
                 del reducer     # no strong reference while sleeping
+                self._watch_left()
             except Exception:  # noqa: BLE001 - store gone; diagnose() reports it
                 return
 
@@ -138,7 +166,10 @@ class Heartbeat:
             for r in ranks:
                 try:
                     if self.store.check([self._key(r, "left")]):
-                        out[r] = self.store.get(self._key(r, "left")).decode()
+                        # "<collectives issued> <why>" (an older writer: "<why>")
+                        text = self.store.get(self._key(r, "left")).decode()
+                        head, _, rest = text.partition(" ")
+                        out[r] = rest if head.lstrip("-").isdigit() else text
                 except Exception:  # noqa: BLE001
                     return
         _within(read, max(2.0, 4 * self.interval))

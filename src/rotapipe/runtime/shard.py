@@ -38,23 +38,60 @@ When they run (issue order is the same on every rank, as the all-reduce's; see
   the overflow check are one all-reduce of the shards' summed squares, in float64).
 - ``stale`` writes the step into the set of compute copies the calls two steps later
   read (:class:`~rotapipe.runtime.optimizer.HostOptimizer`), all-gathered there.
+
+The per-call work is :class:`~rotapipe.runtime.shardcall.ShardCall`. The user's own
+loop: ``optimizer.zero_grad()`` between calls is followed (:meth:`ShardedOptimizer.
+follow_grads`); ``optimizer.step()`` on the pieces outside the pipeline would never
+reach the workers' weights and is refused (:func:`_refuse_own_step`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..config import NonFinite, OptimizerMode, ShardMode
-from ..errors import NonFiniteError
+from ..errors import InputError, NonFiniteError
 from ..schedule import Schedule
 from .allreduce import InFlight
-from .host import CallGrads, HostState, LossScaler, own_step
+from .host import CallGrads, HostState, LossScaler, in_own_step, own_step
 from .optimizer import HostOptimizer
-from .stepping import Cost, Snapshot, merged
+from .shardcall import ShardCall
+from .stepping import Cost
+
+PARTLY_STEPPED = (
+    "rotapipe: the optimizer's step() raised part-way through a sharded whole step, "
+    "which keeps no snapshot: the pieces it updated before raising keep their update "
+    "(this rank's workers' copies follow them; .grad keeps the reduced gradients), and "
+    "data parallelism is retired (the other ranks fail naming this one): restore a "
+    "checkpoint on every rank (distributed.load_shard_state_dicts) and restart")
+
+
+def _refuse_own_step(owner: weakref.ref, pieces: frozenset[int], optimizer, args,
+                     kwargs) -> None:
+    """Before any ``torch.optim`` step in the process: one the user takes on a sharded
+    pipeline's pieces (not the pipeline's own, :func:`own_step`) would update this
+    rank's fp32 pieces only (with ``shard="optimizer"``, on no gradient at all), never
+    the weights the workers compute with: refuse it before it changes anything."""
+    if in_own_step() or owner() is None:
+        return
+    if any(id(p) in pieces for group in optimizer.param_groups for p in group["params"]):
+        shard = owner().shard.value
+        raise InputError(
+            f"optimizer.step() was called on the pieces of a sharded pipeline "
+            f"(data_parallel.shard={shard!r}) outside the pipeline: it would update this "
+            "rank's fp32 pieces only, never the weights the workers compute with (each "
+            "rank's updated pieces are all-gathered by the pipeline's own step), so "
+            "training would silently go wrong. Call pipe.step() instead of "
+            "optimizer.step() on every rank (it reduce-scatters, clips to "
+            "PipeConfig.clip_grad_norm, steps this optimizer and all-gathers the "
+            "weights), or end the step with pipe.train_step(x, y); nothing was changed")
 
 
 class ShardLayout:
@@ -159,6 +196,13 @@ class ShardedOptimizer(HostOptimizer):
         """The global gradient norm of the last whole step (clipping on or off)."""
         self.last_step_gate: InFlight | None = None
         """Backpressure counters of the last whole-step collectives (caller thread)."""
+        self._left: dict[int, tuple[weakref.ref, int]] = {}
+        """Per piece, the ``.grad`` the last call that ended no step left (weakly) and
+        its version: :meth:`follow_grads` tells from them what the user cleared."""
+        ids = frozenset(id(q) for q in self.masters.values())
+        handle = register_optimizer_step_pre_hook(functools.partial(
+            _refuse_own_step, weakref.ref(self), ids))
+        weakref.finalize(self, handle.remove)
 
     # -- what the pipeline reads -----------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -183,6 +227,7 @@ class ShardedOptimizer(HostOptimizer):
     # -- HostOptimizer's interface -----------------------------------------------------------
     def call_hook(self, optimizer, schedule: Schedule, stage_pids, grads: CallGrads,
                   units: float, step: bool, cost: Cost, reduce=None, view: int = 0):
+        self.follow_grads()
         return ShardCall(self, optimizer, schedule, grads, units, step, cost,
                          view if self.mode is OptimizerMode.STALE else None)
 
@@ -190,6 +235,7 @@ class ShardedOptimizer(HostOptimizer):
                   view: int | None = None) -> bool:
         """``pipe.step()``: reduce-scatter what ``shard="optimizer"`` accumulated, then
         one whole step (a collective: every rank calls it)."""
+        self.follow_grads()
         if self.shard is ShardMode.OPTIMIZER and self.samples > 0:
             reduced: dict = {}
             sent = self._bounded(
@@ -200,7 +246,12 @@ class ShardedOptimizer(HostOptimizer):
             self._collect(sent, reduced)
             for pid, q in self.masters.items():
                 q.grad = reduced.get(pid)
-        return self._whole_step(optimizer, cost, view)
+        try:
+            return self._whole_step(optimizer, cost, view)
+        except Exception as exc:
+            if self.r.broken is not None and hasattr(exc, "add_note"):   # Python 3.11+
+                exc.add_note(PARTLY_STEPPED)
+            raise
 
     def flush(self) -> None:
         """Every set of compute copies follows the newest one (no collective)."""
@@ -218,6 +269,53 @@ class ShardedOptimizer(HostOptimizer):
             q.grad = None
         self.local.clear()
         self.samples = 0.0
+        self._left = {}
+
+    def show_grads(self) -> None:
+        """After a call that ended no step: each piece's ``.grad`` shows what was
+        accumulated (``shard="gradients"``: its reduced gradient; ``"optimizer"``: a
+        view of this rank's part of the local, not yet reduced, sum), so that the
+        user's ``optimizer.zero_grad()`` is seen (:meth:`follow_grads`)."""
+        if self.shard is ShardMode.OPTIMIZER:
+            for pid, q in self.masters.items():
+                g = self.local.get(pid)
+                a, b = self.layout.range(pid)
+                q.grad = None if g is None else g.view(-1)[a:b]
+        self._left = {pid: (weakref.ref(q.grad), q.grad._version)
+                      for pid, q in self.masters.items() if q.grad is not None}
+
+    def follow_grads(self) -> None:
+        """Before a call or a step: if the user cleared the pieces' gradients since
+        the last call (``optimizer.zero_grad()``, either way), start a new
+        accumulation, as :meth:`HostState.follow_grads` does without sharding.
+        Clearing some but not all is ambiguous: an :class:`InputError`, and data
+        parallelism is retired (the units of this call are already all-reduced)."""
+        if self.samples == 0 or not self._left:
+            return
+        cleared, kept = [], []
+        for pid, q in self.masters.items():
+            g, left = q.grad, self._left.get(pid)
+            if left is None:
+                if g is not None:
+                    kept.append(pid)
+                continue
+            if g is None or (g is left[0]() and g._version != left[1] and not g.any()):
+                cleared.append(pid)
+            else:
+                kept.append(pid)
+        if not cleared:
+            return
+        if kept:
+            names = self.host.layerset.param_names
+            self.r.fail("its pieces' gradients were cleared in part")
+            raise InputError(
+                f"the gradient piece of {names[cleared[0]]} was cleared since the last "
+                f"call (optimizer.zero_grad() over part of pipe.parameters()?) but that of "
+                f"{names[kept[0]]} was not: the next call could not tell which calls its "
+                "gradients average over, and data parallelism is retired. Clear them all "
+                "with pipe.zero_grad() (or optimizer.zero_grad() over all of "
+                "pipe.parameters()), or none, and restart from the last checkpoint")
+        self.zero_grad()
 
     def load_full(self, state: dict[int, torch.Tensor]) -> None:
         """Set the masters from whole fp32 tensors (by parameter index) and every
@@ -389,8 +487,12 @@ class ShardedOptimizer(HostOptimizer):
                 for q in qs:
                     q.grad.mul_(coef)
         if not overflow:
-            with own_step():
-                optimizer.step()
+            try:
+                with own_step():
+                    optimizer.step()
+            except Exception:
+                self._keep_partial_step()
+                raise
             if cost is not None:
                 cost([pid for pid, q in self.masters.items() if q.grad is not None])
             views = list(range(len(self.host.views))) if view is None else [view]
@@ -401,167 +503,16 @@ class ShardedOptimizer(HostOptimizer):
         self.zero_grad()
         return not overflow
 
-
-class ShardCall:
-    """The optimizer work of one training call of a sharded pipeline (the
-    :class:`~rotapipe.runtime.stepping.CallHook` interface: :meth:`handoff` on the host
-    lane, :meth:`commit` once the call is complete, :meth:`abort` when it failed)."""
-
-    def __init__(self, owner: ShardedOptimizer, optimizer, schedule: Schedule,
-                 grads: CallGrads, units: float, step: bool, cost: Cost, view: int | None):
-        self.o, self.opt, self.grads, self.units = owner, optimizer, grads, units
-        self.step, self.cost, self.view = step, cost, view
-        self.layout = owner.r._layout(schedule)      # O action key -> buckets (pids)
-        self.gate = owner.r.gate(schedule)           # backpressure (InFlight)
-        total = owner.samples + units
-        self.keep, self.new = owner.samples / total, units / total
-        self.sends = owner.shard is ShardMode.GRADIENTS or step
-        self.per_stage = step and owner.mode is OptimizerMode.OVERLAP and not owner.whole_step
-        self.sent: list[_Exchange] = []
-        self.gathers: list[_Exchange] = []
-        self.queue: list[_Exchange] = []       # both kinds, in issue order
-        self.reduced: dict[int, torch.Tensor] = {}
-        self.prev: dict[int, torch.Tensor | None] | None = None
-        self.snapshots: list[Snapshot] = []
-
-    def _source(self, pid: int) -> torch.Tensor | None:
-        """What this rank sends for ``pid``: the call's gradient (``gradients``), or the
-        local sum since the last step (``optimizer``). The staged copy is dropped once
-        it is in the send buffer."""
-        g = self.grads.staged.pop(pid, None)
-        if self.o.shard is ShardMode.OPTIMIZER:
-            return merged(self.o.local.get(pid), g, self.keep, self.new)
-        return g
-
-    def _final(self, pid: int) -> torch.Tensor | None:
-        """The step's gradient of this rank's piece of ``pid``."""
-        if self.o.shard is ShardMode.OPTIMIZER:
-            return self.reduced.get(pid)        # already merged before it was sent
-        prev = self.prev.get(pid) if self.prev is not None else self.o.masters[pid].grad
-        return merged(prev, self.reduced.get(pid), self.keep, self.new)
-
-    def handoff(self, key: str) -> None:
-        try:
-            if self.sends:
-                self._handoff(key)
-        finally:
-            self.gate.leave(self.o.r.stage_of(key))
-
-    def _complete_oldest(self) -> bool:
-        """Complete the oldest collective of the call still in flight (a reduce-scatter
-        is collected, an all-gather landed): :class:`InFlight`'s ``wait_oldest``."""
-        x = next((x for x in self.queue if not x.done), None)
-        if x is None:
-            return False
-        if x.views:
-            self.o._land([x])
-        else:
-            self.o._collect([x], self.reduced)
-        return True
-
-    def _handoff(self, key: str) -> None:
-        sent = []
-        for pids in self.layout.get(key, ()):
-            self.gate.admit(self.o._scatter_bytes(pids), self._complete_oldest)
-            x = self.o._scatter(pids, self._source)
-            x.gate = self.gate
-            sent.append(x)
-            self.queue.append(x)
-        self.sent += sent
-        if self.per_stage and sent:
-            self.o._collect(sent, self.reduced)
-            self._step_pieces([pid for x in sent for pid in x.pids])
-        else:
-            self.o._collect(self.sent, self.reduced, ready_only=True)
-
-    def _step_pieces(self, pids: list[int]) -> None:
-        """overlap: step the pieces completed at this hand-off, start their all-gather."""
-        o = self.o
-        if self.prev is None:     # earlier calls' pieces must not be stepped with them
-            self.prev = {pid: q.grad for pid, q in o.masters.items()}
-            for q in o.masters.values():
-                q.grad = None
-        stepped = {}
-        for pid in pids:
-            if pid in o.masters:
-                g = self._final(pid)
-                if g is not None:
-                    stepped[pid] = g
-        if stepped and not all(torch.isfinite(torch.linalg.vector_norm(g))
-                               for g in stepped.values()):
-            # Per-stage steps see this rank's pieces only, and skipping needs every
-            # rank to agree: the call fails here (its peers then fail naming this rank).
-            raise NonFiniteError(
-                f"rank {o.r.rank}: a gradient piece is not finite (overlap steps each "
-                "stage's pieces as they land, so the step cannot be skipped on every "
-                "rank alike; with clipping on, or optimizer_mode sync/stale, the global "
-                "check applies nonfinite='skip')")
-        if stepped:
-            qs = [o.masters[pid] for pid in stepped]
-            self.snapshots.append(Snapshot(self.opt, qs, list(stepped)))
-            for pid, q in zip(stepped, qs):
-                q.grad = stepped[pid]
-            try:
-                with own_step():
-                    self.opt.step()
-            finally:
-                for q in qs:
-                    q.grad = None
-            if self.cost is not None:
-                self.cost(list(stepped))
-        # Every rank gathers the same buckets, stepped here or not.
-        views = [self.view] if self.view is not None else list(range(len(o.host.views)))
-        self.gate.admit(o._gather_bytes(pids, views), self._complete_oldest)
-        x = o._gather(pids, views)
-        x.gate = self.gate
-        self.gathers.append(x)
-        self.queue.append(x)
-
-    def commit(self) -> None:
-        o = self.o
-        if self.sends:
-            o._collect(self.sent, self.reduced)
-        if not self.step:
-            with torch.no_grad():
-                if o.shard is ShardMode.GRADIENTS:
-                    for pid, q in o.masters.items():
-                        q.grad = self._final(pid)
-                else:
-                    for pid in o.host.trainable:
-                        g = merged(o.local.get(pid), self.grads.staged.get(pid),
-                                    self.keep, self.new)
-                        if g is not None:
-                            o.local[pid] = g
-            o.samples += self.units
-            return
-        if self.per_stage:
-            o._land(self.gathers)
-            o.latest = self.view if self.view is not None else 0
-            o.scaler.update(False)
-            o.last_norm, o.last_skipped = None, False
-            o.zero_grad()
-            self.snapshots = []
-            return
-        for pid, q in o.masters.items():
-            q.grad = self._final(pid)
-        o.local.clear()
-        o._whole_step(self.opt, self.cost, self.view)
-
-    def abort(self) -> None:
-        """Undo the pieces stepped during the call and put the accumulated gradients
-        back. The ranks are out of step after a failure (data parallelism is retired):
-        the compute copies of other ranks' pieces are not restored."""
-        o = self.o
-        for snap in reversed(self.snapshots):
-            snap.restore()
+    def _keep_partial_step(self) -> None:
+        """The optimizer's whole step raised part-way: a whole step keeps no snapshot,
+        so the pieces it updated before raising keep their update. This rank's compute
+        copies follow its pieces (no collective: the other ranks' pieces in them stay
+        as they were) and data parallelism is retired, so that no rank waits for the
+        weight all-gather this rank will never issue (its peers fail naming it)."""
         with torch.no_grad():
-            for snap in self.snapshots:
-                for pid in snap.pids:
-                    a, b = o.layout.range(pid)
-                    for view in o.host.views:
-                        view[pid].view(-1)[a:b].copy_(o.masters[pid].detach())
-        o.host.settle([pid for snap in self.snapshots for pid in snap.pids])
-        self.snapshots = []
-        if self.prev is not None:
-            for pid, g in self.prev.items():
-                o.masters[pid].grad = g
+            for pid, q in self.masters.items():
+                a, b = self.layout.range(pid)
+                for view in self.host.views:
+                    view[pid].view(-1)[a:b].copy_(q.detach())
+        self.r.fail("its optimizer's step raised part-way")
+
