@@ -150,3 +150,39 @@ def test_the_run_summary_counts_files_and_saved_datasets(tmp_path):
     (saved / "dataset_info.json").write_text("{}")
     assert describe_sources(source_files(str(d / "a.txt"))) == "1 file"
     assert describe_sources(source_files(f"{d},{saved}")) == "2 files, 1 saved dataset"
+
+
+def test_a_text_line_longer_than_a_chunk_is_cut_into_records(tmp_path):
+    """A text file's line longer than a chunk (a book on one line, minified code) was
+    one record: a 24 MB line packed into one lane, and the run failed with "lane 1 of
+    the training split is empty ... add data". Now cut at spaces into chunks."""
+    from rotapipe.train.records import CHUNK_CHARS, iter_records
+    line = " ".join(f"w{i}" for i in range(CHUNK_CHARS)) + "\n"        # ~6 chunks
+    p = tmp_path / "one_line.txt"
+    p.write_text("head\n" + line + "tail\n")
+    records = [r for _, r in iter_records(p)]
+    assert "".join(records) == "head\n" + line + "tail\n"
+    # a chunk: pieces of at most CHUNK_CHARS until it holds CHUNK_CHARS, as whole lines
+    assert len(records) >= 3 and all(len(r) < 2 * CHUNK_CHARS for r in records)
+    assert not any(r.startswith(" ") for r in records)
+    # a word longer than a chunk has no space to cut at: cut at the chunk's length
+    p.write_text("x" * (2 * CHUNK_CHARS + 1))
+    assert [len(r) for _, r in iter_records(p)] == [CHUNK_CHARS, CHUNK_CHARS, 1]
+
+
+@pytest.mark.parametrize("name, body", [
+    ("bom.jsonl", '{"text": "a b"}\n{"text": "c"}\n'),
+    ("bom.json", '[{"text": "a b"}, {"text": "c"}]'),
+    ("bom.txt", "a b\nc\n"),
+])
+def test_a_byte_order_mark_opening_a_file_is_not_data(tmp_path, name, body):
+    """UTF-8 files saved by Notepad or PowerShell open with a byte-order mark: a JSONL
+    file failed with "bom.jsonl:1: not valid JSON (Unexpected UTF-8 BOM ...): fix or
+    remove the line", and a text file trained on the mark as a character."""
+    from rotapipe.train.loop import check_data
+    from rotapipe.train.records import iter_records
+    p = tmp_path / name
+    p.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    check_data([p], FIELDS)
+    first = next(iter_records(p))[1]
+    assert (first if isinstance(first, str) else first["text"]).startswith("a b")

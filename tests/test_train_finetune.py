@@ -566,3 +566,24 @@ def test_sequences_with_no_label_to_learn_are_skipped(tmp_path, model_dir):
                           holdout=0.0, fields=TextFields(), packing="pad")
     with pytest.raises(ConfigError, match="no sequence of the training split has a label"):
         stream.next()
+
+
+def test_a_resumed_adapter_is_priced_with_its_own_rank(tmp_path, model_dir):
+    """The host-RAM check prices ``--resume-from-adapter`` with the adapter's own rank
+    and targets (its adapter_config.json), not the run's default ``lora_rank`` of 8: a
+    rank-64 adapter was priced at a sixth of its state (0.2 MB for 1.2 MB here)."""
+    peft = pytest.importorskip("peft")
+    from rotapipe.train.model import host_state
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir))
+    peft.get_peft_model(base, peft.LoraConfig(r=64, lora_alpha=16, target_modules=[
+        "q_proj", "v_proj", "up_proj"])).save_pretrained(str(tmp_path / "adapter"))
+    common = dict(model=str(model_dir), data="x.jsonl", lr=1e-3, steps=1)
+    resumed = host_state(TrainConfig(**common, resume_from_adapter=str(tmp_path /
+                                                                       "adapter")), None)
+    fresh = host_state(TrainConfig(**common, lora=True, lora_rank=64,
+                                   lora_targets="q_proj,v_proj,up_proj"), None)
+    default = host_state(TrainConfig(**common, lora=True, lora_targets="q_proj,v_proj,"
+                                     "up_proj"), None)
+    assert resumed.state == fresh.state > default.state
+    assert resumed.masters == fresh.masters

@@ -215,3 +215,32 @@ def test_a_resume_trains_with_its_own_lr_weight_decay_and_betas(tmp_path):
     assert group["lr"] == pytest.approx(0.05 * lr_factor(cfg)(4), rel=1e-12)
     old = saved["optimizer"]["param_groups"][0]
     assert old["initial_lr"] == TINY["lr"] and old["weight_decay"] != 0.3
+
+
+def test_a_lora_resume_on_other_base_weights_is_refused(tmp_path, caplog):
+    """A LoRA checkpoint holds the adapter alone; the frozen base comes from the model
+    directory. Other weights under the same ``--model`` (files replaced, a hub cache on
+    a new revision) resumed silently onto another model (held-out loss 3.531 for the
+    uninterrupted run's 3.477 here); now refused, naming the file. Without LoRA every
+    weight is in the checkpoint: a warning."""
+    pytest.importorskip("peft")
+    from rotapipe.errors import ConfigError
+    from rotapipe.train import TrainConfig, train
+    from train_util import chat_tokenizer, sft_jsonl, tiny_model_dir
+    model = tiny_model_dir(tmp_path / "m", chat_tokenizer(), seed=0)
+    common = dict(seq=48, batch=4, microbatches=2, workers=2, backend="emulated",
+                  progress=False, model=str(model), data=str(sft_jsonl(tmp_path / "s.jsonl",
+                                                                       60)),
+                  holdout=0, lr=1e-2, warmup=1, export=False)
+    for lora in (True, False):
+        train(TrainConfig(**common, lora=lora, lora_rank=4, steps=1,
+                          out_dir=str(tmp_path / f"o{lora}")), echo=lambda s: None)
+    tiny_model_dir(model, chat_tokenizer(), seed=1)          # the base changes under them
+    with pytest.raises(ConfigError, match=r"model files differ .*changed: "
+                                          r"model\.safetensors.*LoRA adapter alone"):
+        train(TrainConfig(**common, lora=True, lora_rank=4, steps=2, resume=True,
+                          out_dir=str(tmp_path / "oTrue")), echo=lambda s: None)
+    with caplog.at_level("WARNING", logger="rotapipe.train"):
+        done = train(TrainConfig(**common, lora_rank=4, steps=2, resume=True,
+                                 out_dir=str(tmp_path / "oFalse")), echo=lambda s: None)
+    assert done.step == 2 and "model files differ" in caplog.text

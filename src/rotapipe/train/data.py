@@ -28,10 +28,10 @@ import torch
 
 from ..errors import ConfigError
 from .records import (CHUNK_CHARS, COMPLETION, IGNORE, RECORD_SUFFIXES,  # noqa: F401
-                      TEXT_SUFFIXES, HubSplit, RendersDifferently, TextFields, Tokens,
-                      chat_documents, chat_segments, check_text, hub_dataset,
+                      TEXT_SUFFIXES, HubSplit, TextFields, check_text, hub_dataset,
                       is_dataset_dir, iter_records, record_parts, record_text,
                       source_files, stdlib_files)
+from .tokens import RendersDifferently, Tokens, chat_documents, chat_segments  # noqa: F401
 
 __all__ = ["Batch", "PACKING", "PackedStream", "TextFields", "Tokens", "TrainBatches",
            "check_text", "count_split", "eval_batch", "eval_set", "iter_records",

@@ -14,11 +14,13 @@ from ..errors import ConfigError, InputError
 from ..plan.hostmem import size_text
 from .config import TrainConfig
 from .data import TextFields, train_tokenizer
+from .records import data_fingerprint
 from .hub import is_hub_id, snapshot
 
 __all__ = ["build_tokenizer", "build_model", "fingerprint", "check_sequence_length",
            "check_weight_files", "resolve_model", "adapter_dir", "host_state",
-           "check_host_ram", "plan_memory", "check_run_ram", "folded_expert_note"]
+           "check_host_ram", "plan_memory", "check_run_ram", "folded_expert_note",
+           "model_files"]
 
 
 def _model_dir(cfg: TrainConfig) -> pathlib.Path:
@@ -56,6 +58,21 @@ def adapter_dir(cfg: TrainConfig) -> pathlib.Path | None:
                           f"{'has no adapter_config.json' if p.is_dir() else 'is not a directory'}"
                           ": pass the directory a LoRA run exported (its final/)")
     return p
+
+
+def model_files(cfg: TrainConfig) -> dict[str, list]:
+    """``{file name: [size, hash of its ends]}`` (:func:`~rotapipe.train.records.
+    data_fingerprint`) of a pretrained model's ``config.json`` and ``*.safetensors``,
+    kept in a checkpoint's ``meta.json``: a resume on other weights under the same
+    ``model`` name (files replaced in the directory, a hub id whose cache moved to a new
+    revision) is then seen (:func:`rotapipe.train.resume.check_model_files`). From
+    scratch: ``{}``."""
+    if cfg.model is None:
+        return {}
+    folder = _model_dir(cfg)
+    found = data_fingerprint([folder / "config.json",
+                              *sorted(folder.glob("*.safetensors"))])
+    return {pathlib.Path(f).name: v for f, v in found.items()}
 
 
 def check_sequence_length(cfg: TrainConfig) -> None:
@@ -153,9 +170,22 @@ def _scratch_config(cfg: TrainConfig, tokenizer):
         attn_implementation="sdpa")
 
 
-def _with_lora(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """``model`` with new LoRA adapters of ``cfg.lora_rank`` on ``cfg.lora_targets``."""
+def _with_lora(model: nn.Module, cfg: TrainConfig,
+               adapter: pathlib.Path | None = None) -> nn.Module:
+    """``model`` with new LoRA adapters of ``cfg.lora_rank`` on ``cfg.lora_targets``; with
+    ``adapter`` (a PEFT adapter directory), adapters of its own shape (its
+    ``adapter_config.json``: rank, per-layer ranks, targets), not yet loaded."""
     import peft
+    if adapter is not None:
+        try:
+            config = peft.PeftConfig.from_pretrained(str(adapter))
+        except Exception as exc:  # noqa: BLE001 - peft raises ValueError, TypeError...
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise ConfigError(f"resume_from_adapter {str(adapter)!r}: adapter_config.json "
+                              f"cannot be read ({type(exc).__name__}: {first}): pass the "
+                              "directory a LoRA run exported (its final/)") from None
+        config.inference_mode = False          # a saved adapter says True: trainable
+        return peft.get_peft_model(model, config)
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
         [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
     return peft.get_peft_model(model, peft.LoraConfig(
@@ -214,7 +244,8 @@ def host_state(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1
     and optimizer-state dtype, with one call per step; under ``torchrun`` each of the
     ``ranks`` holds its share (:func:`rotapipe.plan.hostmem.per_server` in the run's
     shard mode), and ``local_ranks`` of them run on this machine. An adapter to resume
-    is priced as new adapters of ``lora_rank`` on ``lora_targets``. QLoRA prices every
+    (``resume_from_adapter``) is priced with its own shape, from its
+    ``adapter_config.json`` (the run's ``lora_rank`` is not the adapter's). QLoRA prices every
     frozen parameter of the decoder blocks as NF4 (norms too: a slight undercount)."""
     import transformers
     from ..plan import LayerCost, ModelCosts, even_plan
@@ -228,7 +259,9 @@ def host_state(cfg: TrainConfig, tokenizer, ranks: int = 1, local_ranks: int = 1
                 config = transformers.AutoConfig.from_pretrained(_model_dir(cfg))
                 model = transformers.AutoModelForCausalLM.from_config(config)
             if _lora(cfg):
-                model = _with_lora(model, cfg)
+                model = _with_lora(model, cfg, adapter_dir(cfg))
+    except ConfigError:
+        raise
     except Exception:  # noqa: BLE001 - a family this transformers cannot build on meta
         return None
     # Layers as the planner counts them: embedding, decoder blocks (the rest), head.

@@ -1,14 +1,12 @@
-"""Records: data files read one record at a time, what a record holds (plain text, a
-prompt/response pair or a chat) and its tokens.
+"""Records: data files read one record at a time, and what a record holds (plain text,
+a prompt/response pair or a chat).
 
 A *record* is one JSONL line, one object of a JSON list, one row of a Parquet file, of
 a saved Hugging Face dataset or of a hub dataset loaded by name (:func:`hub_dataset`),
-or a chunk of about 32 KiB of lines of a text file.
-:class:`Tokens` makes a record into one or more documents of token ids and labels
-(``-100`` where a token does not count): the beginning-of-text token as the tokenizer
-adds it, the end-of-text token after text and responses, and a chat rendered with the
-tokenizer's own chat template with the loss on the assistant turns only.
-:mod:`rotapipe.train.data` packs the documents into sequences.
+or a chunk of about 32 KiB of lines of a text file (a longer line is cut at a space).
+:mod:`rotapipe.train.tokens` makes a
+record into documents of token ids and labels; :mod:`rotapipe.train.data` packs them
+into sequences.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ from ..errors import ConfigError, InputError
 from .hub import HubSplit, hub_dataset
 
 __all__ = ["IGNORE", "TEXT_SUFFIXES", "RECORD_SUFFIXES", "CHUNK_CHARS", "COMPLETION",
-           "HubSplit", "TextFields", "Tokens", "RendersDifferently", "chat_documents",
-           "chat_segments", "check_chats", "check_text", "data_changes", "data_fingerprint",
+           "HubSplit", "TextFields", "check_text", "data_changes", "data_fingerprint",
            "hub_dataset", "is_dataset_dir", "iter_records", "record_parts", "record_text",
            "source_files", "stdlib_files"]
 
@@ -208,7 +205,7 @@ def _optional(module: str, what: str, package: str):
 def _json_list(path: pathlib.Path) -> list:
     """A ``.json`` data file: a list of records (read whole; use JSONL for big data)."""
     try:
-        values = json.loads(path.read_text(encoding="utf-8"))
+        values = json.loads(path.read_text(encoding="utf-8-sig"))   # a BOM may open it
     except UnicodeDecodeError as exc:
         raise InputError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
@@ -241,7 +238,8 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
                 if i < start or not raw.strip():
                     continue
                 try:
-                    line = raw.decode("utf-8")
+                    # utf-8-sig: a byte-order mark (Notepad, PowerShell) opens the file
+                    line = raw.decode("utf-8-sig" if i == 0 else "utf-8")
                 except UnicodeDecodeError as exc:
                     raise InputError(f"{path}:{i + 1}: not UTF-8 text (byte {exc.start} of "
                                      "the line): a JSONL file holds one UTF-8 JSON object "
@@ -278,17 +276,31 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
             data = data["train"]
         yield from _rows(data, start)
         return
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         i, chunk, size = 0, [], 0
         for line in f:
-            chunk.append(line)
-            size += len(line)
-            if size >= CHUNK_CHARS:
-                if i >= start:
-                    yield i, "".join(chunk)
-                i, chunk, size = i + 1, [], 0
+            for piece in _pieces(line):
+                chunk.append(piece)
+                size += len(piece)
+                if size >= CHUNK_CHARS:
+                    if i >= start:
+                        yield i, "".join(chunk)
+                    i, chunk, size = i + 1, [], 0
         if chunk and i >= start:
             yield i, "".join(chunk)
+
+
+def _pieces(line: str) -> Iterator[str]:
+    """``line`` in pieces of at most :data:`CHUNK_CHARS` characters, each cut after the
+    last whitespace before that length when there is one. A line longer than a chunk (a
+    book on one line, minified code) was one record: a 24 MB line packed into a single
+    lane, and the run failed with "lane 1 of the training split is empty"."""
+    while len(line) > CHUNK_CHARS:
+        cut = max(line.rfind(" ", 0, CHUNK_CHARS), line.rfind("\t", 0, CHUNK_CHARS)) + 1
+        cut = cut or CHUNK_CHARS
+        yield line[:cut]
+        line = line[cut:]
+    yield line
 
 
 def _rows(data, start: int, batch: int = 1024) -> Iterator[tuple[int, dict]]:
@@ -384,143 +396,3 @@ def record_text(record, fields: TextFields, where: str) -> tuple[str, str | None
     if kind == "chat":
         return "\n".join(m["content"] for m in value), None
     return (value, None) if kind == "text" else value
-
-
-class RendersDifferently(InputError):
-    """The chat template renders a turn differently once later turns follow."""
-
-
-def chat_segments(tokenizer, messages: list[dict], where: str) -> list[tuple[str, bool]]:
-    """The conversation rendered by the tokenizer's chat template, cut into
-    ``(text, is the assistant's)`` pieces.
-
-    The assistant's text of message ``i`` is what rendering ``messages[:i + 1]`` adds to
-    rendering ``messages[:i]`` with the generation prompt (which renders the assistant
-    header): so the header is not trained on, the turn's end marker is. A template that
-    renders earlier turns differently once later ones follow (Qwen3 drops the thinking
-    block of earlier turns) raises :class:`RendersDifferently`."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"{where}: a chat record needs a tokenizer with a chat template, "
-                          "and this one has none: use the model's instruct tokenizer, set "
-                          "tokenizer.chat_template, or write prompt/response records")
-
-    def render(msgs, generation_prompt: bool) -> str:
-        try:
-            return tokenizer.apply_chat_template(msgs, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
-        except Exception as exc:  # noqa: BLE001 - jinja raises its own types
-            raise InputError(f"{where}: the chat template fails on this conversation "
-                             f"({type(exc).__name__}: {exc})") from None
-
-    full = render(messages, False)
-    segments, done = [], 0
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        head = render(messages[:i], True) if i else ""
-        upto = render(messages[:i + 1], False)
-        if not (full.startswith(upto) and upto.startswith(head) and len(head) >= done):
-            raise RendersDifferently(f"{where}: the chat template renders message {i} "
-                                     "differently once later messages follow")
-        segments += [(full[done:len(head)], False), (full[len(head):len(upto)], True)]
-        done = len(upto)
-    segments.append((full[done:], False))
-    return [(t, c) for t, c in segments if t]
-
-
-def chat_documents(tokenizer, messages: list[dict], where: str
-                   ) -> list[list[tuple[str, bool]]]:
-    """A chat as documents of :func:`chat_segments` pieces: one document, or, when the
-    template renders earlier turns differently once later ones follow, one document
-    per assistant turn (its history as the template renders it when that turn is
-    generated, only that turn counted: what the model sees at inference)."""
-    try:
-        return [chat_segments(tokenizer, messages, where)]
-    except RendersDifferently:
-        pass
-    docs = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        head = tokenizer.apply_chat_template(messages[:i], tokenize=False,
-                                             add_generation_prompt=True) if i else ""
-        upto = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
-        if not upto.startswith(head):
-            raise InputError(f"{where}: the chat template's generation prompt for message "
-                             f"{i} is not how it renders that message, so the assistant "
-                             "tokens cannot be found: use a template whose "
-                             "add_generation_prompt output starts the assistant turn")
-        docs.append([(t, c) for t, c in ((head, False), (upto[len(head):], True)) if t])
-    return docs
-
-
-def check_chats(files, tokenizer, fields: TextFields) -> int:
-    """Render every chat record of ``files`` with the tokenizer's chat template (as
-    :func:`chat_documents` does, without tokenizing), so that a template failing on any
-    record (a role it refuses, its own ``raise_exception``) fails before training,
-    naming ``file:line``, rather than at the step that first reads the record. Returns
-    the number of chats rendered."""
-    chats = 0
-    for path in files:
-        if path.is_file() and path.suffix not in RECORD_SUFFIXES:
-            continue                                  # a text file holds no chats
-        for i, rec in iter_records(path):
-            where = f"{path}:{i + 1}"
-            kind, value = record_parts(rec, fields, where)
-            if kind == "chat":
-                chat_documents(tokenizer, value, where)
-                chats += 1
-    return chats
-
-
-class Tokens:
-    """A record as ``(ids, labels)``, with the tokenizer's own special tokens.
-
-    Text and prompt/response records get the beginning-of-text token when the tokenizer
-    adds one itself (Llama 3, Gemma; not Qwen) and always end with the end-of-text token;
-    the beginning token is not a target. Chats get exactly what the chat template writes
-    (its BOS and turn markers) and nothing else."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:   # fast path, and no "longer than max length" warnings
-            self.encode = lambda text: backend.encode(text, add_special_tokens=False).ids
-        else:
-            self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
-        self.eos = tokenizer.eos_token_id
-        if self.eos is None:
-            raise ConfigError("the tokenizer has no end-of-text token (eos_token): set one "
-                              "in the model's tokenizer_config.json")
-        bos = getattr(tokenizer, "bos_token_id", None)
-        probe = tokenizer.encode("a", add_special_tokens=True) if bos is not None else []
-        self.bos = bos if probe and probe[0] == bos else None
-        pad = getattr(tokenizer, "pad_token_id", None)
-        self.pad = self.eos if pad is None else pad
-
-    def documents(self, record, fields: TextFields, where: str
-                  ) -> list[tuple[list[int], list[int]]]:
-        """The record's documents as ``(ids, labels)``: one, or one per assistant turn of
-        a chat whose template renders history differently (:func:`chat_documents`)."""
-        kind, value = record_parts(record, fields, where)
-        head = [] if self.bos is None else [self.bos]
-        if kind == "text":
-            ids = self.encode(value) + [self.eos]
-            return [(head + ids, [IGNORE] * len(head) + ids)]
-        if kind == "pair":
-            p, r = head + self.encode(value[0]), self.encode(value[1]) + [self.eos]
-            return [(p + r, [IGNORE] * len(p) + r)]
-        docs = []
-        for segments in chat_documents(self.tokenizer, value, where):
-            ids, labels = [], []
-            for text, counts in segments:
-                t = self.encode(text)
-                ids += t
-                labels += t if counts else [IGNORE] * len(t)
-            docs.append((ids, labels))
-        return docs
-
-    def record(self, record, fields: TextFields, where: str) -> tuple[list[int], list[int]]:
-        """A record that is one document as ``(ids, labels)`` (several: concatenated)."""
-        docs = self.documents(record, fields, where)
-        return [i for d in docs for i in d[0]], [x for d in docs for x in d[1]]

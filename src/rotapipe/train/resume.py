@@ -7,6 +7,7 @@ for an export. Used by :mod:`rotapipe.train.loop`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import pathlib
 import random
 
@@ -16,9 +17,11 @@ from .. import distributed
 from ..errors import CheckpointError, ConfigError
 from .checkpoint import is_sharded, latest_checkpoint, load_shards
 from .config import TrainConfig
+from .records import data_changes
 
-__all__ = ["RESUME_FIXED", "check_resume_config", "restore", "restore_sharded",
-           "restore_rest", "apply_settings", "sharded", "pipe_names", "masters_in_model"]
+__all__ = ["RESUME_FIXED", "check_resume_config", "check_model_files", "restore",
+           "restore_sharded", "restore_rest", "apply_settings", "sharded", "pipe_names",
+           "masters_in_model"]
 
 RESUME_FIXED = ("model", "layers", "dim", "heads", "kv_heads", "ffn", "vocab",
                 "tokenizer_bytes", "lora", "qlora", "lora_rank", "lora_alpha", "lora_targets",
@@ -26,6 +29,8 @@ RESUME_FIXED = ("model", "layers", "dim", "heads", "kv_heads", "ffn", "vocab",
                 "prompt_field", "response_field", "messages_field", "seq", "packing",
                 "holdout", "batch", "seed", "optimizer", "optimizer_state")
 """Fields a resumed run must share with its checkpoint (the rest may change, e.g. steps)."""
+
+log = logging.getLogger("rotapipe.train")
 
 _SAVED_DEFAULTS = {"optimizer_state": "fp32"}
 """What a checkpoint written before a ``RESUME_FIXED`` field existed had."""
@@ -42,6 +47,28 @@ def check_resume_config(path, saved: dict, cfg: TrainConfig) -> None:
             raise ConfigError(f"checkpoint {path} was written with {name}={value!r}, this "
                               f"run has {getattr(cfg, name)!r}: {how} to resume it, or use "
                               "a new out_dir")
+
+
+def check_model_files(path, saved, now: dict, cfg: TrainConfig) -> None:
+    """The pretrained model's files (:func:`rotapipe.train.model.model_files`) must be
+    those checkpoint ``path`` was trained on (``saved``, its ``meta.json``'s
+    ``model_files``; a checkpoint from before they were kept is not checked). With LoRA
+    the checkpoint holds the adapter alone and the frozen base comes from these files:
+    other weights under the same name would continue the adapter on another model,
+    silently, so the resume is refused. Without LoRA every weight comes from the
+    checkpoint, and a changed ``config.json`` gets a warning."""
+    changes = data_changes(saved, now)
+    if changes is None:
+        return
+    what = f"the model files differ from those checkpoint {path} was trained on ({changes})"
+    if cfg.uses_lora or cfg.qlora:
+        raise ConfigError(f"{what}: the checkpoint holds the LoRA adapter alone, trained on "
+                          "the frozen weights of those files, so resuming on these trains it "
+                          "on another model: restore the model files (the same revision), "
+                          "or start a new --out-dir (--resume-from-adapter with an exported "
+                          "adapter continues it on another base on purpose)")
+    log.warning(f"{what}: the weights come from the checkpoint, but a changed config.json "
+                "changes the model (restore the files for an exact resume)")
 
 
 def restore(pipe, model, opt, masters, state) -> None:

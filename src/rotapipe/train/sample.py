@@ -10,7 +10,7 @@ import torch
 
 from ..errors import ConfigError
 from .config import TrainConfig
-from .records import Tokens
+from .tokens import Tokens
 
 __all__ = ["generate_sample", "sample_prompts"]
 
