@@ -12,8 +12,8 @@ import torch
 from ..config import PipeConfig
 from ..errors import CheckpointError, ConfigError, InputError
 
-__all__ = ["kind", "check_arguments", "check_optimizer_step", "check_scheduler",
-           "check_state", "check_pipeline_state", "ModelWatch"]
+__all__ = ["kind", "check_arguments", "check_layers", "check_optimizer_step",
+           "check_scheduler", "check_state", "check_pipeline_state", "ModelWatch"]
 
 
 def kind(value) -> str:
@@ -45,6 +45,39 @@ def check_arguments(loss_fn, config, optimizer, **fns) -> None:
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable "
                           f"params -> Optimizer, got {kind(optimizer)}: e.g. "
                           "optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4)")
+
+
+# Dtypes a trained parameter may have: its fp32 master holds any of them exactly.
+_MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_layers(layerset) -> None:
+    """The wrapped layers' trained parameters, before the pipeline changes anything:
+    each must widen exactly into an fp32 master (the host converts it in place), and
+    none may get a sparse gradient (the workers move dense weight gradients only)."""
+    for name, p in zip(layerset.param_names, layerset.params):
+        if p.requires_grad and p.dtype not in _MASTER_DTYPES:
+            fix = ("convert it with .float() before wrapping, or freeze it "
+                   "(requires_grad_(False))")
+            if p.dtype.is_complex:
+                why = "narrowing it would drop its imaginary part"
+            else:
+                why = "the pipeline would train it in float32, less precisely than it is"
+            raise ConfigError(
+                f"parameter {name} is {p.dtype}: rotapipe keeps an fp32 master of every "
+                f"trained parameter and computes in PipeConfig.precision (float32, "
+                f"bfloat16 or float16), so {why}. Trained parameters must be float32, "
+                f"bfloat16 or float16: {fix}")
+    for i, layer in enumerate(layerset.layers):
+        for mod_name, mod in layer.named_modules():
+            if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and \
+                    mod.sparse and mod.weight.requires_grad:
+                where = f"{i}.{mod_name}" if mod_name else str(i)
+                raise ConfigError(
+                    f"layer {where} ({type(mod).__name__}) has sparse=True: its weight "
+                    "would get a sparse gradient, and rotapipe moves dense weight "
+                    "gradients only. Build it with sparse=False (the dense gradient "
+                    "trains the same), or freeze its weight")
 
 
 def _required_args(fn, skip: int = 0) -> list[str]:

@@ -42,7 +42,7 @@ from ..runtime.optimizer import HostOptimizer
 from ..runtime.optstate import StatePrecision
 from ..runtime.shard import ShardedOptimizer
 from ..runtime import trees
-from .checks import ModelWatch, check_arguments
+from .checks import ModelWatch, check_arguments, check_layers
 from .introspect import Inspection
 from .state import StateIO
 from .training import TrainCalls
@@ -114,6 +114,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         check_arguments(loss_fn, config, optimizer, side_inputs=side_inputs,
                         loss_weight=loss_weight, tail_context=tail_context)
         self.layerset = LayerSet(layers)
+        check_layers(self.layerset)
         self.lookups = Lookups(self.layerset, lookups)
         claim(self)
         # state_dict keys follow the user's container (named nn.Sequential keeps names).

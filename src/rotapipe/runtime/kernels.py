@@ -533,6 +533,14 @@ class ActionRunner:
 
     def _keep_wgrads(self, a: Action, params: dict) -> None:
         grads = {pid: p.grad for pid, p in params.items() if p.grad is not None}
+        for pid, g in grads.items():
+            if g.layout is not torch.strided:
+                # F.embedding(..., sparse=True) and the like; the modules are refused
+                # at construction (pipe.checks.check_layers).
+                raise InputError(
+                    f"parameter {self.ls.param_names[pid]} got a {g.layout} gradient: "
+                    "rotapipe moves dense weight gradients only. Compute it with a dense "
+                    "gradient (sparse=False in F.embedding / nn.Embedding)")
         for p in params.values():
             p.grad = None
         self.stores[a.worker].put(("wgrad", a.stage), grads, f"weight gradients of {a.stage}")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..errors import NonFiniteError
+from ..errors import ConfigError, NonFiniteError
 from ..plan.costs import ROWS_FIRST_COST
 from ..schedule import Schedule
 from .host import CallGrads
@@ -22,6 +22,8 @@ if typing.TYPE_CHECKING:
     from .optimizer import HostOptimizer
 
 __all__ = ["OverlapStep"]
+
+_HYPER = ("lr", "momentum", "betas")     # what torch.optim.lr_scheduler changes
 
 
 class OverlapStep(CallHook):
@@ -70,6 +72,9 @@ class OverlapStep(CallHook):
         self.early: dict[str, list[int]] = {}
         """Hand-off key -> the parameters its ``O`` still steps, for keys whose ``OR``
         (:meth:`step_rows`) did the rest."""
+        self.hyper: list[dict] | None = None
+        """What a scheduler changes, per parameter group, as the first stage's step saw
+        it: every stage of one step must step with the same (:meth:`_same_hyper`)."""
 
     def _begin(self) -> None:
         """At the first hand-off (earlier calls have committed by then): set aside the
@@ -206,6 +211,7 @@ class OverlapStep(CallHook):
                     "clipping on, a non-finite step is skipped cleanly)")
         if not stepped or self.overflow:
             return
+        self._same_hyper()
         params = [self.params[pid] for pid in stepped]
         # stale: the set of compute copies written may differ from the masters (it
         # holds the weights the failed call's retry must read): keep it too.
@@ -233,6 +239,29 @@ class OverlapStep(CallHook):
                 del self.final[pid]
         if self.cost is not None:
             self.cost(stepped)
+
+    def _same_hyper(self) -> None:
+        """Refuse a step whose stages would step with different learning rates: the
+        caller changed a group's ``lr`` (``momentum``, ``betas``) while this call's
+        step was under way, typically a scheduler stepped right after ``train_step``
+        returned. The call then fails and its stages' steps are undone."""
+        now = [{k: g[k] for k in _HYPER if k in g} for g in self.opt.param_groups]
+        if self.hyper is None:
+            self.hyper = now
+            return
+        for i, (was, got) in enumerate(zip(self.hyper, now)):
+            for k in was:
+                if got.get(k) != was[k]:
+                    raise ConfigError(
+                        f"param group {i}'s {k!r} changed from {was[k]!r} to {got.get(k)!r} "
+                        "while a training call's optimizer step was under way (its "
+                        "stages step one by one after train_step returns, in the "
+                        "'overlap' and 'stale' modes), so its stages would step with "
+                        "different values. Pass the scheduler to pipe.attach_optimizer("
+                        "opt, scheduler=...) (the pipeline steps it between steps), or "
+                        "call pipe.flush() before changing the optimizer's settings")
+        if len(now) != len(self.hyper):
+            self.hyper = now
 
     # -- once the call is complete -------------------------------------------------------
     def commit(self) -> None:
