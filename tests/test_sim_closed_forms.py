@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 
+import rotapipe
 from rotapipe import even_plan, roundpipe_schedule
 from rotapipe.plan import LayerCost, ModelCosts, bound_plan
 from rotapipe.schedule import (Action, ActionKind as K, Schedule, gpipe_schedule,
@@ -185,8 +186,20 @@ def test_build_schedule_names_errors():
         build_schedule("interleaved-1f1b", costs, SimConfig(8, 8))
     with pytest.raises(Exception, match="unknown schedule"):
         build_schedule("zero-bubble", costs, SimConfig(2, 2))
-    with pytest.raises(Exception, match="calls must be >= 2"):
+    with pytest.raises(Exception, match=r"calls=1: use an int in \[2, 64\]"):
         SimConfig(2, 2, calls=1)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("devices", 2.5), ("devices", True), ("devices", 10**6), ("microbatches", 4.0),
+    ("microbatches", 10**6), ("virtual_stages", 10**5), ("calls", 10**6),
+    ("refine", 10**7), ("memory_limit", -5), ("memory_limit", "24GB")])
+def test_sim_config_refuses_what_simulate_would_choke_on(field, value):
+    """A float count was a TypeError deep in the schedule builder and a million devices
+    simulated for two minutes: each field is checked against `rotapipe simulate`'s
+    range, naming it."""
+    with pytest.raises(rotapipe.ConfigError, match=f"^{field}="):
+        SimConfig(**{"devices": 2, "microbatches": 2, field: value})
 
 
 def test_sweep_all_schedules_simulate_consistently():

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from .._validate import integer
 from ..errors import ConfigError, PlanError
 from ..plan import ModelCosts, Plan, Recompute, bound_plan
 from ..plan.balance import roundpipe_plans
@@ -58,15 +59,16 @@ class SimConfig:
             object.__setattr__(self, "recompute", Recompute.of(self.recompute))
         except PlanError as exc:
             raise ConfigError(str(exc)) from None
-        if self.devices < 1 or self.microbatches < 1:
-            raise ConfigError(f"devices={self.devices} and microbatches={self.microbatches} "
-                              "must be >= 1")
-        if self.virtual_stages < 1:
-            raise ConfigError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
-        if self.calls < 2:
-            raise ConfigError(f"calls must be >= 2 to measure a steady state, got {self.calls}")
-        if self.refine < 1:
-            raise ConfigError(f"refine must be >= 1, got {self.refine}")
+        # The ranges of `rotapipe simulate`'s flags: beyond them a run is a typo (a
+        # million devices simulated for two minutes), and a float count a TypeError.
+        integer("devices", self.devices, maximum=1024)
+        integer("microbatches", self.microbatches, maximum=4096)
+        integer("virtual_stages", self.virtual_stages, maximum=64)
+        integer("calls", self.calls, minimum=2, maximum=64,
+                allowed="an int in [2, 64] (at least 2 to measure a steady state)")
+        integer("refine", self.refine, maximum=1000)
+        integer("memory_limit", self.memory_limit, optional=True,
+                allowed="device memory in bytes, a positive int")
 
 
 @dataclass(frozen=True)
