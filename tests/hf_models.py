@@ -45,6 +45,7 @@ def _model(cls: str, config: str, **kw):
 
 
 MOE = dict(output_router_logits=True, router_aux_loss_coef=0.5, num_experts_per_tok=2)
+_LAYERS3 = ["sliding_attention", "sliding_attention", "full_attention"]
 
 FAMILIES = {
     "qwen3": lambda: _qwen3(),
@@ -100,6 +101,23 @@ FAMILIES = {
         n_inner=48, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1,
         eos_token_id=2, pad_token_id=0, attn_implementation="eager")),
     "smollm3": _model("SmolLM3ForCausalLM", "SmolLM3Config", no_rope_layers=[1, 0, 1]),
+    # Gemma 4 without per-layer inputs (those are refused: REFUSED["gemma4_per_layer"]).
+    "gemma4": _model("Gemma4ForCausalLM", "Gemma4TextConfig", head_dim=8, sliding_window=4,
+                     final_logit_softcapping=3.0, hidden_size_per_layer_input=0,
+                     attention_k_eq_v=True, layer_types=_LAYERS3),
+    # Falcon-H1: Mamba-2 mixer and attention side by side in every block, its embedding
+    # multiplier applied where the forward looks the tokens up, lm_head_multiplier.
+    "falcon_h1": _model("FalconH1ForCausalLM", "FalconH1Config", head_dim=8,
+                        mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
+                        mamba_chunk_size=4, mamba_d_ssm=32, embedding_multiplier=2.0,
+                        lm_head_multiplier=0.5, mlp_multipliers=[0.5, 2.0]),
+    # Qwen3-Next: gated DeltaNet (linear attention) layers between full-attention ones.
+    "qwen3_next": _model("Qwen3NextForCausalLM", "Qwen3NextConfig", head_dim=8,
+                         linear_key_head_dim=8, linear_value_head_dim=8,
+                         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                         layer_types=["linear_attention", "full_attention",
+                                      "linear_attention"], **MOE),
     "qwen3moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, mlp_only_layers=[1], output_router_logits=True,
@@ -136,19 +154,22 @@ FEATURES = {
     # feature: (families, predicate(model, wrapped) that holds when the feature is on)
     "parameter-free final norm": (("olmo",), lambda m, w: w.parts["norm"] and not list(
         m.get_submodule(w.parts["norm"]).parameters())),
-    "logit scaling in forward": (("granite", "cohere", "cohere2"), lambda m, w: {
-        "divide", "multiply"} & set(w.layers[-1].transforms)),
-    "final-logit soft-capping": (("gemma2", "gemma3"),
+    "logit scaling in forward": (("granite", "cohere", "cohere2", "falcon_h1"),
+                                 lambda m, w: {"divide", "multiply"} & set(
+                                     w.layers[-1].transforms)),
+    "final-logit soft-capping": (("gemma2", "gemma3", "gemma4"),
                                  lambda m, w: "softcap" in w.layers[-1].transforms),
     "attention soft-capping": (("gemma2",),
                                lambda m, w: m.config.attn_logit_softcapping is not None),
-    "embedding scaling": (("gemma", "granite"), lambda m, w: w.layers[0].multiplier or
+    "embedding scaling": (("gemma", "granite", "falcon_h1"),
+                          lambda m, w: w.layers[0].multiplier or
                           "Scaled" in type(m.get_input_embeddings()).__name__),
     "sliding windows": (("mistral", "gemma2", "gemma3", "cohere2", "starcoder2",
-                         "gpt_oss"), lambda m, w: m.config.sliding_window),
+                         "gpt_oss", "gemma4"), lambda m, w: m.config.sliding_window),
     "attention sinks": (("gpt_oss",), lambda m, w: _any_param(
         m, lambda n: n.endswith("sinks"))),
-    "MoE": (("qwen3moe", "qwen2moe", "gpt_oss", "deepseek_v3", "jetmoe"),
+    "MoE": (("qwen3moe", "qwen2moe", "gpt_oss", "deepseek_v3", "jetmoe",
+             "qwen3_next"),
             lambda m, w: w.parts["routers"]),
     "MoE with shared experts": (("qwen2moe", "deepseek_v3"), lambda m, w: _any_param(
         m, lambda n: "shared_expert" in n)),
@@ -172,6 +193,9 @@ FEATURES = {
     "multi-head latent attention": (("deepseek_v3",), lambda m, w: m.config.kv_lora_rank),
     "layers without rotary (NoPE)": (("smollm3",), lambda m, w: 0 in
                                      m.config.no_rope_layers),
+    "state-space or linear-attention mixers": (("falcon_h1", "qwen3_next"),
+                                               lambda m, w: any(
+        "mamba" in n or "linear_attn" in n for n, _ in m.named_modules())),
     "tied embeddings": (("qwen3", "gemma"), lambda m, w: m.get_input_embeddings().weight
                         is m.get_output_embeddings().weight),
 }
@@ -209,6 +233,13 @@ REFUSED = {
         layers_block_type=["mamba", "hybrid", "mamba"], attn_implementation="eager")),
         "Zamba2Model.forward passes decoder layer 0 an argument computed from the input "
         "embeddings"),
+    # Gemma 4 with per-layer inputs (E2B, E4B): the forward derives an input for every
+    # layer from the token ids (embed_tokens_per_layer), outside the blocks.
+    "gemma4_per_layer": (lambda: transformers.Gemma4ForCausalLM(_config(
+        "Gemma4TextConfig", head_dim=8, sliding_window=4, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, layer_types=_LAYERS3)),
+        "Gemma4TextModel.forward failed before its first decoder layer when given the "
+        "embeddings instead of token ids .*embed_tokens_per_layer"),
     # The forward reads each layer's block_type to pick its mask.
     "nemotron_h": (lambda: transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
         **{**COMMON, "num_hidden_layers": 3}, hybrid_override_pattern="M*-",

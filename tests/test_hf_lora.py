@@ -36,6 +36,17 @@ VARIANTS = {
     "embedding_lora_tied": ("qwen3", dict(target_modules=TARGETS + ["embed_tokens"])),
     "embedding_lora": ("llama", dict(target_modules=TARGETS + ["embed_tokens"])),
     "trainable_tokens": ("llama", dict(trainable_token_indices=[5, 7, 9])),
+    "layers_to_transform": ("qwen3", dict(layers_to_transform=[0, 2])),
+    "lora_bias": ("llama", dict(lora_bias=True)),
+    "head_lora_tied": ("qwen3", dict(target_modules=TARGETS + ["lm_head"])),
+    "head_lora": ("llama", dict(target_modules=TARGETS + ["lm_head"])),
+    "all_linear_patterns": ("llama", dict(target_modules="all-linear",
+                                          rank_pattern={"q_proj": 2},
+                                          alpha_pattern={"v_proj": 3})),
+    # LoRA on the fused expert tensors of an MoE block (nn.Parameter, not nn.Linear).
+    "moe_expert_parameters": ("qwen3moe", dict(
+        target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
 }
 
 
@@ -61,13 +72,30 @@ TUNERS = {
     "lokr": lambda: peft.LoKrConfig(r=4, target_modules=TARGETS, init_weights=False),
     "adalora": lambda: peft.AdaLoraConfig(r=4, target_modules=TARGETS, total_step=10,
                                           init_lora_weights=False),
+    "oft": lambda: peft.OFTConfig(r=4, oft_block_size=0, target_modules=TARGETS,
+                                  init_weights=False),
+    "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj", "v_proj"],
+                                    init_weights=False),
+    "hra": lambda: peft.HRAConfig(r=4, target_modules=TARGETS, init_weights=False),
+    "ln_tuning": lambda: peft.LNTuningConfig(target_modules=["input_layernorm", "norm"]),
+    "fourierft": lambda: peft.FourierFTConfig(n_frequency=10, target_modules=TARGETS,
+                                              init_weights=False),
+    "road": lambda: peft.RoadConfig(target_modules=TARGETS, init_weights=False,
+                                    group_size=4),
+    "adaption_prompt": lambda: peft.AdaptionPromptConfig(task_type="CAUSAL_LM",
+                                                         adapter_len=3, adapter_layers=2),
 }
+TUNER_FAMILY = {"adaption_prompt": "llama"}   # PEFT's LLaMA-Adapter takes Llama, Mistral
 
 
 @pytest.mark.parametrize("tuner", sorted(TUNERS))
 def test_other_tuners_equal_peft(tuner):
     torch.manual_seed(0)
-    model = peft.get_peft_model(tiny("qwen3"), TUNERS[tuner]())
+    model = peft.get_peft_model(tiny(TUNER_FAMILY.get(tuner, "qwen3")), TUNERS[tuner]())
+    with torch.no_grad():      # LLaMA-Adapter's gates start at 0 (the identity)
+        for name, p in model.named_parameters():
+            if "adaption_gate" in name:
+                p.fill_(0.7)
     ref, m = clone(model), clone(model)
     want = hf_backward(ref, *batch())
     got = pipe_backward(m, *batch(), 2, 2)
@@ -114,6 +142,47 @@ def test_prompt_learning_is_refused(method):
     model = peft.get_peft_model(tiny("qwen3"), PROMPT_LEARNING[method]())
     with pytest.raises(rotapipe.adapters.AdapterError, match="prompt learning"):
         rotapipe.adapters.wrap_hf(model)
+
+
+def _xlora(tmp_path):
+    for name in ("a", "b"):
+        lora(tiny("llama")).save_pretrained(tmp_path / name)
+    torch.manual_seed(0)
+    base = tiny("llama")
+    base.config.use_cache = False
+    return peft.get_peft_model(base, peft.XLoraConfig(
+        task_type="CAUSAL_LM", hidden_size=32, xlora_depth=1,
+        adapters={"0": str(tmp_path / "a"), "1": str(tmp_path / "b")}))
+
+
+NOT_IN_THE_LAYERS = {
+    # method: (builder(tmp_path), what the refusal names)
+    "xlora": (_xlora, "is XLORA: .* the adapters' scalings"),
+    "poly": (lambda _: peft.get_peft_model(tiny("llama"), peft.PolyConfig(
+        task_type="CAUSAL_LM", r=4, target_modules=TARGETS, n_tasks=2, n_skills=2,
+        n_splits=1)), "is POLY: .* from its task_ids"),
+    "alora": (lambda _: lora(tiny("llama"), task_type="CAUSAL_LM",
+                             alora_invocation_tokens=[5, 6]),
+              "with alora_invocation_tokens .* without alora_invocation_tokens"),
+    "shira": (lambda _: peft.get_peft_model(tiny("llama"), peft.ShiraConfig(
+        r=4, target_modules=TARGETS, init_weights=False)), "is SHIRA: .* sparse tensor"),
+}
+
+
+@pytest.mark.parametrize("method", sorted(NOT_IN_THE_LAYERS))
+def test_adapters_fed_by_the_peft_forward_are_refused(method, tmp_path):
+    """What the PeftModel's own forward computes from the batch and hands the adapted
+    layers is never computed in the pipeline, which runs the base model's layers. It
+    used to train silently wrong: X-LoRA (its classifier's scalings) gave loss 4.614858
+    where PEFT's is 4.614796, and no gradient reached the classifier; activated LoRA
+    (``alora_invocation_tokens``, ``task_type="CAUSAL_LM"``) applied the adapter nowhere
+    (4.533887, the base model's loss, where PEFT's is 4.532606). Poly was refused as
+    "a decoder layer failed" (its task_ids), SHiRA failed in the first recompute (its
+    sparse tensor saved for backward). All four are refused at wrap time, by name."""
+    build, message = NOT_IN_THE_LAYERS[method]
+    torch.manual_seed(0)
+    with pytest.raises(rotapipe.adapters.AdapterError, match=message):
+        rotapipe.adapters.wrap_hf(build(tmp_path))
 
 
 SHARED_BUFFERS = {

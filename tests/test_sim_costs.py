@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import rotapipe
+from rotapipe import even_plan, roundpipe_schedule
 from rotapipe import ConfigError
-from rotapipe.plan import (DEVICES, Hardware, LayerCost, ModelCosts, hardware, load_config,
+from rotapipe.plan import (bound_plan, DEVICES, Hardware, LayerCost, ModelCosts, hardware, load_config,
                            model_costs, model_work)
 from rotapipe.plan.configs import (FAMILIES, KNOWN_MODELS, PEFT_FOLDED_EXPERTS, _experts,
                                    folded_expert_stacks, tied_head)
@@ -61,10 +62,11 @@ def _layer_params(wrapped) -> list[int]:
     return out
 
 
-NOT_COUNTED = ("jetmoe",)
+NOT_COUNTED = ("jetmoe", "falcon_h1", "gemma4")
 """Families the adapter trains (``hf_models.FAMILIES``) whose blocks the cost model
-does not count (JetMoE's mixture of attention heads): priced as Llama-style blocks,
-and ``rotapipe plan`` says so."""
+does not count (JetMoE's mixture of attention heads, Falcon-H1's state-space mixers
+beside attention, Gemma 4's per-layer variants): priced as Llama-style blocks, and
+``rotapipe plan`` says so."""
 
 
 def test_families_the_cost_model_does_not_count_are_named_so():
@@ -102,7 +104,8 @@ def test_every_family_is_counted_as_transformers_builds_it(family):
 
 
 DENSE = sorted(f for f in hf_models.FAMILIES
-               if f not in ("qwen3moe", "qwen2moe", "gpt_oss", "deepseek_v3", *NOT_COUNTED))
+               if f not in ("qwen3moe", "qwen2moe", "gpt_oss", "deepseek_v3", "qwen3_next",
+                            *NOT_COUNTED))
 
 
 @pytest.mark.parametrize("family", DENSE)
@@ -264,7 +267,7 @@ def test_explicit_and_uniform_costs():
     assert c.layers[0].recompute_ms == 2.0 and c.layers[-1].backward_ms == 9.0
     assert c.boundary_hop_ms(0) == 0.0 and c.boundary_hop_ms(2) == 0.5
     assert c.sum("forward_ms", 0, 4) == 11.0
-    with pytest.raises(ConfigError, match="forward_ms must be >= 0"):
+    with pytest.raises(ConfigError, match=r"forward_ms=-1.0: use a finite number >= 0"):
         LayerCost("x", -1.0, 1.0, 1.0)
     with pytest.raises(ConfigError, match="at least one layer"):
         ModelCosts((), 1)
@@ -383,3 +386,27 @@ def test_linear_attention_layers_cost_the_same_at_any_length():
     # the linear core is a small share of the layer's projections at this width
     proj = 2 * short[1].params
     assert 0 < short[1].forward_flops - proj < 0.2 * proj
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: LayerCost("b", float("nan"), 1.0, 1.0), "forward_ms=nan"),
+    (lambda: LayerCost("b", 1.0, float("inf"), 1.0), "backward_ms=inf"),
+    (lambda: LayerCost("b", 1.0, 1.0, 1.0, grad_ms=float("nan")), "grad_ms=nan"),
+    (lambda: ModelCosts.explicit(2.5, 1.0, 2.0, head_forward_ms=1.0, head_backward_ms=1.0),
+     "blocks=2.5"),
+    (lambda: ModelCosts.uniform(10**7, 1.0, 2.0), "layers=10000000"),
+    (lambda: model_costs("qwen3-1.7b", hardware("rtx4090x8"), seq=100.5), "seq=100.5"),
+    (lambda: model_costs("qwen3-1.7b", hardware("rtx4090x8"), seq=10**12), "seq="),
+    (lambda: hardware("rtx4090x1000000000"), "1,000,000,000 devices"),
+    (lambda: hardware("rtx4090x8", bogus=1), "bogus=...): a Hardware has no such field"),
+    (lambda: Hardware(hardware("rtx4090").device, 2.5), "Hardware.count=2.5"),
+    (lambda: bound_plan(ModelCosts.uniform(6, 1.0, 2.0), 2.5, devices=2), "chunks=2.5"),
+    (lambda: even_plan(6.0, 2, 2), "num_layers=6.0"),
+    (lambda: roundpipe_schedule(even_plan(6, 2, 2), 2.0, 4), "workers=2.0"),
+    (lambda: roundpipe_schedule(even_plan(6, 2, 2), 2, 10**6), "microbatches=1000000"),
+])
+def test_cost_model_and_schedule_inputs_are_checked(make, match):
+    """NaN times were accepted (every step NaN), float counts were TypeErrors deep in the
+    planner, and absurd sizes ran for minutes: each is a clear error naming the value."""
+    with pytest.raises(rotapipe.RotapipeError, match=re.escape(match)):
+        make()

@@ -326,21 +326,58 @@ def verify_full(wrapped, tokens: int = 6, seed: int = 0) -> float:
 
 
 def check_peft(model: nn.Module) -> None:
-    """A PEFT model must adapt modules inside the base model (LoRA, IA3, LoHa, ...).
-    Prompt learning (prompt tuning, prefix tuning, P-tuning) lives in the PeftModel's
-    own forward, which prepends virtual tokens or key/value prefixes: the adapter runs
-    the base model's layers, so it would train without them, with another loss."""
+    """A PEFT model must adapt modules inside the base model (LoRA, IA3, LoHa, ...), and
+    its adapters must depend on nothing but each layer's input. Refused, because
+    rotapipe runs the base model's layers and never the PeftModel's own forward:
+
+    - prompt learning (prompt tuning, prefix tuning, P-tuning): that forward prepends
+      virtual tokens or key/value prefixes, so training would ignore them;
+    - what that forward computes from the whole batch and hands the adapted layers:
+      X-LoRA's scalings (a classifier run on the base model's hidden states), Poly's task ids,
+      activated LoRA's (``alora_invocation_tokens``) per-row offsets. Without them the
+      layers would train the wrong function silently (X-LoRA: another loss, no gradient
+      for the classifier; aLoRA: the adapter applied nowhere) or fail;
+    - SHiRA, whose layers save a sparse tensor for backward, which the pipeline's
+      store of saved activations cannot hold (it failed in the first recompute)."""
     configs = getattr(model, "peft_config", None) or {}
     for name, cfg in configs.items():
-        if getattr(cfg, "is_prompt_learning", False):
-            kind = getattr(cfg, "peft_type", None)
-            kind = getattr(kind, "value", kind) or type(cfg).__name__
-            raise AdapterError(
-                f"PEFT adapter {name!r} is {kind}, prompt learning: its virtual tokens "
-                "are added by the PeftModel's forward, outside the base model's layers "
-                "that rotapipe pipelines, so training would ignore them and compute "
-                "another loss. Use an adapter inside the layers (peft.LoraConfig, "
-                "IA3Config, LoHaConfig, ...)")
+        kind = getattr(cfg, "peft_type", None)
+        kind = getattr(kind, "value", kind) or type(cfg).__name__
+        why = _peft_refusal(cfg, str(kind))
+        if why is not None:
+            raise AdapterError(f"PEFT adapter {name!r} is {kind}{why}")
+
+
+_OUTSIDE = (": rotapipe pipelines the base model's layers and never runs the PeftModel's "
+            "own forward, which computes {what} and hands it to the adapted layers, so "
+            "training would compute another function. Use an adapter that depends on each "
+            "layer's input only ({use}, IA3Config, LoHaConfig, ...)")
+
+
+def _peft_refusal(cfg, kind: str) -> str | None:
+    """Why adapter config ``cfg`` of PEFT type ``kind`` cannot train (the message after
+    the type), or ``None``."""
+    if getattr(cfg, "is_prompt_learning", False):
+        return (", prompt learning: its virtual tokens are added by the PeftModel's "
+                "forward, outside the base model's layers that rotapipe pipelines, so "
+                "training would ignore them and compute another loss. Use an adapter "
+                "inside the layers (peft.LoraConfig, IA3Config, LoHaConfig, ...)")
+    if kind == "XLORA":
+        return _OUTSIDE.format(what="the adapters' scalings (a classifier run on the "
+                               "base model's hidden states)",
+                               use="one LoRA adapter: peft.LoraConfig")
+    if kind == "POLY":
+        return _OUTSIDE.format(what="the routing of each sample from its task_ids",
+                               use="one LoRA adapter: peft.LoraConfig")
+    if getattr(cfg, "alora_invocation_tokens", None) is not None:
+        return (" with alora_invocation_tokens (activated LoRA)" + _OUTSIDE.format(
+            what="each row's adapter offset from the invocation tokens in input_ids",
+            use="peft.LoraConfig without alora_invocation_tokens"))
+    if kind == "SHIRA":
+        return (": its layers save a sparse tensor for backward, which rotapipe's store "
+                "of saved activations cannot hold (the first recompute fails). Use a "
+                "dense adapter (peft.LoraConfig, LoHaConfig, ...)")
+    return None
 
 
 def _join(prefix: str, name: str) -> str:

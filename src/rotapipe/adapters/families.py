@@ -11,6 +11,7 @@ embedding and head layers must repeat them. Each is read from the config by name
 | ``final_logit_softcapping`` | Gemma 2/3/4, VaultGemma, Nanochat | ``tanh(x / c) * c`` |
 | ``logits_scaling`` | Granite (and its MoE variants) | ``x / d`` |
 | ``logit_scale`` | Cohere, Cohere 2 | ``x * m`` |
+| ``lm_head_multiplier`` | Falcon-H1 | ``x * m`` |
 
 A family whose forward does something else there is caught at wrap time (the checks in
 :mod:`.checks` compare with the model's own forward) and refused with what differs. To
@@ -29,6 +30,7 @@ LOGIT_TRANSFORMS = {
     "final_logit_softcapping": "softcap",
     "logits_scaling": "divide",
     "logit_scale": "multiply",
+    "lm_head_multiplier": "multiply",
 }
 """Config attribute -> :class:`~rotapipe.adapters.LMHead` argument."""
 
@@ -42,6 +44,12 @@ def logit_transforms(config, fn: Callable[[torch.Tensor], torch.Tensor] | None =
                      ) -> dict:
     """Keyword arguments of :class:`~rotapipe.adapters.LMHead` for ``config`` (the
     ``None`` ones left out), plus the user's ``fn``."""
-    out = {arg: getattr(config, attr, None) for attr, arg in LOGIT_TRANSFORMS.items()}
-    out["fn"] = fn
-    return {k: v for k, v in out.items() if v is not None}
+    out = {}
+    for attr, arg in LOGIT_TRANSFORMS.items():
+        v = getattr(config, attr, None)
+        if v is not None:
+            # Two attributes of one kind (no family has both) would both apply.
+            out[arg] = v if arg not in out else out[arg] * v
+    if fn is not None:
+        out["fn"] = fn
+    return out

@@ -351,6 +351,9 @@ class SideInputs:
                     "its decoder layer objects (it decides per layer what to pass), which "
                     "rotapipe's probe of the forward cannot provide: build the layers "
                     "yourself and pass them to rotapipe.RoundPipe") from exc
+            if not self._state.sink:
+                # No block was reached: the forward itself failed on inputs_embeds.
+                raise AdapterError(self._before_blocks(exc)) from exc
             raise AdapterError(
                 f"{self._name}.forward: a decoder layer failed on the arguments the "
                 f"model gives it ({type(exc).__name__}: {exc}); rotapipe cannot run it "
@@ -358,6 +361,21 @@ class SideInputs:
                 "rotapipe.RoundPipe") from exc
         finally:
             self._state.learn = {}
+
+    def _before_blocks(self, exc: Exception) -> str:
+        """Why a forward that fails before its first block, given ``inputs_embeds``,
+        cannot be pipelined (Gemma 4 with per-layer inputs derives an input for every
+        layer from the token ids, in modules outside the blocks)."""
+        held = [n for n, m in self.probe.named_children()
+                if n != self.layers_name and next(m.parameters(), None) is not None]
+        return (f"{self._name}.forward failed before its first decoder layer when given "
+                f"the embeddings instead of token ids ({type(exc).__name__}: {exc}). "
+                "rotapipe looks the tokens up in its layer 0 and runs the model's forward "
+                "from inputs_embeds only to compute the side inputs, so a model whose "
+                "forward needs the token ids outside its decoder blocks (for example "
+                "per-layer input embeddings; this one holds, besides the blocks: "
+                f"{', '.join(held) or 'nothing with parameters'}) cannot be pipelined: "
+                "build the layers yourself and pass them to rotapipe.RoundPipe")
 
     def run_whole(self, model: nn.Module, hidden: torch.Tensor, final: torch.Tensor,
                   attention_mask, **kwargs):
