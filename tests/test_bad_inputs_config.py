@@ -50,8 +50,8 @@ def refused(make, *fragments):
     ("device_memory", "8GiB", "whole number of bytes > 0"),
     ("device_memory", NAN, "whole number of bytes > 0"),
     ("device_memory", 1.5, "whole number of bytes"),
-    ("microbatches", True, "positive int (got bool)"),
-    ("microbatches", "4", "positive int (got str)"),
+    ("microbatches", True, "an int in [1, 65,536] (got bool)"),
+    ("microbatches", "4", "an int in [1, 65,536] (got str)"),
     ("workers", True, "an int in [1, 256] (one worker per GPU; an emulated worker runs a "
                       "thread per stream) or None (got bool)"),
     ("workers", 0, "an int in [1, 256]"),

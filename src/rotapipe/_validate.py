@@ -149,6 +149,11 @@ def real_flag(low: float | None = 0.0, high: float | None = None, *, low_open: b
     return convert
 
 
+MAX_MICROBATCHES = 65536
+"""Microbatches of one call at most (``PipeConfig.microbatches`` and the schedule
+generators): a million took minutes to generate; 65,536 takes seconds."""
+
+
 # -- the ranges of the planner's inputs: ``rotapipe plan``'s flags and ``analyze``'s checks ----
 @dataclass(frozen=True)
 class Limit:

@@ -66,25 +66,16 @@ def _lora(args) -> bool:
     return lora
 
 
-MAX_DEVICES = 1024
-"""``--hardware DEVICExN`` above this is a typo (as ``simulate --devices``): a billion
-devices made ``plan`` run for minutes."""
-
-
 def _hardware(args):
     """The ``--hardware`` profile of ``plan`` and ``simulate``, with ``--efficiency`` and
-    ``--fp16-accumulate``; an empty name or more than :data:`MAX_DEVICES` devices is
-    refused here."""
+    ``--fp16-accumulate``; an empty name is refused here, more than
+    :data:`~rotapipe.plan.hardware.MAX_DEVICES` devices by :func:`hardware`."""
     from .plan import hardware
 
     if not args.hardware.strip():
         raise ConfigError("--hardware is empty: use DEVICExN, e.g. rtx4090x8 or a100x4")
-    hw = hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
-                  **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
-    if hw.count > MAX_DEVICES:
-        raise ConfigError(f"--hardware {args.hardware!r} has {hw.count:,} devices: use "
-                          f"DEVICExN with N in [1, {MAX_DEVICES:,}]")
-    return hw
+    return hardware(args.hardware, fp16_accumulate=args.fp16_accumulate,
+                    **({"efficiency": args.efficiency} if args.efficiency is not None else {}))
 
 
 def _model_name(name: str) -> str:

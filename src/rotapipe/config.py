@@ -267,7 +267,7 @@ class PipeConfig:
         check.integer("workers", self.workers, maximum=MAX_WORKERS, optional=True,
                       allowed=f"an int in [1, {MAX_WORKERS}] (one worker per GPU; an "
                       "emulated worker runs a thread per stream)")
-        check.integer("microbatches", self.microbatches)
+        check.integer("microbatches", self.microbatches, maximum=check.MAX_MICROBATCHES)
         check.integer("forward_stages", self.forward_stages, optional=True)
         check.integer("backward_stages", self.backward_stages, optional=True)
         check.integer("tail_layers", self.tail_layers,

@@ -128,6 +128,9 @@ def bound_plan(costs: ModelCosts | Sequence[float], chunks: int, *, devices: int
     else:
         body = tail = [float(c) for c in costs]
     n, p = len(body), devices or chunks
+    for name, v in (("chunks", chunks), ("devices", devices)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise PlanError(f"{name}={v!r}: use a positive int")
     if not 1 <= chunks <= n:
         raise PlanError(f"cannot cut {n} layers into {chunks} non-empty chunks: use 1..{n}")
     price = _ChunkPrice(body, tail)

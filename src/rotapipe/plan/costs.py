@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from .._validate import integer, number
 from ..errors import ConfigError
 from .configs import (_SHARED_GATE, KNOWN_MODELS, _attention, _dense_mlp, _experts, _get,
                       _is_moe, _norms, _shared_width, load_config, text_settings,
@@ -25,6 +26,11 @@ from .hardware import Hardware
 __all__ = ["LayerCost", "ModelCosts", "LayerWork", "KNOWN_MODELS", "ROWS_FIRST_COST",
            "load_config", "model_work", "model_costs"]
 
+MAX_TOKENS = 2**20
+"""Tokens of one microbatch at most (``rotapipe plan --seq``'s range): beyond, a typo."""
+MAX_LAYERS = 4096
+"""Layers of a cost model at most: a model of more is a typo (ten million identical
+layers took minutes to build)."""
 ROWS_FIRST_COST = 3.5
 """Host work of stepping a table's row first (``OR``: gathering its weight, gradient
 and two Adam moments, stepping the gathered rows, writing them in the compute dtype),
@@ -73,14 +79,11 @@ class LayerCost:
         return self.upload_ms if self.grad_ms is None else self.grad_ms
 
     def __post_init__(self):
+        # Finite and >= 0: a NaN time made every plan's step NaN (and "fit").
         for f in ("forward_ms", "backward_ms", "recompute_ms", "upload_ms", "hop_ms",
-                  "weight_bytes", "saved_bytes", "output_bytes"):
-            if getattr(self, f) < 0 or (self.grad_ms is not None and self.grad_ms < 0):
-                raise ConfigError(f"layer {self.name}: {f} must be >= 0, got "
-                                  f"{getattr(self, f)}")
-        if self.grad_bytes is not None and self.grad_bytes < 0:
-            raise ConfigError(f"layer {self.name}: grad_bytes must be >= 0 or None, got "
-                              f"{self.grad_bytes}")
+                  "weight_bytes", "saved_bytes", "output_bytes", "grad_ms", "grad_bytes"):
+            number(f"layer {self.name}: {f}", getattr(self, f), low=0.0,
+                   optional=f in ("grad_ms", "grad_bytes"))
 
 
 @dataclass(frozen=True)
@@ -138,8 +141,7 @@ class ModelCosts:
     def __post_init__(self):
         if not self.layers:
             raise ConfigError("ModelCosts needs at least one layer")
-        if self.tokens < 1:
-            raise ConfigError(f"ModelCosts.tokens must be >= 1, got {self.tokens}")
+        integer("ModelCosts.tokens", self.tokens, maximum=MAX_TOKENS)
 
     @classmethod
     def explicit(cls, blocks: int, forward_ms: float, backward_ms: float, *,
@@ -149,8 +151,7 @@ class ModelCosts:
         """``blocks`` identical layers plus an LM head, from measured times. ``hop_ms``
         is the transfer time of one activation over one link, ``upload_ms`` a block's
         weight upload (the head's is taken as the same)."""
-        if blocks < 0:
-            raise ConfigError(f"blocks must be >= 0, got {blocks}")
+        integer("blocks", blocks, minimum=0, maximum=MAX_LAYERS)
         rec = forward_ms if recompute_ms is None else recompute_ms
         block = LayerCost("block", forward_ms, backward_ms, rec, upload_ms, hop_ms)
         head = LayerCost("head", head_forward_ms, head_backward_ms, head_forward_ms,
@@ -162,6 +163,7 @@ class ModelCosts:
     def uniform(cls, layers: int, forward_ms: float, backward_ms: float,
                 recompute_ms: float | None = None, tokens: int = 1) -> ModelCosts:
         """``layers`` identical layers, no transfer cost (for closed-form checks)."""
+        integer("layers", layers, maximum=MAX_LAYERS)
         rec = forward_ms if recompute_ms is None else recompute_ms
         return cls(tuple(LayerCost(f"layer{i}", forward_ms, backward_ms, rec)
                          for i in range(layers)), tokens)
@@ -339,11 +341,14 @@ def model_costs(config, hardware: Hardware, *, seq: int = 2048, microbatch_size:
     full ``weight_bytes`` on the device; ``None``: the whole table moves."""
     if quantize not in (None, "nf4"):
         raise ConfigError(f"quantize={quantize!r}: use 'nf4' or None")
-    if seq < 1 or microbatch_size < 1:
-        raise ConfigError(f"seq={seq} and microbatch_size={microbatch_size} must be >= 1")
-    if call_tokens is not None and call_tokens < 1:
-        raise ConfigError(f"call_tokens={call_tokens} must be >= 1 (or None: the whole "
-                          "embedding table moves)")
+    integer("seq", seq, maximum=MAX_TOKENS)
+    integer("microbatch_size", microbatch_size, maximum=MAX_TOKENS)
+    integer("call_tokens", call_tokens, optional=True,
+            allowed="the tokens of one call, a positive int (None: the whole embedding "
+                    "table moves)")
+    if seq * microbatch_size > MAX_TOKENS:
+        raise ConfigError(f"seq={seq} x microbatch_size={microbatch_size} tokens per "
+                          f"microbatch: at most {MAX_TOKENS:,} (a typo, not a run)")
     tokens = seq * microbatch_size
     ms_per_flop = 1e3 / hardware.flops
     ms_per_byte = 1e3 / hardware.link_bytes_per_s

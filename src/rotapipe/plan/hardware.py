@@ -11,10 +11,15 @@ import re
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from .._validate import integer
 from ..errors import ConfigError
 
 __all__ = ["DeviceProfile", "Hardware", "DEVICES", "hardware", "layer_chunks",
-           "MIN_EFFICIENCY"]
+           "MIN_EFFICIENCY", "MAX_DEVICES"]
+
+MAX_DEVICES = 1024
+"""The most devices of one :class:`Hardware` (``--hardware DEVICExN``, ``simulate
+--devices``): more is a typo, and a billion devices made ``plan`` run for minutes."""
 
 MIN_EFFICIENCY = 0.01
 """The lowest :attr:`Hardware.efficiency`: layers at 1% of the peak are a typo (``0.6``
@@ -65,8 +70,7 @@ class Hardware:
     """Compute in fp16 with fp16 accumulation (the paper's setting on RTX 4090)."""
 
     def __post_init__(self):
-        if self.count < 1:
-            raise ConfigError(f"Hardware.count must be >= 1, got {self.count}")
+        integer("Hardware.count", self.count, maximum=MAX_DEVICES)
         if not MIN_EFFICIENCY <= self.efficiency <= 1:
             raise ConfigError(f"Hardware.efficiency={self.efficiency!r}: use a fraction of "
                               f"the peak TFLOPS in [{MIN_EFFICIENCY:g}, 1] (e.g. 0.6)")
@@ -115,9 +119,15 @@ def hardware(name: str, **overrides) -> Hardware:
         known = ", ".join(sorted(DEVICES) + sorted(_ALIASES))
         raise ConfigError(f"unknown hardware {name!r}: use DEVICExN with DEVICE one of "
                           f"{known} (e.g. rtx4090x8), or build a Hardware yourself")
-    if count < 1:
-        raise ConfigError(f"hardware {name!r} has {count} devices: use DEVICExN with N >= 1 "
-                          "(e.g. rtx4090x8), or the device name alone for one")
+    if not 1 <= count <= MAX_DEVICES:
+        raise ConfigError(f"hardware {name!r} has {count:,} devices: use DEVICExN with N in "
+                          f"[1, {MAX_DEVICES:,}] (e.g. rtx4090x8), or the device name alone "
+                          "for one")
+    unknown = sorted(set(overrides) - {"efficiency", "fp16_accumulate"})
+    if unknown:
+        raise ConfigError(f"hardware({name!r}, {', '.join(unknown)}=...): a Hardware has no "
+                          "such field; override efficiency or fp16_accumulate (the device's "
+                          "own numbers: build a DeviceProfile and Hardware(device, count))")
     return Hardware(DEVICES[dev], count, **overrides)
 
 

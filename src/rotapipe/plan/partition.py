@@ -70,6 +70,11 @@ class Plan:
 
     def __post_init__(self):
         n = self.num_layers
+        whole = [self.num_layers] + [v for s in (*self.forward, self.tail, *self.backward)
+                                     for v in (s.index, s.start, s.stop)]
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in whole):
+            raise PlanError(f"a plan counts layers in ints: num_layers={n!r}, stages "
+                            f"{[str(s) for s in (*self.forward, self.tail, *self.backward)]}")
         if n < 1:
             raise PlanError("a plan needs at least one layer")
         if not isinstance(self.tail_jobs, int) or self.tail_jobs < 1:

@@ -52,10 +52,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Mapping
 
+from .._validate import MAX_MICROBATCHES
 from ..errors import ScheduleError
 from ..plan import Plan, Stage, StageKind
 from ..plan.partition import INPUT_DEPTH
 from .actions import HOST, Action, ActionKind as K, Schedule, action_key
+
+MAX_WORKERS = 1024
+"""Workers a schedule is generated for at most (``rotapipe simulate --devices``)."""
 
 BufferLayers = Collection[int] | Mapping[int, Collection[Hashable]]
 """Layers holding buffers their forward may update: a collection of layers (each holding
@@ -130,9 +134,13 @@ def roundpipe_call(plan: Plan, workers: int, microbatches: int, call: int, *,
     instead of its ``O``. Call 0 without ``reads`` or ``grad_window`` is
     :func:`roundpipe_schedule`'s call.
     """
-    if workers < 1 or microbatches < 1 or call < 0:
-        raise ScheduleError(f"workers={workers} and microbatches={microbatches} must be "
-                            f">= 1 and call={call} >= 0")
+    counts = (workers, microbatches, call)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in counts) or \
+            not (1 <= workers <= MAX_WORKERS and 1 <= microbatches <= MAX_MICROBATCHES
+                 and call >= 0):
+        raise ScheduleError(f"workers={workers!r} and microbatches={microbatches!r} must be "
+                            f"ints in [1, {MAX_WORKERS:,}] and [1, {MAX_MICROBATCHES:,}], "
+                            f"call={call!r} an int >= 0")
     if reads is not None and not 0 <= reads < call:
         raise ScheduleError(f"call {call} cannot read the update of call {reads}: only "
                             "of an earlier call")
