@@ -336,9 +336,7 @@ def check_peft(model: nn.Module) -> None:
       X-LoRA's scalings (a classifier run on the base model's hidden states), Poly's task ids,
       activated LoRA's (``alora_invocation_tokens``) per-row offsets. Without them the
       layers would train the wrong function silently (X-LoRA: another loss, no gradient
-      for the classifier; aLoRA: the adapter applied nowhere) or fail;
-    - SHiRA, whose layers save a sparse tensor for backward, which the pipeline's
-      store of saved activations cannot hold (it failed in the first recompute)."""
+      for the classifier; aLoRA: the adapter applied nowhere) or fail."""
     configs = getattr(model, "peft_config", None) or {}
     for name, cfg in configs.items():
         kind = getattr(cfg, "peft_type", None)
@@ -373,10 +371,6 @@ def _peft_refusal(cfg, kind: str) -> str | None:
         return (" with alora_invocation_tokens (activated LoRA)" + _OUTSIDE.format(
             what="each row's adapter offset from the invocation tokens in input_ids",
             use="peft.LoraConfig without alora_invocation_tokens"))
-    if kind == "SHIRA":
-        return (": its layers save a sparse tensor for backward, which rotapipe's store "
-                "of saved activations cannot hold (the first recompute fails). Use a "
-                "dense adapter (peft.LoraConfig, LoHaConfig, ...)")
     return None
 
 

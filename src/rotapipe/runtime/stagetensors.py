@@ -26,11 +26,12 @@ class SavedBytes:
         self.bytes = 0
 
     def _pack(self, t):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in self._skip and ptr not in self._seen:
-            self._seen.add(ptr)
-            self.bytes += st.nbytes()
+        for part in _strided_parts(t):
+            st = part.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in self._skip and ptr not in self._seen:
+                self._seen.add(ptr)
+                self.bytes += st.nbytes()
         return t
 
     def __enter__(self):
@@ -40,6 +41,20 @@ class SavedBytes:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+
+
+def _strided_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dense tensors holding ``t``'s bytes: itself, or a sparse tensor's indices
+    and values (a sparse tensor has no storage of its own: PEFT's SHiRA saves one)."""
+    if t.layout is torch.strided:
+        return (t,)
+    if t.layout is torch.sparse_coo:
+        return (t._indices(), t._values())
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices(), t.values())
+    return ()       # another layout (mkldnn, ...): not counted
 
 
 class WorkingSet(SavedBytes):
