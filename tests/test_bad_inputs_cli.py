@@ -650,11 +650,13 @@ def test_resume_after_the_data_changed_warns(capsys, caplog, tmp_path):
 
 
 def test_summary_names_the_last_evaluated_step(capsys, tmp_path, data):
-    """A run that ends after its last evaluation (here: --epochs before --steps) says
-    where the loss was measured; it used to print "over steps 0..N" with N unevaluated."""
+    """A run that ends after its last evaluation (here: --time-limit before --steps; an
+    --epochs limit now ends the run with its own evaluation) says where the loss was
+    measured; it used to print "over steps 0..N" with N unevaluated."""
     rc, out, err = cli(capsys, "train", *flags(data=str(data), out_dir=str(tmp_path / "o"),
-                                                steps=100000, epochs=1, eval_interval=100000,
-                                                save_interval=0, export=False))
+                                                steps=100000, time_limit=0.001,
+                                                eval_interval=100000, save_interval=0,
+                                                export=False))
     summary = out.strip().splitlines()[-1]
     assert rc == 0 and "held-out loss" in summary, (out, err)
     end = int(summary.split("ended at step ")[1].split(",")[0])

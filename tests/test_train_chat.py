@@ -253,3 +253,61 @@ def test_a_template_failing_on_a_late_record_fails_before_training(tmp_path):
                           holdout=0.0, out_dir=str(out)), echo=said.append)
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     assert not any(s.startswith(("model:", "step")) for s in said), said
+
+
+SHAREGPT = [{"from": "system", "value": "the fox"}, {"from": "human", "value": "hi there"},
+            {"from": "gpt", "value": "cat dog"}, {"from": "human", "value": "more"},
+            {"from": "gpt", "value": "red fox"}]
+"""ShareGPT's chat: ``from``/``value``, roles ``human``/``gpt``/``system``."""
+ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+@pytest.mark.parametrize("record", [
+    {"conversations": SHAREGPT},
+    {"messages": SHAREGPT},
+    {"messages": [{"role": m["from"], "content": m["value"]} for m in SHAREGPT]},
+], ids=["conversations", "from-value-in-messages", "human-gpt-roles"])
+def test_sharegpt_chats_train_as_the_same_messages(record):
+    """ShareGPT's records (``conversations`` of ``from``/``value`` with ``human``/``gpt``
+    roles, or those names inside ``messages``) were refused with "no 'assistant'
+    message"; they read as role/content chats, token for token the same."""
+    tok = chat_tokenizer()
+    want = Tokens(tok).record({"messages": [
+        {"role": ROLES[m["from"]], "content": m["value"]} for m in SHAREGPT]}, FIELDS, "x:1")
+    assert Tokens(tok).record(record, FIELDS, "x:1") == want
+    assert sum(label != IGNORE for label in want[1]) == 6        # two turns + their ends
+
+
+def test_a_sharegpt_file_passes_the_checks_and_packs_as_messages(tmp_path):
+    """A ShareGPT JSONL file goes through the data checks, the template check and the
+    packed stream as the same chats written as messages do."""
+    from rotapipe.train.loop import check_data
+    from rotapipe.train.tokens import check_chats
+    tok = chat_tokenizer()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = chat_jsonl(tmp_path / "a" / "c.jsonl", 20)
+    share = tmp_path / "b" / "c.jsonl"           # the same name: the lanes hash the name
+    back = {v: k for k, v in ROLES.items()}
+    share.write_text("".join(
+        json.dumps({"conversations": [{"from": back[m["role"]], "value": m["content"]}
+                                      for m in json.loads(line)["messages"]]}) + "\n"
+        for line in plain.read_text().splitlines()))
+    assert check_data([share], FIELDS).records == 20
+    assert check_chats([share], tok, FIELDS) == 20
+
+    def rows(path):
+        s = PackedStream([path], tok, seq=24, seed=0, holdout=0, fields=FIELDS)
+        return [s.next_sequence() for _ in range(5)]
+    assert rows(share) == rows(plain)
+
+
+def test_a_chat_without_an_assistant_names_the_roles_found():
+    tok = chat_tokenizer()
+    with pytest.raises(InputError) as info:
+        Tokens(tok).record({"messages": [{"role": "user", "content": "hi"},
+                                         {"role": "bot", "content": "cat"}]}, FIELDS, "x:2")
+    msg = str(info.value)
+    assert msg.startswith("x:2: no 'assistant' message (the roles are 'user', 'bot'): "), msg
+    assert "the roles are 'system', 'user' and 'assistant' (ShareGPT's 'human' and 'gpt' " \
+           "are read as 'user' and 'assistant')" in msg

@@ -186,3 +186,73 @@ def test_a_byte_order_mark_opening_a_file_is_not_data(tmp_path, name, body):
     check_data([p], FIELDS)
     first = next(iter_records(p))[1]
     assert (first if isinstance(first, str) else first["text"]).startswith("a b")
+
+
+@pytest.mark.parametrize("record, fields", [
+    ({"text": "t", "prompt": "q", "response": "r"}, "'prompt' and 'response' and 'text'"),
+    ({"text": "t", "prompt": "q", "completion": "r"}, "'prompt' and 'completion' and 'text'"),
+    ({"text": "t", "messages": [{"role": "assistant", "content": "a"}]},
+     "'messages' and 'text'"),
+    ({"prompt": "q", "response": "r", "messages": [{"role": "assistant", "content": "a"}]},
+     "'messages' and 'prompt' and 'response'"),
+])
+def test_a_record_of_two_forms_is_refused_naming_its_fields(tmp_path, record, fields):
+    """A record with both a text and a prompt/response pair (or a chat) trained as the
+    pair (the chat) silently, the text dropped; now refused at load time, before any
+    work, naming the file, the line, the fields and the fix."""
+    import json
+    from rotapipe.train.loop import check_data
+    p = tmp_path / "both.jsonl"
+    p.write_text('{"text": "ok"}\n' + json.dumps(record) + "\n")
+    with pytest.raises(InputError) as info:
+        check_data([p], FIELDS)
+    msg = str(info.value)
+    assert msg.startswith(f"{p}:2: the record holds {fields}: "), msg
+    assert "ambiguous; keep one form's fields in each record" in msg and "text_field" in msg
+
+
+def test_empty_records_are_skipped_and_counted(corpus, tmp_path):
+    """A record with a blank text (or a blank response) trained on its begin and end
+    tokens alone, silently: now it makes no document, the stream packs what it would
+    without it, and check_data counts it; data of nothing but empty records is
+    refused before any work."""
+    import json
+    from rotapipe.train.loop import check_data
+    _, _, tok = corpus
+    texts = ["the cat sat", "", "a dog ran", "  \n", "on the mat"]
+    full, clean = tmp_path / "full.jsonl", tmp_path / "clean.jsonl"
+    full.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts)
+                    + json.dumps({"prompt": "q", "response": " "}) + "\n")
+    clean.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts if t.strip()))
+
+    def rows(path):
+        s = PackedStream([path], tok, seq=8, seed=0, holdout=0, fields=FIELDS)
+        return [s.next_sequence() for _ in range(4)]
+    assert rows(full) == rows(clean)
+    survey = check_data([full], FIELDS)
+    assert (survey.records, survey.empty, survey.first_empty) == (6, 3, f"{full}:2")
+    only = tmp_path / "empty.jsonl"
+    only.write_text('{"text": ""}\n{"text": " "}\n')
+    with pytest.raises(InputError, match=rf"every record of data is empty \(2 of them, the "
+                                         rf"first at {only}:1: .*nothing to learn"):
+        check_data([only], FIELDS)
+
+
+def test_too_few_records_for_the_batch_are_named_before_the_model(tmp_path):
+    """Each batch row packs its own hash-chosen share of the records; with too few
+    records some rows have none, and the run failed after the model build with "lane
+    N of the training split is empty". Now checked from the records alone, naming the
+    cause and a batch that fits."""
+    from rotapipe.train.survey import check_lanes
+    p = text_jsonl(tmp_path / "few.jsonl", 6)
+    with pytest.raises(ConfigError) as info:
+        check_lanes([p], FIELDS, batch=16, microbatches=4, holdout=0)
+    msg = str(info.value)
+    assert msg.startswith("the training split has 6 records (holdout=0, empty records "
+                          "skipped) for batch=16: each of the batch's 16 rows packs its own "
+                          "share of the records"), msg
+    fit = int(msg.split("use --batch ")[1].split()[0])
+    assert 1 <= fit <= 6 and "add data" in msg
+    check_lanes([p], FIELDS, batch=fit, microbatches=1, holdout=0)     # it fits
+    big = text_jsonl(tmp_path / "big.jsonl", 400)
+    check_lanes([big], FIELDS, batch=16, microbatches=4, holdout=0.15)

@@ -115,7 +115,8 @@ class TrainConfig:
     any split load_dataset takes, e.g. train[:1000]; None: train."""
     messages_field: str = "messages"
     """The field holding a chat: a list of {"role", "content"} rendered with the
-    tokenizer's chat template, the loss on assistant turns only."""
+    tokenizer's chat template, the loss on assistant turns only (ShareGPT's
+    conversations field, from/value keys and human/gpt roles are read too)."""
     text_field: str = "text"
     """Records: the field holding a document's text."""
     prompt_field: str = "prompt"
@@ -183,10 +184,12 @@ class TrainConfig:
     loss or gradients, or fp16 overflows)."""
     steps: int | None = None
     """Optimizer steps (the cosine schedule's length); None: counted from epochs, or 400
-    from scratch."""
+    from scratch. With epochs too, the run (and its schedule) ends at the first of the
+    two limits."""
     epochs: int | None = None
-    """Passes over the training data: sets steps when steps is None (and stops the run
-    after that many passes); None: 1 for a pretrained model, no limit from scratch."""
+    """Passes over the training data: sets steps when steps is None, or when fewer than
+    steps (and stops the run after that many passes, with a last evaluation); None: 1
+    for a pretrained model, no limit from scratch."""
     time_limit: float | None = None
     """Stop (and save) after this many seconds of training (``None``: no limit)."""
     # -- evaluation, checkpoints, output --------------------------------------------

@@ -179,10 +179,12 @@ class PackedStream:
                     self.epoch + 1, 0, 0, None
                 empty_epochs += 1
                 if empty_epochs > 1:
-                    raise ConfigError(f"lane {self.lane} of the training split is empty "
-                                      f"(each of the {self.lanes} batch rows packs its own "
-                                      "share of the records): add data, lower batch or "
-                                      "lower holdout")
+                    raise ConfigError(
+                        f"row {self.lane} of the batch gets no training record: each of "
+                        f"the batch's {self.lanes} rows packs its own share of the records "
+                        "(by a hash of file name and record index; empty records skipped), "
+                        "and this share is empty: add data, lower --batch, or lower "
+                        "--holdout")
                 continue
             path = order[self.file_pos]
             if self._records is None:
@@ -192,8 +194,10 @@ class PackedStream:
                 if is_heldout(path, i, self.holdout) != self.heldout or (
                         self.lanes > 1 and lane_of(path, i, self.lanes) != self.lane):
                     continue
-                empty_epochs = 0
-                return self.tokens.documents(rec, self.fields, f"{path}:{i + 1}")
+                docs = self.tokens.documents(rec, self.fields, f"{path}:{i + 1}")
+                if docs:                            # an empty record has none: skipped
+                    empty_epochs = 0
+                    return docs
             self.file_pos, self.record, self._records = self.file_pos + 1, 0, None
 
     def next_row(self) -> tuple[list[int], list[int], list[int] | None, list[int] | None] | None:

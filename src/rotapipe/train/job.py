@@ -59,6 +59,7 @@ class _Job:
         self.prompts: list[str] = []                 # sample prompts
         self.data_files: dict = {}                   # records.data_fingerprint, for meta.json
         self.model_files: dict = {}                  # model.model_files, for meta.json
+        self.empty_records: tuple[int, str | None] = (0, None)  # skipped, the first's place
 
     def train_step(self) -> dict:
         """One optimizer step; its metrics."""

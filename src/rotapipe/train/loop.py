@@ -27,8 +27,8 @@ from .checkpoint import check_compatible, check_out_dir, is_sharded, resume_from
 from .config import TrainConfig
 from .data import TrainBatches
 from .job import _Job
-from .records import (TextFields, data_changes, data_fingerprint, iter_records,
-                      record_parts, source_files)
+from .records import TextFields, data_changes, data_fingerprint, source_files
+from .survey import check_data, check_lanes  # noqa: F401 - check_data: tests import it here
 from .tokens import check_chats
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
 from .sample import sample_prompts
@@ -67,17 +67,6 @@ def lr_factor(cfg: TrainConfig):
         t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
     return f
-
-
-def check_data(files, fields: TextFields) -> None:
-    """Read every record of the record files once (streaming) so a bad one fails before
-    training."""
-    for path in files:
-        if path.suffix != ".parquet" and path.is_file() and path.suffix not in (".jsonl",
-                                                                                ".json"):
-            continue                                        # text: every chunk is good
-        for i, rec in iter_records(path):
-            record_parts(rec, fields, f"{path}:{i + 1}")
 
 
 class _Stop:
@@ -122,11 +111,14 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     if not (cfg.progress and sys.stderr.isatty()):
         quiet_third_party()              # no weight-loading bars in a log file either
     files = source_files(cfg.data, cfg.data_config, cfg.data_split)
-    check_data(files, fields)
+    survey = check_data(files, fields)
+    # Before the tokenizer and the model: every row of the batch gets training records.
+    check_lanes(files, fields, batch=cfg.batch, microbatches=cfg.microbatches,
+                holdout=cfg.holdout)
     eval_files = source_files(cfg.eval_data, cfg.data_config, "test", "eval_data") \
         if cfg.eval_data else None
     if eval_files:
-        check_data(eval_files, fields)
+        check_data(eval_files, fields, "eval_data")
     check_sequence_length(cfg)
     check_weight_files(cfg)
     adapter_dir(cfg)
@@ -157,6 +149,12 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     check_chats(files + (eval_files or []), tokenizer, fields)
     if cfg.steps is None:                      # the schedule length from epochs
         cfg = cfg.with_steps(epoch_steps(cfg, files, tokenizer, fields))
+    elif given.steps is not None and cfg.epochs is not None:
+        # Both limits: the run ends at the first, so the schedule (and its warmup, when
+        # chosen for the run) is as long as the run really is.
+        counted = epoch_steps(cfg, files, tokenizer, fields)
+        if counted < cfg.steps:
+            cfg = dataclasses.replace(cfg, warmup=given.warmup).with_steps(counted)
     # Before any weight is loaded: the model state must fit the RAM available.
     ram = check_host_ram_everywhere(cfg, tokenizer, dinfo)
     model = build_model(cfg, tokenizer)
@@ -209,6 +207,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         job.prompts = prompts
         job.data_files = data_files
         job.model_files = weight_files
+        job.empty_records = survey.empty, survey.first_empty
         result = _loop(job)
     finally:
         pipe.close()
@@ -288,9 +287,13 @@ def _loop(job: _Job) -> TrainResult:
             if pending is not None:
                 emit(job.finish(pending))
             pending, step = r, r["step"]
-            evaluate = can_eval and (step % cfg.eval_interval == 0 or step == cfg.steps)
+            # The epochs limit can end the run before the counted steps (rows with no
+            # label skipped, lanes of uneven length): that step is the last one too.
+            epochs_done = cfg.epochs is not None and job.stream.epoch >= cfg.epochs
+            last = step == cfg.steps or epochs_done
+            evaluate = can_eval and (step % cfg.eval_interval == 0 or last)
             save = cfg.save_interval and step % cfg.save_interval == 0
-            if evaluate or save or step == cfg.steps:
+            if evaluate or save or last:
                 job.finish(r)
                 if evaluate:
                     evals.append((step, job.evaluate(r)))
@@ -298,8 +301,13 @@ def _loop(job: _Job) -> TrainResult:
                 pending = None
             if save:
                 job.save()
-            if cfg.sample_interval and step % cfg.sample_interval == 0 and step < cfg.steps:
+            if cfg.sample_interval and step % cfg.sample_interval == 0 and not last:
                 job.samples()
+            if epochs_done and step < cfg.steps:
+                job.say(f"epochs={cfg.epochs} reached at step {step} (every row of the "
+                        f"batch has been through its share of the training split), before "
+                        f"the counted {cfg.steps} steps: the run ends here")
+                break
         if pending is not None:
             emit(job.finish(pending))
         bar.close()
@@ -313,6 +321,11 @@ def _loop(job: _Job) -> TrainResult:
     if skipped:
         job.echo(f"skipped {skipped} training sequences with no label to learn within "
                  f"seq={cfg.seq} (prompts longer than that; a longer --seq keeps them)")
+    empty, first = job.empty_records
+    if empty:
+        job.echo(f"skipped {empty} empty record{'s' if empty != 1 else ''} of the data (the "
+                 f"first at {first}): a blank {cfg.text_field!r} or response has nothing to "
+                 "learn but the end-of-text token")
     if stop.agreed:
         job.echo(f"stopped at step {job.step}; saved {job.checkpoint}; continue with "
                  "--resume")

@@ -22,9 +22,9 @@ from ..errors import ConfigError, InputError
 from .hub import HubSplit, hub_dataset
 
 __all__ = ["IGNORE", "TEXT_SUFFIXES", "RECORD_SUFFIXES", "CHUNK_CHARS", "COMPLETION",
-           "HubSplit", "TextFields", "check_text", "data_changes", "data_fingerprint",
-           "hub_dataset", "is_dataset_dir", "iter_records", "record_parts", "record_text",
-           "source_files", "stdlib_files"]
+           "CONVERSATIONS", "SHAREGPT_ROLES", "HubSplit", "TextFields", "check_text",
+           "data_changes", "data_fingerprint", "hub_dataset", "is_dataset_dir", "is_empty",
+           "iter_records", "record_parts", "record_text", "source_files", "stdlib_files"]
 
 IGNORE = -100
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -33,6 +33,10 @@ RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 CHUNK_CHARS = 32 * 1024
 COMPLETION = "completion"
 """Accepted in place of ``response_field`` (TRL's prompt/completion records)."""
+CONVERSATIONS = "conversations"
+"""Accepted in place of ``messages_field`` (ShareGPT's chats)."""
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+"""ShareGPT's role names and the chat template's (``system`` is the same in both)."""
 
 
 class TextFields:
@@ -315,16 +319,28 @@ def _rows(data, start: int, batch: int = 1024) -> Iterator[tuple[int, dict]]:
 
 def record_parts(record, fields: TextFields, where: str) -> tuple[str, object]:
     """What a record holds: ``("text", str)``, ``("pair", (prompt, response))`` or
-    ``("chat", messages)``; an :class:`InputError` naming ``where`` and the field
-    otherwise (a field that is null or not a string is never made into text)."""
+    ``("chat", messages)`` (ShareGPT's ``conversations``, ``from``/``value`` and
+    ``human``/``gpt`` read as ``messages``, ``role``/``content`` and ``user``/
+    ``assistant``); an :class:`InputError` naming ``where`` and the field otherwise (a
+    field that is null or not a string is never made into text, a record that holds two
+    forms is not guessed at)."""
     if isinstance(record, str):
         return "text", record
-    form = _form(record, fields) if isinstance(record, dict) else None
+    forms = _forms(record, fields) if isinstance(record, dict) else []
+    form = _form(record, forms)
     if form is None:
         raise InputError(f"{where}: a record needs a {fields.text!r} field, {fields.prompt!r} "
                          f"and {fields.response!r} (or {COMPLETION!r}) fields, or a "
-                         f"{fields.messages!r} list: set text_field / prompt_field / "
-                         "response_field / messages_field")
+                         f"{fields.messages!r} (or {CONVERSATIONS!r}) list: set text_field / "
+                         "prompt_field / response_field / messages_field")
+    whole = [f for f in forms if all(record.get(n) is not None for n in f[1])]
+    if len(whole) > 1:
+        held = " and ".join(" and ".join(map(repr, names)) for _, names in whole)
+        raise InputError(f"{where}: the record holds {held}: it is {_FORMS[whole[0][0]]} "
+                         f"and {_FORMS[whole[1][0]]} at once, and which one to train on "
+                         "is ambiguous; keep one form's fields in each record (or point "
+                         "text_field / prompt_field / response_field / messages_field at "
+                         "the field the form you mean uses)")
     kind, names = form
     if kind == "chat":
         return "chat", _check_messages(record[names[0]], where, names[0])
@@ -332,16 +348,37 @@ def record_parts(record, fields: TextFields, where: str) -> tuple[str, object]:
     return ("pair", values) if kind == "pair" else ("text", values[0])
 
 
-def _form(record: dict, fields: TextFields) -> tuple[str, tuple[str, ...]] | None:
-    """``(kind, its field names)`` of a dict record: the first of chat, pair and text
-    with a field holding a value; else (every such field null) the first whose fields
-    are there, so that the error names the null field. Parquet and dataset rows hold
-    every column, null where a row has none: such a null does not hide the row's form."""
+_FORMS = {"chat": "a chat", "pair": "a prompt/response pair", "text": "a text"}
+
+
+def is_empty(kind: str, value) -> bool:
+    """A record with nothing to learn but the end-of-text token: a text that is empty
+    or blank, or a pair whose response is. Such records are skipped (and counted)."""
+    if kind == "text":
+        return not value.strip()
+    return kind == "pair" and not value[1].strip()
+
+
+def _forms(record: dict, fields: TextFields) -> list[tuple[str, tuple[str, ...]]]:
+    """The forms whose fields a dict record has, as ``(kind, field names)``, in the order
+    chat, pair, text (``completion`` for a pair's response, ``conversations`` for a
+    chat's messages when the named fields are missing or null)."""
     answer = [n for n in (fields.response, COMPLETION) if n in record]
     answer.sort(key=lambda n: record[n] is None)          # a non-null one first
-    forms = [("chat", (fields.messages,)), ("text", (fields.text,))]
+    chat = fields.messages
+    if record.get(chat) is None and record.get(CONVERSATIONS) is not None:
+        chat = CONVERSATIONS
+    forms = [("chat", (chat,)), ("text", (fields.text,))]
     if fields.prompt in record and answer:
         forms.insert(1, ("pair", (fields.prompt, answer[0])))
+    return forms
+
+
+def _form(record: dict, forms) -> tuple[str, tuple[str, ...]] | None:
+    """``(kind, its field names)`` of a dict record: the first of its ``forms`` with a
+    field holding a value; else (every such field null) the first whose fields are
+    there, so that the error names the null field. Parquet and dataset rows hold every
+    column, null where a row has none: such a null does not hide the row's form."""
     for kind, names in forms:
         if any(record.get(n) is not None for n in names):
             return kind, names
@@ -367,26 +404,42 @@ def _kind(value) -> str:
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({str(value)[:40]})"
 
 
+_MESSAGE = ('each message is an object with a string "role" and a string "content" '
+            '(ShareGPT\'s "from" and "value" are read too)')
+
+
 def _check_messages(messages, where: str, name: str) -> list[dict]:
+    """The chat's messages as ``{"role", "content", ...}`` objects, ShareGPT's names
+    mapped (``from``/``value``; roles ``human``/``gpt``: :data:`SHAREGPT_ROLES`)."""
     if isinstance(messages, list) and not messages:
         raise InputError(f"{where}: {name!r} is an empty list: a chat needs its messages, "
                          "at least one of them the assistant's; fix or remove the record")
     if not isinstance(messages, list):
         raise InputError(f"{where}: {name!r} is {_kind(messages)}: use a list of "
                          '{"role": ..., "content": ...} objects')
+    out = []
     for k, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise InputError(f"{where}: {name}[{k}] = {str(m)[:80]!r}: each message is an "
-                             'object with a string "role" and a string "content"')
-        for key in ("role", "content"):
+            raise InputError(f"{where}: {name}[{k}] = {str(m)[:80]!r}: {_MESSAGE}")
+        # role/content first; ShareGPT's from/value when the message has them instead
+        keys = ["role" if "role" in m or "from" not in m else "from",
+                "content" if "content" in m or "value" not in m else "value"]
+        for key in keys:
             if not isinstance(m.get(key), str):
                 got = "missing" if key not in m else _kind(m[key])
-                raise InputError(f"{where}: {name}[{k}][{key!r}] is {got}: each message is "
-                                 'an object with a string "role" and a string "content"')
-    if not any(m["role"] == "assistant" for m in messages):
-        raise InputError(f"{where}: no 'assistant' message: the loss is on the assistant's "
-                         "turns, so a chat needs at least one")
-    return messages
+                raise InputError(f"{where}: {name}[{k}][{key!r}] is {got}: {_MESSAGE}")
+        role = SHAREGPT_ROLES.get(m[keys[0]], m[keys[0]])
+        if keys != ["role", "content"] or role != m.get("role"):
+            m = {**{x: v for x, v in m.items() if x not in ("from", "value")},
+                 "role": role, "content": m[keys[1]]}
+        out.append(m)
+    if not any(m["role"] == "assistant" for m in out):
+        found = ", ".join(dict.fromkeys(repr(m["role"]) for m in out))
+        raise InputError(f"{where}: no 'assistant' message (the roles are {found}): the "
+                         "loss is on the assistant's turns, so a chat needs at least one; "
+                         "the roles are 'system', 'user' and 'assistant' (ShareGPT's "
+                         "'human' and 'gpt' are read as 'user' and 'assistant')")
+    return out
 
 
 def record_text(record, fields: TextFields, where: str) -> tuple[str, str | None]:

@@ -53,6 +53,12 @@ def epoch_steps(cfg: TrainConfig, files, tokenizer, fields) -> int:
     return max(1, -(-cfg.epochs * per_epoch // cfg.batch))
 
 
+def epochs_cut(cfg: TrainConfig, given: TrainConfig) -> bool:
+    """Whether ``epochs`` cut the ``steps`` the run was given (``cfg``: the run's
+    effective settings, its ``steps`` counted from the data)."""
+    return given.steps is not None and cfg.epochs is not None and cfg.steps < given.steps
+
+
 def eval_sequences(cfg: TrainConfig, files, eval_files, tokenizer, fields) -> Batch | None:
     """The evaluation sequences: ``eval_data`` whole, else the held-out split of the
     data; None when there are none (``holdout=0`` and no ``eval_data``)."""
@@ -153,13 +159,21 @@ def describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) -
          f", vocab {len(tokenizer)}, {cfg.dtype}")
     chosen = [k for k in ("lr", "warmup", "weight_decay", "steps", "epochs")
               if getattr(given, k) is None and getattr(cfg, k) is not None]
+    cut = epochs_cut(cfg, given)
     epochs = f" ({cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''})" \
-        if cfg.epochs and "steps" in chosen else ""
+        if cfg.epochs and ("steps" in chosen or cut) else ""
     echo(f"settings: lr {cfg.lr:g}, warmup {cfg.warmup}, weight decay {cfg.weight_decay:g}, "
          f"{cfg.steps} steps{epochs}, batch {cfg.batch} x {cfg.seq} tokens, optimizer "
          f"{cfg.optimizer} ({cfg.optimizer_state} state)"
          + (f"; {'pretrained-model' if cfg.pretrained else 'from-scratch'} defaults: "
             f"{', '.join(k.replace('_', ' ') for k in chosen)}" if chosen else ""))
+    if cut:
+        passes = f"{cfg.epochs} pass{'es' if cfg.epochs != 1 else ''}"
+        echo(f"note: epochs={cfg.epochs} ends the run at step {cfg.steps}, before "
+             f"steps={given.steps} ({passes} over the training split: {cfg.steps} steps of "
+             f"{cfg.batch} x {cfg.seq} tokens): the learning-rate schedule decays over those "
+             f"{cfg.steps} steps and the last evaluation is at step {cfg.steps}; drop "
+             f"--epochs to train {given.steps} steps, repeating the data")
     if held is None:
         evaluation = "no evaluation (" + ("holdout 0 and no eval_data" if not cfg.holdout
                                           else "the held-out split is empty") + ")"

@@ -8,7 +8,8 @@ responses. The records themselves are :mod:`rotapipe.train.records`'.
 from __future__ import annotations
 
 from ..errors import ConfigError, InputError
-from .records import IGNORE, RECORD_SUFFIXES, TextFields, iter_records, record_parts
+from .records import (IGNORE, RECORD_SUFFIXES, TextFields, is_empty, iter_records,
+                      record_parts)
 
 __all__ = ["Tokens", "RendersDifferently", "chat_documents", "chat_segments", "check_chats"]
 
@@ -128,8 +129,12 @@ class Tokens:
     def documents(self, record, fields: TextFields, where: str
                   ) -> list[tuple[list[int], list[int]]]:
         """The record's documents as ``(ids, labels)``: one, or one per assistant turn of
-        a chat whose template renders history differently (:func:`chat_documents`)."""
+        a chat whose template renders history differently (:func:`chat_documents`);
+        none for an empty record (:func:`~rotapipe.train.records.is_empty`: it would
+        train on the end-of-text token alone)."""
         kind, value = record_parts(record, fields, where)
+        if is_empty(kind, value):
+            return []
         head = [] if self.bos is None else [self.bos]
         if kind == "text":
             ids = self.encode(value) + [self.eos]
