@@ -177,8 +177,8 @@ def test_inputs_or_labels_on_the_wrong_device(pipe):
 # -- configuration -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, match", [
-    ({"microbatches": 0}, r"microbatches=0: use a positive int"),
-    ({"microbatches": 2.5}, r"microbatches=2.5: use a positive int"),
+    ({"microbatches": 0}, r"microbatches=0: use an int in \[1, 65,536\]"),
+    ({"microbatches": 2.5}, r"microbatches=2.5: use an int in \[1, 65,536\]"),
     ({"grain": "foo"}, r"grain='foo' is invalid: use one of 'stage', 'layer'"),
     ({"backend": "tpu"}, r"backend='tpu' is invalid: use one of 'auto', 'cuda', 'emulated'"),
     ({"workers": 0}, r"workers=0: use an int in \[1, 256\] \(one worker per GPU.* or None"),

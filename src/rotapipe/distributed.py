@@ -272,6 +272,7 @@ def load_shard_state_dicts(pipe, optimizer: torch.optim.Optimizer, shards: list[
                          f"groups, this one {len(optimizer.param_groups)}: build it with "
                          "the same groups")
     pipe.flush()
+    pipe._agree.loaded()       # data parallel: the next training call compares weights
     ls, shard = pipe.layerset, getattr(pipe, "_shard", None)
     with torch.no_grad():
         for pid in pipe.host.trainable:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -13,7 +14,8 @@ from ..config import PipeConfig
 from ..errors import CheckpointError, ConfigError, InputError
 
 __all__ = ["kind", "check_arguments", "check_layers", "check_optimizer_step",
-           "check_scheduler", "check_state", "check_pipeline_state", "ModelWatch"]
+           "check_scheduler", "check_state", "check_pipeline_state", "ModelWatch",
+           "OptimizerParams"]
 
 
 def kind(value) -> str:
@@ -102,6 +104,60 @@ def check_optimizer_step(optimizer) -> None:
             "the loss itself), and the pipeline steps the optimizer once per step with "
             "none: use an optimizer that steps from the gradients alone (SGD, Adam, "
             "AdamW, ...)")
+
+
+class OptimizerParams:
+    """The parameters the attached optimizer holds, validated. ``attach_optimizer``
+    refuses one that is not a trainable parameter of the pipeline (the pipeline would
+    never give it a gradient, or never carry its update to the workers); so does every
+    later step when ``param_groups`` changed since (``add_param_group``, a group's
+    ``params`` replaced or removed): per step a tuple of the parameters' ids is
+    compared, the check itself runs only when it changed. ``ours``: what the optimizer
+    may hold (:meth:`RoundPipe.parameters`); ``names``: every parameter of the model by
+    id, ``(name, trained by the pipeline)``, to name one; ``states``: the
+    :class:`~rotapipe.runtime.optstate.StatePrecision` to re-check a group against."""
+
+    def __init__(self, ours: Iterable[torch.Tensor], names: Mapping[int, tuple[str, bool]],
+                 states=None):
+        self.ours = frozenset(id(p) for p in ours)
+        self.names, self.states = names, states
+        self.seen: tuple[int, ...] | None = None
+
+    def check(self, optimizer) -> None:
+        ids = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
+        if ids == self.seen:
+            return
+        later = self.seen is not None
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self.ours:
+                    raise ConfigError(self._refused(p, later))
+        if self.states is not None:
+            self.states.check(optimizer)
+        self.seen = ids
+
+    def _refused(self, p, later: bool) -> str:
+        name, trained = self.names.get(id(p), (None, False))
+        if name is None:
+            what = ("the optimizer holds a parameter that is not a trainable parameter of "
+                    f"the wrapped layers (shape {tuple(p.shape)}): the pipeline would never "
+                    "give it a gradient")
+        elif not trained:
+            what = (f"the optimizer holds parameter {name}, which was frozen when the "
+                    "pipeline was built: the pipeline keeps no trainable master for it and "
+                    "never trains it (unfreezing it later does not change that). Set "
+                    "requires_grad before wrapping (build a new RoundPipe), or leave it "
+                    "out of the optimizer")
+        else:
+            what = (f"the optimizer holds parameter {name} itself, but a sharded pipeline "
+                    "steps this rank's fp32 pieces of it (pipe.parameters())")
+        if later:
+            return (f"{what}. Its parameter group was added or changed after "
+                    "attach_optimizer (add_param_group, or a group's params replaced); "
+                    "nothing was stepped: remove it from the optimizer, or build the "
+                    "optimizer over pipe.parameters() (param groups are fine) and attach "
+                    "it again")
+        return f"{what}: build it over pipe.parameters()"
 
 
 def check_scheduler(scheduler) -> None:

@@ -43,6 +43,7 @@ from ..runtime.optstate import StatePrecision
 from ..runtime.shard import ShardedOptimizer
 from ..runtime import trees
 from .checks import ModelWatch, check_arguments, check_layers
+from .consistency import WeightCheck, fingerprint
 from .introspect import Inspection
 from .state import StateIO
 from .training import TrainCalls
@@ -188,11 +189,14 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         """The data-parallel gradient reducer (``None`` when off); ``.last`` holds the
         all-reduce timing of the last call."""
         trainable = set(self.host.trainable)
+        # The same weights and seed on every rank (pipe.consistency).
+        self._agree = WeightCheck(self.layerset, self.host, config.seed,
+                                  lambda stream=self._stream: stream.next_number)
         self.data_parallel = GradReducer.create(
-            config.data_parallel, group, self._fingerprint(),
+            config.data_parallel, group, fingerprint(self),
             {pid: self.layerset.params[pid].shape for pid in trainable},
             lambda stage: [pid for pid in self.layerset.stage_params(stages[stage].layers)
-                           if pid in trainable])
+                           if pid in trainable], self._agree)
         if self.data_parallel is not None:
             # Backpressure (allreduce.InFlight): two stages per worker may wait for the
             # host lane (the planner's gradient staging); a failed call frees waiters.
@@ -315,6 +319,8 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         self._need_optimizer()
         with self._lock:
             self._flush()
+            if self._shard is not None:
+                self._agree.before_step(self.data_parallel)
             stepped = self._host_opt.sync_step(self.optimizer, self._optimizer_cost)
             self._after_step()
             return stepped
@@ -323,6 +329,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         if self.optimizer is None:
             raise ConfigError("no optimizer: pass optimizer= to RoundPipe or call "
                               "pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters()))")
+        self._groups.check(self.optimizer)     # param groups changed since attached
 
     def step_result(self, call: int) -> StepResult | None:
         """What the optimizer step ended by training call ``call`` (its :attr:`calls`
@@ -487,13 +494,3 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         masters (under the lock)."""
         self._reaped(self._stream.drain())
         self._host_opt.flush()
-
-    def _fingerprint(self) -> str:
-        """What must agree across data-parallel ranks (plan, dtype, parameter shapes)."""
-        shapes = [tuple(self.layerset.params[pid].shape) for pid in self.host.trainable]
-        dpc = self.config.data_parallel
-        shard = "" if dpc.shard is ShardMode.NONE else \
-            f", shard {dpc.shard.value} (gradients in {dpc.grad_dtype})"
-        return (f"plan {self.plan.to_text()}, compute dtype {self.host.dtype}, "
-                f"{len(shapes)} trainable parameters, shapes hash {hash(tuple(shapes))}"
-                f"{shard}")

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
-from .checks import (check_optimizer_step, check_scheduler, check_state, kind,
-                     check_pipeline_state)
+from .checks import (OptimizerParams, check_optimizer_step, check_scheduler, check_state,
+                     kind, check_pipeline_state)
 
 __all__ = ["StateIO"]
 
@@ -59,20 +59,19 @@ class StateIO:
         if scheduler is not None:
             check_scheduler(scheduler)
         check_optimizer_step(optimizer)
-        ours = {id(p) for p in self.parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in ours:
-                    raise ConfigError("the optimizer holds a parameter that is not a "
-                                      "trainable parameter of the wrapped layers: build it "
-                                      "over pipe.parameters()")
+        ls, trained = self.layerset, set(self.host.trainable)
+        groups = OptimizerParams(self.parameters(), {
+            id(p): (ls.param_names[pid], pid in trained) for pid, p in enumerate(ls.params)})
+        groups.check(optimizer)
         with self._lock:
             self._flush()
             # PipeConfig.optimizer_state_dtype: checked here, state narrowed (now and
-            # after every load_state_dict of the optimizer).
+            # after every load_state_dict of the optimizer); checked again with the
+            # groups before a step when they changed (OptimizerParams).
             if self._shard is None:
                 self._host_opt.states.attach(optimizer)
-            self.optimizer, self.scheduler = optimizer, scheduler
+                groups.states = self._host_opt.states
+            self.optimizer, self.scheduler, self._groups = optimizer, scheduler, groups
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Trained weights (fp32 masters, frozen weights) and buffers, keyed like the
@@ -97,6 +96,7 @@ class StateIO:
             self._flush()
             own = self._container.state_dict(keep_vars=True)
             check_state(own, state, strict)
+            self._agree.loaded()        # data parallel: the next call compares weights
             if self._shard is not None:
                 self._load_sharded(state)
                 return
@@ -145,5 +145,6 @@ class StateIO:
                 f"{saved}) to resume it")
         with self._lock:
             self._flush()
+            self._agree.loaded()
             self._stream.committed, self._evals = calls, evals
             self.scaler.load_state_dict({"scale": scale, "good_steps": good})

@@ -51,8 +51,12 @@ class TrainCalls:
                              "the loss averages over must be >= 0 and not all 0 (are all "
                              "labels ignored?)")
         if dp is not None:
-            # Every rank weights its microbatches by their share of the global batch.
-            local, total = total, dp.global_sum(total, "sum of the loss units")
+            # Every rank weights its microbatches by their share of the global batch;
+            # the same all-reduce tells whether any rank loaded weights since the ranks
+            # last compared them (pipe.consistency).
+            local = total
+            total, loads = dp.global_sum([total, self._agree.loads], "sum of the loss units")
+            self._agree.compare_if_loaded(dp, loads)
             if not total > 0:
                 raise InputError("loss_weight gave 0 items on every rank: are all "
                                  "labels ignored?")

@@ -23,7 +23,8 @@ costs time instead of host memory.
 Ordering (why no tags are needed): gloo matches collectives by issue order. Every rank
 runs the same schedule, so its host lane issues the same buckets in the same order; the
 caller-thread collectives (units, loss) are issued only while no bucket is in flight.
-The pipeline checks at construction that every rank has the same plan and parameters.
+The pipeline checks at construction that every rank has the same plan and parameters
+(and the same weights and seed: :mod:`rotapipe.pipe.consistency`).
 
 A parameter that got no gradient on one rank (an MoE expert no token reached) still
 takes part, as zeros; a presence flag per parameter rides in the bucket so that a
@@ -79,7 +80,8 @@ class GradReducer:
     """Data-parallel collectives of one pipeline (see the module docstring)."""
 
     def __init__(self, config: DataParallelConfig, group, fingerprint: str,
-                 shapes: dict[int, torch.Size], params_of: Callable[[str], Sequence[int]]):
+                 shapes: dict[int, torch.Size], params_of: Callable[[str], Sequence[int]],
+                 agree=None):
         self.config, self.group = config, group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -104,7 +106,10 @@ class GradReducer:
         self._heartbeat = Heartbeat.start(dist.get_rank(), config.heartbeat_s, self)
         gathered: list = [None] * self.world
         try:
-            dist.all_gather_object(gathered, (fingerprint, token), group=group)
+            # agree (pipe.consistency.WeightCheck): weights' checksums, seed; compared below
+            agree = agree if self.world > 1 else None
+            dist.all_gather_object(gathered, (fingerprint, token, agree and agree.payload()),
+                                   group=group)
         except Exception as exc:  # noqa: BLE001 - gloo and NCCL raise RuntimeErrors
             self.close()
             first = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -113,7 +118,7 @@ class GradReducer:
                 f"every rank) failed on rank {dist.get_rank()}: another rank exited or "
                 "hung before building its pipeline, and its own output says why. Restart "
                 f"the job. Underlying error: {type(exc).__name__}: {first}") from None
-        bad = [self.members[r] for r, (fp, _) in enumerate(gathered) if fp != gathered[0][0]]
+        bad = [self.members[r] for r, (fp, *_) in enumerate(gathered) if fp != gathered[0][0]]
         if bad:
             # The heartbeat has not written yet (no prefix) and never will: ranks that
             # fail here exit at once, and a thread left inside a store call that the
@@ -125,6 +130,12 @@ class GradReducer:
                 f"{self.members[0]}: {gathered[0][0]}\n  rank {bad[0]}: "
                 f"{gathered[self.members.index(bad[0])][0]}\nuse the same PipeConfig "
                 "(workers, stages, precision) and model on every rank")
+        try:
+            if agree is not None:
+                agree.compare([g[2] for g in gathered], self.members)
+        except ConfigError:
+            self.close()       # as above: before the heartbeat writes
+            raise
         if self._heartbeat is not None:
             self._heartbeat.prefix = f"rotapipe/{gathered[0][1]}"
 
@@ -151,14 +162,24 @@ class GradReducer:
         return cls(config, group, *args)
 
     # -- caller-thread collectives ------------------------------------------------------
-    def global_sum(self, value: float, what: str) -> float:
-        """Sum of ``value`` over the ranks (float64), waited with the deadline."""
+    def global_sum(self, value: float | list[float], what: str) -> float | list[float]:
+        """Sum of ``value`` (or of each of a list: one all-reduce) over the ranks
+        (float64), waited with the deadline."""
         self.check()
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor(value if isinstance(value, list) else [value], dtype=torch.float64)
         seq = self.issued
         work = self._launch(t)
         self._wait(work, seq, what)
-        return float(t.item())
+        return t.tolist() if isinstance(value, list) else float(t.item())
+
+    def gather(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every rank's 1-D ``tensor`` (as long on each), in group order."""
+        self.check()
+        n, W = tensor.numel(), self.world
+        out = torch.empty(n * W, dtype=tensor.dtype)
+        work, seq = self.exchange(out, tensor.repeat(W), [n] * W, [n] * W)
+        self._wait(work, seq, what)
+        return list(out.split(n))
 
     def begin(self, schedule: Schedule, grads: CallGrads) -> CallReduce:
         self.check()
