@@ -178,6 +178,7 @@ class ChunkedCopies:
         params: dict[int, nn.Parameter] = {}
         buffers: dict[int, torch.Tensor] = {}
         dst: dict[int, torch.Tensor] = {}
+        landing: list[tuple] = []       # store keys of the layers landed so far
         chunks: list[Chunk] = []
         trained = a.kind is K.UPLOAD_TRAINED
         if trained or (a.stage, a.call) in r.routes.split:
@@ -200,8 +201,17 @@ class ChunkedCopies:
                             if p in rows:      # a transient beside the full table
                                 r.stores[a.worker].put(("rowbuf", s.name, p), dst[p],
                                                        f"looked-up rows of {s}")
+                        held = [dst[p] for p in pids if p not in rows]
                         if not trained:         # the UW brings the buffers
+                            known = set(buffers)
                             self._upload_buffers(dev, l, buffers)
+                            held += [t for b, t in buffers.items() if b not in known]
+                        # The layer's memory is taken now, as the caching allocator
+                        # takes it on a GPU: charged from its first chunk, not from the
+                        # stage's last one (docs/concepts.md, "Copy engines").
+                        key = ("landing", a.key, l)
+                        r.stores[a.worker].put(key, held, f"weights of {s} landing")
+                        landing.append(key)
                     for i, lo, hi in pieces:
                         target = _bytes(dst[pids[i]])[lo:hi]
                         if src is not None:        # staged in a pinned bounce buffer
@@ -236,6 +246,9 @@ class ChunkedCopies:
                     t = q.dequantize(t, r.host.dtype)
                 params[p] = nn.Parameter(t, requires_grad=grad and r.ls.params[p].requires_grad)
             store = r.stores[a.worker]
+            for key in landing:         # the same tensors, charged below as the stage's
+                store.pop(key)
+            landing.clear()
             if trained:
                 # Popped first, so the device budget never counts the frozen part twice.
                 frozen, kept_buffers = store.pop(("w", s.name))
@@ -330,16 +343,25 @@ class ChunkedCopies:
             # at its rows on the device (the rest of its gradient is zero).
             if "grads" in got:
                 return got["grads"]
-            grads = got["grads"] = r.stores[a.worker].pop(("wgrad", a.stage))
+            # Every chunk reads the gradients until the last one: they stay charged to
+            # the device until then, as their memory stays allocated on a GPU. A table
+            # moved by rows goes down as its gathered rows (charged beside its full
+            # gradient while gathering; the full one is freed once gathered).
+            store = r.stores[a.worker]
+            grads = dict(store.get(("wgrad", a.stage)))
+            gathered = {}
             if rows:
-                index = r.stores[a.worker].pop(("rows", a.stage))
+                index = store.pop(("rows", a.stage))
                 for p in rows:
                     if p in grads:
                         shapes[p] = grads[p].shape
-                        grads[p] = grads[p].index_select(0, index[p])
-                        r.stores[a.worker].put(("rowbuf", a.stage, p), grads[p],
-                                               f"looked-up gradient rows of {a.stage}")
-            return grads
+                        gathered[p] = grads.pop(p).index_select(0, index[p])
+                store.put(("down rows", a.key), gathered,
+                          f"looked-up gradient rows of {a.stage}")
+            store.pop(("wgrad", a.stage))
+            store.put(("down", a.key), grads, f"weight gradients of {a.stage} going down")
+            got["grads"] = {**grads, **gathered}
+            return got["grads"]
 
         for l, pids, sizes in self._layers(a, lambda p: trainable[p].requires_grad, rows):
             for j, pieces in enumerate(self._parts(l, sizes)):
@@ -358,8 +380,10 @@ class ChunkedCopies:
 
         def finish():
             take()
+            r.stores[a.worker].pop(("down", a.key))
+            if rows:
+                r.stores[a.worker].pop(("down rows", a.key))
             for p, shape in shapes.items():
-                r.stores[a.worker].pop(("rowbuf", a.stage, p))
                 out[p] = RowGrad(rows[p], out[p], shape)
             r.host_store.put(("wgrad", a.stage), dict(out))
             # The chunks' closures live as long as the call's action lists: let the
