@@ -268,7 +268,6 @@ class ChunkedCopies:
                       rows: dict) -> Chunk:
         """A chunk of pieces; through a bounce buffer when any piece is pageable (or
         is gathered: a table moved by rows)."""
-        r = self.r
         if all(self.pinned(pids[i]) and pids[i] not in rows for i, _, _ in pieces):
             return Chunk(self._timed(a, index, body))
         pool = self.bounce[a.worker]
