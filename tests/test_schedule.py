@@ -146,3 +146,25 @@ def test_validator_rejects_a_call_reading_another_calls_microbatch_data():
                  if a.kind is K.FUSED and a.call == 1 and a.mb == 0 else a for a in s.actions)
     with pytest.raises(ScheduleError, match=r"microbatch data of call 0: a call reads only"):
         validate(Schedule(s.plan, 2, 2, acts, s.name), dataflow=True)
+
+
+@pytest.mark.parametrize("workers,microbatches", [(2, 4), (3, 4), (4, 8)])
+def test_the_tail_barrier_waits_on_the_host_for_every_tail_input(workers, microbatches):
+    """The barrier's body (``tail_context``) reads every microbatch's tail input from
+    host memory with CPU code: stream waits on the downloads do not order that on CUDA
+    (the body runs on the dispatcher thread once the action is issued, while the copies
+    may still run; 30 of 30 barrier downloads were still in flight in a probe). The
+    first fused-tail action therefore has every such download as a host dependency."""
+    from rotapipe.schedule import roundpipe_stale_schedule
+    plan = even_plan(8, 3, 4)
+    for s in (roundpipe_schedule(plan, workers, microbatches, tail_barrier=True),
+              roundpipe_stale_schedule(plan, workers, microbatches, calls=2,
+                                       tail_barrier=True)):
+        validate(s, dataflow=True)
+        for call in {a.call for a in s.actions}:
+            first = next(a for a in s.actions
+                         if a.kind is K.FUSED and a.mb == 0 and a.call == call)
+            downloads = {a.key for a in s.actions if a.kind is K.DOWNLOAD_ACT
+                         and a.at == plan.tail.start and a.call == call}
+            assert len(downloads) == microbatches
+            assert downloads <= set(first.host_deps), (call, first.host_deps)

@@ -328,12 +328,17 @@ class _Generator:
                         self.act_producer[b] = s.name
                         self.emit(K.DOWNLOAD_ACT, w, s, m, b, deps=[compute_keys[-1]])
             elif s.kind is StageKind.TAIL:
+                barrier = []
                 if i == 0 and self.tail_barrier:
+                    # Host deps: the barrier's body reads every microbatch's tail input
+                    # in host memory with CPU code, which a stream wait does not order
+                    # (on CUDA the body runs once the action is issued).
                     producer = self.act_producer[s.start]
-                    ins = ins + [self.key(K.DOWNLOAD_ACT, producer, k, s.start)
-                                 for k in range(1, self.M)]
+                    barrier = [self.key(K.DOWNLOAD_ACT, producer, k, s.start)
+                               for k in range(self.M)]
                 hold = self.grad_hold(g, w) if i == 0 else []
-                compute_keys.append(self.emit(K.FUSED, w, s, m, deps=ins + hold))
+                compute_keys.append(self.emit(K.FUSED, w, s, m, deps=ins + hold,
+                                              host_deps=barrier))
                 last_dg = self.emit(K.DOWNLOAD_GRAD, w, s, m, s.start, deps=[compute_keys[-1]])
             else:
                 r = self.emit(K.RECOMPUTE, w, s, m, deps=[k for k in ins if not k.startswith("UG:")])
