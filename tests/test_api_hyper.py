@@ -64,3 +64,36 @@ def test_a_learning_rate_changed_during_a_step_fails_it_and_changes_nothing(mode
     ref_opt.step()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "stale"])
+def test_a_scheduler_stepped_before_the_first_stage_step_is_refused_too(mode, monkeypatch):
+    """The usual order: ``train_step`` returns once the loss is known, before the
+    tail's gradients are down, so the caller's ``sched.step()`` lands before the first
+    stage is stepped. Compared with the rate the first stage's step saw, that went
+    unseen and the whole step ran at the next step's rate (one step early, silently);
+    compared with the rate as the call was issued, it is refused."""
+    from rotapipe.runtime import overlapstep
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)
+    go = __import__("threading").Event()
+    begin = overlapstep.OverlapStep._begin
+
+    def held(self):
+        assert go.wait(30), "the caller never changed the rate"
+        begin(self)
+    monkeypatch.setattr(overlapstep.OverlapStep, "_begin", held)
+    with rotapipe.RoundPipe(model(), mse, config=emulated(2, 2, optimizer_mode=mode),
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)) as pipe:
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        sched = torch.optim.lr_scheduler.StepLR(pipe.optimizer, step_size=1, gamma=0.1)
+        with pytest.raises(rotapipe.ConfigError, match=r"'lr' changed from 0\.1 to "):
+            pipe.train_step(x, y)
+            sched.step()                  # before any stage's step: the gate holds them
+            go.set()
+            pipe.flush()
+        go.set()
+        assert pipe.calls == 0
+        for k, v in pipe.state_dict().items():
+            assert torch.equal(v, before[k]), k

@@ -101,6 +101,8 @@ class TrainCalls:
         stages, layerset, runner = self._calls.stages, self.layerset, self._calls
         hook = opt.call_hook(self.optimizer, schedule, lambda name: layerset.stage_params(
             stages[name].layers), grads, total, step, self._optimizer_cost, reduce, view)
+        if self.scheduler is None and hasattr(hook, "pin_hyper"):
+            hook.pin_hyper()            # the caller's lr as the call is issued
         state = self._calls.state(schedule, ctx, self._calls.host_store(mbs, lbs), view)
         call = Call(stream.next_number, index, schedule, state, hook, step, total, stages,
                     self._keep_buffers, on_host=overlap, reduce=reduce,

@@ -240,12 +240,28 @@ class OverlapStep(CallHook):
         if self.cost is not None:
             self.cost(stepped)
 
+    def pin_hyper(self) -> None:
+        """Take the settings a scheduler changes as the call is issued (no scheduler is
+        attached, so nothing but the caller changes them): a change before the call's
+        step is done is then refused whichever stage it lands before, the first
+        included. Otherwise a scheduler stepped right after ``train_step`` returned,
+        landing before the first stage's step (the usual order: the loss is known
+        before the tail's gradients are down), went unseen and the whole step ran at
+        the next step's rate, one step early."""
+        self.hyper = self._hyper_now()
+
+    def _hyper_now(self) -> list[dict]:
+        return [{k: g[k] for k in _HYPER if k in g} for g in self.opt.param_groups]
+
     def _same_hyper(self) -> None:
         """Refuse a step whose stages would step with different learning rates: the
         caller changed a group's ``lr`` (``momentum``, ``betas``) while this call's
         step was under way, typically a scheduler stepped right after ``train_step``
-        returned. The call then fails and its stages' steps are undone."""
-        now = [{k: g[k] for k in _HYPER if k in g} for g in self.opt.param_groups]
+        returned. The call then fails and its stages' steps are undone. Compared with
+        the settings as the call was issued (:meth:`pin_hyper`) or, with a scheduler
+        attached (the pipeline steps it after the previous step), as the first
+        stage's step saw them."""
+        now = self._hyper_now()
         if self.hyper is None:
             self.hyper = now
             return
