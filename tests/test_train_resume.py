@@ -244,3 +244,18 @@ def test_a_lora_resume_on_other_base_weights_is_refused(tmp_path, caplog):
         done = train(TrainConfig(**common, lora_rank=4, steps=2, resume=True,
                                  out_dir=str(tmp_path / "oFalse")), echo=lambda s: None)
     assert done.step == 2 and "model files differ" in caplog.text
+
+
+def test_checkpoint_helpers_take_a_str_path(tmp_path):
+    """The documented helpers took only a pathlib.Path: a str (as the docs' own
+    ``ckpt_dir = "/shared/ckpt"`` would pass) was a bare AttributeError."""
+    from rotapipe.train.checkpoint import (list_checkpoints, load_shards, save_checkpoint,
+                                           save_shard)
+    root = str(tmp_path / "ckpt")
+    masters = {"w": torch.arange(6.0).reshape(2, 3)}
+    path = save_checkpoint(root, 3, masters=masters, state={}, meta={"step": 3})
+    assert list_checkpoints(root) == [path] and latest_checkpoint(root) == path
+    got, _, meta = load_checkpoint(str(path))
+    assert torch.equal(got["w"], masters["w"]) and meta["step"] == 3
+    save_shard(str(tmp_path / "shards"), {"rank": 0, "world": 1, "pieces": {}})
+    assert [s["rank"] for s in load_shards(str(tmp_path / "shards"))] == [0]

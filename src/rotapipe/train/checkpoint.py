@@ -70,8 +70,9 @@ def _fsync_tree(path: pathlib.Path) -> None:
         _fsync_dir(pathlib.Path(root))
 
 
-def list_checkpoints(ckpt_dir: pathlib.Path) -> list[pathlib.Path]:
+def list_checkpoints(ckpt_dir: str | pathlib.Path) -> list[pathlib.Path]:
     """Complete checkpoints, oldest first."""
+    ckpt_dir = pathlib.Path(ckpt_dir)      # a str too
     if not ckpt_dir.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir()
@@ -79,14 +80,17 @@ def list_checkpoints(ckpt_dir: pathlib.Path) -> list[pathlib.Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(ckpt_dir: pathlib.Path) -> pathlib.Path | None:
+def latest_checkpoint(ckpt_dir: str | pathlib.Path) -> pathlib.Path | None:
+    ckpt_dir = pathlib.Path(ckpt_dir)      # a str too
     found = list_checkpoints(ckpt_dir)
     return found[-1] if found else None
 
 
-def save_checkpoint(ckpt_dir: pathlib.Path, step: int, *, masters: dict[str, torch.Tensor],
-                    state: dict, meta: dict, tokenizer=None, keep: int = 3) -> pathlib.Path:
+def save_checkpoint(ckpt_dir: str | pathlib.Path, step: int, *,
+                    masters: dict[str, torch.Tensor], state: dict, meta: dict,
+                    tokenizer=None, keep: int = 3) -> pathlib.Path:
     """Write checkpoint ``step`` atomically; delete all but the newest ``keep``."""
+    ckpt_dir = pathlib.Path(ckpt_dir)      # a str too
     from safetensors.torch import save_file
 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -164,11 +168,12 @@ def verify_checkpoint(path: pathlib.Path) -> None:
                                   f"{size} were written (truncated or overwritten)")
 
 
-def load_checkpoint(path: pathlib.Path, masters: bool = True
+def load_checkpoint(path: str | pathlib.Path, masters: bool = True
                     ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """``(masters, state, meta)`` of a checkpoint directory; :class:`CheckpointError`
     (naming the file) when it is damaged. ``masters=False``: ``{}`` instead of reading
     ``masters.safetensors`` (a sharded checkpoint resumes from its shards)."""
+    path = pathlib.Path(path)      # a str too
     from safetensors.torch import load_file
 
     verify_checkpoint(path)
@@ -311,10 +316,11 @@ def check_compatible(path: pathlib.Path, meta: dict, fingerprint: dict) -> None:
 _SHARD = re.compile(r"^shard-(\d{5})-of-(\d{5})\.pt$")
 
 
-def save_shard(path: pathlib.Path, shard: dict) -> pathlib.Path:
+def save_shard(path: str | pathlib.Path, shard: dict) -> pathlib.Path:
     """Write one rank's :func:`rotapipe.distributed.shard_state_dict` into the directory
     ``path`` as ``shard-<rank>-of-<world>.pt``, atomically (a temporary file, fsynced,
     then renamed into place): a reader finds the whole file or none."""
+    path = pathlib.Path(path)      # a str too
     path.mkdir(parents=True, exist_ok=True)
     final = path / f"shard-{shard['rank']:05d}-of-{shard['world']:05d}.pt"
     tmp = path / f".tmp-{final.name}-{os.getpid()}"
@@ -335,11 +341,12 @@ def is_sharded(path: pathlib.Path) -> bool:
     return path.is_dir() and any(_SHARD.match(f.name) for f in path.glob("shard-*-of-*.pt"))
 
 
-def load_shards(path: pathlib.Path, mmap: bool = False) -> list[dict]:
+def load_shards(path: str | pathlib.Path, mmap: bool = False) -> list[dict]:
     """Every rank's shard in ``path`` (:func:`save_shard`); :class:`CheckpointError`
     naming the missing ranks when the set is incomplete. ``mmap``: the tensors stay
     memory-mapped (read when used), so a reader holding every shard does not hold the
     whole optimizer state in RAM."""
+    path = pathlib.Path(path)      # a str too
     found = {}
     for f in path.glob("shard-*-of-*.pt") if path.is_dir() else ():
         m = _SHARD.match(f.name)
@@ -361,7 +368,7 @@ def load_shards(path: pathlib.Path, mmap: bool = False) -> list[dict]:
             from None
 
 
-def save_consolidated(path: pathlib.Path, names: dict[str, str] | None = None
+def save_consolidated(path: str | pathlib.Path, names: dict[str, str] | None = None
                       ) -> pathlib.Path:
     """The consolidated export of a sharded checkpoint: the whole fp32 masters of every
     rank's shard in ``path`` as ``path / "masters.safetensors"`` (one rank writes it,
@@ -369,6 +376,7 @@ def save_consolidated(path: pathlib.Path, names: dict[str, str] | None = None
     (``{pipeline parameter name: name in the file}``, e.g. the Hugging Face names;
     default the pipeline's). The pieces stream from the memory-mapped shards into the
     file one at a time: the whole model is never in RAM (:func:`_write_safetensors`)."""
+    path = pathlib.Path(path)      # a str too
     shards = load_shards(path, mmap=True)
     parts: dict[str, list[dict]] = {}
     for s in shards:
@@ -416,7 +424,7 @@ def _write_safetensors(path: pathlib.Path,
     return path
 
 
-def save_sharded_checkpoint(ckpt_dir: pathlib.Path, step: int, *, shard: dict,
+def save_sharded_checkpoint(ckpt_dir: str | pathlib.Path, step: int, *, shard: dict,
                             names: dict[str, str], state: dict, meta: dict, tokenizer=None,
                             keep: int = 3, is_main: bool, barrier) -> pathlib.Path:
     """Checkpoint ``step`` of a sharded data-parallel run; every rank calls it
@@ -435,6 +443,7 @@ def save_sharded_checkpoint(ckpt_dir: pathlib.Path, step: int, *, shard: dict,
 
     A crash at any point leaves the previous checkpoints whole: nothing is visible
     before the rename."""
+    ckpt_dir = pathlib.Path(ckpt_dir)      # a str too
     final = ckpt_dir / f"step-{step:08d}"
     tmp = ckpt_dir / f".tmp-step-{step:08d}-sharded"
     if is_main:
