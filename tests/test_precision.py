@@ -14,6 +14,7 @@ Tolerances, each against the same run in fp32 (same init, data and optimizer):
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
 
@@ -248,3 +249,73 @@ def test_eval_close_to_fp32_model(dtype):
         got = pipe.eval()(x)
     assert got.dtype == DTYPES[dtype]
     assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+def _fp16_state(steps: int, **precision):
+    """``(weights, optimizer state, pipeline state)`` after ``steps`` fp16 steps."""
+    model = tiny_transformer(widths=(24, 40))
+    with rotapipe.RoundPipe(model, lm_loss, config=config("fp16", **precision),
+                            optimizer=adamw) as pipe:
+        losses = [pipe.train_step(*mapping_batch(s)) for s in range(steps)]
+        return ({k: v.clone() for k, v in pipe.state_dict().items()},
+                copy.deepcopy(pipe.optimizer.state_dict()), pipe.pipeline_state(), losses,
+                pipe.scaler.state_dict())
+
+
+def test_dynamic_scaler_resumes_exactly():
+    """fp16 with overflows and growth (init 2**20, growth every 3 steps): 12 steps in
+    one run equal 6 steps, a save (weights, optimizer, pipeline state) and 6 more in a
+    new pipeline, loss by loss, weight by weight, and the scaler's state."""
+    precision = dict(init_scale=2.0 ** 20, growth_interval=3)
+    weights, opt, state, want, scaler = _fp16_state(12, **precision)
+    saved = _fp16_state(6, **precision)
+    assert not saved[2]["scaler"]["scale"] == 2.0 ** 20        # it moved
+    model = tiny_transformer(widths=(24, 40))
+    with rotapipe.RoundPipe(model, lm_loss, config=config("fp16", **precision),
+                            optimizer=adamw) as pipe:
+        pipe.load_state_dict(saved[0])
+        pipe.optimizer.load_state_dict(saved[1])
+        pipe.load_pipeline_state(saved[2])
+        got = [pipe.train_step(*mapping_batch(s)) for s in range(6, 12)]
+        assert pipe.scaler.state_dict() == scaler
+        for k, v in pipe.state_dict().items():
+            torch.testing.assert_close(v, weights[k], rtol=1e-5, atol=1e-6, msg=k)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want[6:]), rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,precision", [
+    ("fp16", dict(loss_scale=16.0)), ("bf16", {}), ("fp32", {})])
+def test_a_dynamic_scalers_state_leaves_a_fixed_scale_alone(dtype, precision):
+    """A pipeline state saved under fp16 dynamic scaling (scale 2**40 here), loaded into
+    a pipeline with a fixed scale or none, keeps that pipeline's scale: it used to take
+    the saved scale as its fixed one (a fixed fp16 scale of 16 became 2**40 and every
+    step then failed, naming a scale the config never set)."""
+    state = {"calls": 3, "evals": 0, "scaler": {"scale": 2.0 ** 40, "good_steps": 2,
+                                                "dynamic": True}}
+    model = tiny_transformer(widths=(24, 40))
+    fresh = copy.deepcopy(model)
+    with rotapipe.RoundPipe(model, lm_loss, config=config(dtype, **precision)) as pipe:
+        scale = pipe.scaler.scale
+        pipe.load_pipeline_state(state)
+        assert pipe.scaler.scale == scale and pipe.calls == 3
+        pipe.calls = 0
+        pipe.forward_backward(*mapping_batch(0))
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    with rotapipe.RoundPipe(fresh, lm_loss, config=config(dtype, **precision)) as pipe:
+        pipe.forward_backward(*mapping_batch(0))
+        for n, p in pipe.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_a_fixed_scales_state_leaves_dynamic_scaling_at_its_init_scale():
+    """A bf16 run's pipeline state (no scaling: scale 1) resumed under fp16 dynamic
+    scaling starts from ``init_scale``, not from 1 (where small fp16 gradients flush to
+    zero until ``growth_interval`` clean steps double it, 16 times over)."""
+    model = tiny_transformer(widths=(24, 40))
+    with rotapipe.RoundPipe(model, lm_loss, config=config("bf16")) as pipe:
+        state = pipe.pipeline_state()
+    assert state["scaler"] == {"scale": 1.0, "good_steps": 0, "dynamic": False}
+    with rotapipe.RoundPipe(model, lm_loss, config=config("fp16")) as pipe:
+        pipe.load_pipeline_state(state)
+        assert pipe.scaler.scale == 2.0 ** 16

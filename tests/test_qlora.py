@@ -5,6 +5,8 @@ host holds the packed bytes only; the adapter saves in PEFT format."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -164,8 +166,6 @@ def transformers_model(path):
 
 
 def test_qlora_command_from_a_saved_checkpoint_lowers_held_out_loss(capsys, tmp_path):
-    import re
-
     from rotapipe.cli import main
     from train_util import flags, text_jsonl
     data = text_jsonl(tmp_path / "d.jsonl", 300)
@@ -183,3 +183,86 @@ def test_qlora_command_from_a_saved_checkpoint_lowers_held_out_loss(capsys, tmp_
     assert last < 0.98 * first, out      # measured: -2.6% at 40 steps before the
     # pretrained defaults (issue 18); 80 steps keep a margin
     assert (tmp_path / "q" / "final" / "adapter_config.json").is_file()
+
+
+def test_state_dict_round_trip_leaves_the_nf4_base_out():
+    """``pipe.state_dict()`` of a QLoRA pipeline holds the adapters, norms, embedding and
+    head, not the NF4 weights (their modules hold a NaN placeholder: 21 all-NaN tensors
+    came back before); loading it back works and changes nothing (it raised a bare
+    RuntimeError, copying into the placeholder, after loading the keys before it); a
+    state naming an NF4 weight is refused by name, nothing loaded."""
+    torch.manual_seed(0)
+    model = lora(tiny("qwen3"))
+    m = clone(model)
+    wrapped = rotapipe.adapters.wrap_hf(m, quantize="nf4")
+    ids, mask, labels = batch()
+    cfg = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated")
+    with wrapped.pipe(cfg) as pipe:
+        pipe.attach_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        pipe.train_step(wrapped.inputs(ids, mask), labels)
+        state = {k: v.clone() for k, v in pipe.state_dict().items()}
+        assert len(state) == 78 - 21
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+        nf4 = {n for n, p in pipe._container.named_parameters() if quantized(p) is not None}
+        assert len(nf4) == 21 and not nf4 & state.keys()
+        logits = pipe.eval()(wrapped.inputs(ids, mask))
+        # Another state (adapters zeroed), then the saved one back.
+        other = dict(state)
+        for k in other:
+            if "lora_" in k:
+                other[k] = torch.zeros_like(other[k])
+        pipe.load_state_dict(other)
+        assert not torch.equal(pipe(wrapped.inputs(ids, mask)), logits)
+        pipe.load_state_dict(state)
+        torch.testing.assert_close(pipe(wrapped.inputs(ids, mask)), logits, rtol=0, atol=0)
+        key = sorted(nf4)[0]
+        bad = {**other, key: torch.zeros(pipe._container.state_dict(keep_vars=True)[key].shape)}
+        for strict in (True, False):
+            with pytest.raises(rotapipe.ConfigError, match=rf"'{re.escape(key)}' is a "
+                               r"frozen weight kept as NF4 .*Nothing was loaded"):
+                pipe.load_state_dict(bad, strict=strict)
+        torch.testing.assert_close(pipe(wrapped.inputs(ids, mask)), logits, rtol=0, atol=0)
+
+
+def test_a_model_quantized_by_bitsandbytes_is_refused_with_the_way_to_qlora():
+    """A model whose linears are already ``bnb.nn.Linear4bit`` (as
+    ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True))``
+    builds) is refused at wrap time, naming the weight and the fix; it used to fail in
+    the side-input probe ("a decoder layer failed ... shape '[32, 0]' is invalid"),
+    with advice to build the layers by hand."""
+    model = tiny("llama")
+    lin = model.model.layers[1].mlp.down_proj
+    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False,
+                          compute_dtype=torch.float32, quant_type="nf4")
+    q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False,
+                                 quant_type="nf4")
+    model.model.layers[1].mlp.down_proj = q.to("cpu")          # quantizes
+    for quantize in (None, "nf4"):
+        with pytest.raises(rotapipe.adapters.AdapterError, match=re.escape(
+                "LlamaForCausalLM is quantized by bitsandbytes (model.layers.1.mlp."
+                "down_proj.base_layer.weight is a Params4bit of torch.uint8): load the model "
+                "without quantization_config") + ".*wrap_hf\\(model, quantize='nf4'\\)"):
+            rotapipe.adapters.wrap_hf(lora(clone(model)), quantize=quantize)
+
+
+def test_a_model_wrapped_with_nf4_wraps_again():
+    """Wrapping the same QLoRA model again (a second pipeline) keeps its NF4 weights and
+    computes the same logits; with ``quantize='nf4'`` it used to be refused as a model
+    with no frozen weights ("add LoRA adapters first"), LoRA and all."""
+    torch.manual_seed(0)
+    model = lora(tiny("qwen3"))
+    ids, mask, _ = batch()
+    cfg = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated")
+    wrapped = rotapipe.adapters.wrap_hf(model, quantize="nf4")
+    packed = {n: quantized(p).packed.clone() for n, p in model.named_parameters()
+              if quantized(p) is not None}
+    with wrapped.pipe(cfg) as pipe:
+        want = pipe.eval()(wrapped.inputs(ids, mask))
+    again = rotapipe.adapters.wrap_hf(model, quantize="nf4")
+    now = {n: quantized(p).packed for n, p in model.named_parameters()
+           if quantized(p) is not None}
+    assert len(packed) == 21 and now.keys() == packed.keys()
+    assert all(torch.equal(now[n], packed[n]) for n in now)     # not quantized twice
+    with again.pipe(cfg) as pipe:
+        torch.testing.assert_close(pipe.eval()(again.inputs(ids, mask)), want, rtol=0,
+                                   atol=0)

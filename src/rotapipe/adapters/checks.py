@@ -65,6 +65,26 @@ def check_model(base: nn.Module, config) -> None:
                 "support (its block masks are not tensors the pipeline uploads, and its "
                 f"backward does not run on the CPU): use {supported}, e.g. "
                 "model.set_attn_implementation('sdpa') before wrap_hf")
+    check_not_quantized(base)
+
+
+def check_not_quantized(base: nn.Module) -> None:
+    """Refuse a model whose weights a quantization library replaced (bitsandbytes'
+    ``Params4bit`` / ``Int8Params``, or any ``transformers`` quantizer): the pipeline
+    moves and computes with plain weight tensors, and such a layer fails deep inside
+    the wrap-time probe (or, where a weight is plain bytes, would run on them)."""
+    how = ("load the model without quantization_config (e.g. dtype=torch.bfloat16) "
+           "and pass wrap_hf(model, quantize='nf4') for QLoRA: rotapipe keeps the "
+           "frozen base in NF4 itself")
+    for pname, p in base.named_parameters():
+        module = type(p).__module__.split(".")[0]
+        if module == "bitsandbytes" or hasattr(p, "quant_state"):
+            raise AdapterError(f"{type(base).__name__} is quantized by {module} ({pname} "
+                               f"is a {type(p).__name__} of {p.dtype}): {how}")
+    quantizer = getattr(base, "hf_quantizer", None)
+    if quantizer is not None or getattr(base, "is_quantized", False):
+        kind = type(quantizer).__name__ if quantizer is not None else "a quantizer"
+        raise AdapterError(f"{type(base).__name__} was loaded quantized ({kind}): {how}")
 
 
 def check_chain(side: SideInputs, multiplier: float | None,

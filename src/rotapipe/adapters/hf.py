@@ -31,7 +31,7 @@ from torch import nn
 
 from ..config import PipeConfig
 from ..errors import ConfigError
-from ..model.quant import QUANTIZE, quantize_frozen
+from ..model.quant import QUANTIZE, quantize_frozen, quantized
 from ..model.work import set_work
 from ..plan.costs import model_work
 from .errors import AdapterError
@@ -292,7 +292,9 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
         # After the checks (they run the model's forward on the original weights).
         router_mods = {id(b.get_submodule(name)) for b, rs in zip(blocks, routers)
                        for name, _ in rs}
-        if not quantize_frozen(blocks, skip=lambda mod, name: id(mod) in router_mods):
+        # A model wrapped with quantize='nf4' before keeps its NF4 weights as they are.
+        if not quantize_frozen(blocks, skip=lambda mod, name: id(mod) in router_mods) \
+                and not any(quantized(q) is not None for b in blocks for q in b.parameters()):
             raise AdapterError(f"quantize={quantize!r} quantizes frozen weight matrices "
                                "of the decoder blocks, and this model has none (every "
                                "weight trains): add LoRA adapters first (peft."

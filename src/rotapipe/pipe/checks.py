@@ -210,10 +210,12 @@ def check_state(own: dict[str, torch.Tensor], state, strict: bool) -> None:
                           "and unexpected keys)")
 
 
-def check_pipeline_state(state) -> tuple[int, int, float, int]:
-    """``(calls, evals, scale, good_steps)`` of a :meth:`RoundPipe.pipeline_state` dict,
-    checked: counts are ints >= 0 (training calls number from 0; evaluation uses -1,
-    -2, ...), the scale a finite float > 0."""
+def check_pipeline_state(state) -> tuple[int, int, float, int, bool]:
+    """``(calls, evals, scale, good_steps, dynamic)`` of a
+    :meth:`RoundPipe.pipeline_state` dict, checked: counts are ints >= 0 (training calls
+    number from 0; evaluation uses -1, -2, ...), the scale a finite float > 0,
+    ``dynamic`` (whether the scale was dynamic; absent in older states: ``True``) a
+    bool."""
     fix = "pass what pipe.pipeline_state() returned (the checkpoint is damaged otherwise)"
     if not isinstance(state, dict):
         raise CheckpointError(f"load_pipeline_state takes a dict, got {kind(state)}: {fix}")
@@ -235,7 +237,11 @@ def check_pipeline_state(state) -> tuple[int, int, float, int]:
             not math.isfinite(scale) or scale <= 0:
         raise CheckpointError(f"the pipeline state's scaler 'scale' is {scale!r}: it must "
                               f"be a finite number > 0; {fix}")
-    return out[0], out[1], float(scale), out[2]
+    dynamic = scaler.get("dynamic", True)
+    if not isinstance(dynamic, bool):
+        raise CheckpointError(f"the pipeline state's scaler 'dynamic' is {dynamic!r}: it "
+                              f"must be True or False; {fix}")
+    return out[0], out[1], float(scale), out[2], dynamic
 
 
 class ModelWatch:

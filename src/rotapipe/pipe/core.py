@@ -422,16 +422,6 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
             self._evals += 1
         return trees.concat(outs)
 
-    def train(self, mode: bool = True) -> RoundPipe:
-        """Set the layers' training flag (dropout, BatchNorm), as ``nn.Module.train``."""
-        self._check_open()
-        for layer in self.layerset.layers:
-            layer.train(mode)
-        return self
-
-    def eval(self) -> RoundPipe:
-        return self.train(False)
-
     def close(self) -> None:
         """Wait for the calls in flight (a failure of theirs is raised after the
         pipeline is closed), then stop the worker threads (emulated backend) and

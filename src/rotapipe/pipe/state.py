@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError
+from ..model.quant import quantized
 from .checks import (OptimizerParams, check_optimizer_step, check_scheduler, check_state,
                      kind, check_pipeline_state)
 
@@ -73,14 +74,54 @@ class StateIO:
                 groups.states = self._host_opt.states
             self.optimizer, self.scheduler, self._groups = optimizer, scheduler, groups
 
+    def train(self, mode: bool = True):
+        """Set the layers' training flag (dropout, BatchNorm), as ``nn.Module.train``;
+        returns the pipeline. The next call (training or evaluation) runs in the new
+        mode: calls still in flight (``overlap``, ``stale``) complete in the mode they
+        started in first."""
+        self._check_open()
+        mode = bool(mode)
+        with self._lock:
+            changes = any(m.training != mode for layer in self.layerset.layers
+                          for m in layer.modules())
+            if changes and self._stream.inflight:
+                # The workers' copies of the layers take these flags when a call begins
+                # with none in flight (runtime/calls.py, CallRunner.begin): a call in
+                # flight must recompute its backward with the dropout its forward drew.
+                # Without this drain, overlapping calls never leave the runner idle and
+                # would keep the old mode for good.
+                self._reaped(self._stream.drain())
+            for layer in self.layerset.layers:
+                layer.train(mode)
+        return self
+
+    def eval(self):
+        """``train(False)``."""
+        return self.train(False)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Trained weights (fp32 masters, frozen weights) and buffers, keyed like the
         ``state_dict`` of the container passed in (``nn.Sequential(*layers)`` for a
         list). The tensors are the live masters: copy them to keep a snapshot. Stale
-        optimizer: applies the pending step first (:meth:`flush`)."""
+        optimizer: applies the pending step first (:meth:`flush`). Frozen weights kept
+        as NF4 (QLoRA) are left out: the module holds no values for them
+        (:func:`rotapipe.model.quant.dequantize_frozen` gives them back)."""
         self._check_open()
         self.flush()
-        return self._container.state_dict()
+        state = self._container.state_dict()
+        for k in self._nf4_keys():
+            del state[k]
+        return state
+
+    def _nf4_keys(self) -> list[str]:
+        """Keys of the container's state dict that name a frozen NF4 weight (QLoRA,
+        :mod:`rotapipe.model.quant`): the module holds only a NaN placeholder for it,
+        and the pipeline never changes it, so :meth:`state_dict` leaves it out and
+        :meth:`load_state_dict` refuses it."""
+        if not self.host.quantized:
+            return []
+        return [k for k, v in self._container.state_dict(keep_vars=True).items()
+                if quantized(v) is not None]
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load weights and buffers (keys as :meth:`state_dict`) into the masters and
@@ -89,12 +130,25 @@ class StateIO:
         All or nothing: keys (with ``strict``: none missing, none unexpected), shapes
         and dtype kinds (floating point or not) are checked before any tensor is
         written; a mismatch raises :class:`~rotapipe.errors.ConfigError` naming every
-        offending key, and changes nothing. Values are copied in place, cast to each
+        offending key, and changes nothing. A frozen NF4 weight (QLoRA) is refused the
+        same way: it is never loaded. Values are copied in place, cast to each
         tensor's dtype, as ``nn.Module.load_state_dict`` does."""
         self._check_open()
         with self._lock:
             self._flush()
             own = self._container.state_dict(keep_vars=True)
+            nf4 = self._nf4_keys()
+            for k in nf4:
+                del own[k]
+            given = [k for k in nf4 if isinstance(state, dict) and k in state]
+            if given:
+                more = f" (and {len(given) - 1} more)" if len(given) > 1 else ""
+                raise ConfigError(
+                    f"load_state_dict: {given[0]!r}{more} is a frozen weight kept as NF4 "
+                    "(wrap_hf(quantize='nf4')): it is never loaded or changed, and "
+                    "pipe.state_dict() leaves it out. Nothing was loaded: pass the state "
+                    "without it, e.g. {k: v for k, v in state.items() if k in "
+                    "pipe.state_dict()}")
             check_state(own, state, strict)
             self._agree.loaded()        # data parallel: the next call compares weights
             if self._shard is not None:
@@ -118,7 +172,9 @@ class StateIO:
             p = names.get(key)
             if p is not None and id(p) in by_id and by_id[id(p)] in self.host.trainable:
                 full[by_id[id(p)]] = value.float()
-        self._container.load_state_dict(state)
+        # Keys were checked (check_state, with the caller's strict); NF4 weights are
+        # left out of both.
+        self._container.load_state_dict(state, strict=False)
         self._shard.load_full(full)
 
     def pipeline_state(self) -> dict:
@@ -132,9 +188,12 @@ class StateIO:
 
     def load_pipeline_state(self, state: dict) -> None:
         """Restore what :meth:`pipeline_state` returned. Everything is checked before
-        anything changes (:class:`~rotapipe.errors.CheckpointError` naming the key)."""
+        anything changes (:class:`~rotapipe.errors.CheckpointError` naming the key).
+        The loss scale resumes only from dynamic scaling into dynamic scaling: a fixed
+        scale (or none: fp32, bf16) stays this pipeline's config, and a dynamic scaler
+        given a fixed scale's state starts from its ``init_scale``."""
         self._check_open()
-        calls, evals, scale, good = check_pipeline_state(state)
+        calls, evals, scale, good, dynamic = check_pipeline_state(state)
         saved = state.get("optimizer_state_dtype", "fp32")
         ours = self.config.optimizer_state_dtype.value
         if saved != ours:
@@ -147,4 +206,6 @@ class StateIO:
             self._flush()
             self._agree.loaded()
             self._stream.committed, self._evals = calls, evals
-            self.scaler.load_state_dict({"scale": scale, "good_steps": good})
+            # A fixed loss scale stays the config's (LossScaler.load_state_dict).
+            self.scaler.load_state_dict({"scale": scale, "good_steps": good,
+                                         "dynamic": dynamic})

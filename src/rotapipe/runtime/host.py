@@ -515,8 +515,15 @@ class LossScaler:
                 self._good_steps = 0
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "good_steps": self._good_steps}
+        return {"scale": self.scale, "good_steps": self._good_steps, "dynamic": self.dynamic}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume dynamic scaling where ``state`` left it. A fixed scale (or none) is the
+        config's and is kept, as a disabled ``torch.amp.GradScaler`` ignores a loaded
+        state; a state of a fixed scale (``"dynamic": False``) holds nothing for a
+        dynamic scaler, which keeps its ``init_scale``. (A state without the key, from
+        before it existed, is loaded into a dynamic scaler as it is.)"""
+        if not self.dynamic or state.get("dynamic", True) is False:
+            return
         self.scale = float(state["scale"])
         self._good_steps = int(state["good_steps"])
