@@ -504,7 +504,7 @@ def test_tail_context_gives_whole_batch_statistics_and_an_unweighted_extra_term(
     with rotapipe.RoundPipe(model, loss3, config=emulated(3, M),
                             tail_context=context) as pipe:
         last = pipe.plan.forward[-1].name   # the stage that downloads the tail's input
-        assert f"DA:{last}:m{M - 1}@5" in pipe.schedule().by_key()["FT:T:m0"].deps
+        assert f"DA:{last}:m{M - 1}@5" in pipe.schedule().by_key()["FT:T:m0"].host_deps
         loss = pipe.forward_backward(x, y)
     # plain PyTorch: whole-batch statistic of the head's input, then the same sum
     hidden = ref[:-1](x)

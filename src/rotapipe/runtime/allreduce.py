@@ -1,6 +1,8 @@
 """Gradient all-reduce across data-parallel ranks, overlapped with the backward.
 
-One :class:`GradReducer` per pipeline; one :class:`CallReduce` per training call:
+One :class:`GradReducer` per pipeline (this module); one :class:`CallReduce` per
+training call (``callreduce.py``; backpressure, :class:`InFlight`, is ``inflight.py``'s;
+both importable from here):
 
 1. :meth:`GradReducer.global_sum` all-reduces the call's loss units (samples, or
    ``loss_weight`` items) before any work, so every rank weights microbatch ``m`` by
@@ -39,10 +41,8 @@ runs but that never issued the collective hung or left the loop).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -50,30 +50,12 @@ import torch.distributed as dist
 from ..config import DataParallelConfig
 from ..errors import ConfigError, DistributedError
 from ..schedule import ActionKind as K, Schedule
+from .callreduce import CallReduce, ReduceStats, interval_union
 from .heartbeat import Heartbeat
 from .host import CallGrads
+from .inflight import InFlight
 
-
-@dataclass
-class ReduceStats:
-    """All-reduce timing of the last training call (seconds)."""
-
-    buckets: int = 0
-    bytes: int = 0
-    busy_s: float = 0.0
-    """Time at least one gradient bucket was in flight (launch to completion)."""
-    exposed_s: float = 0.0
-    """Time after the schedule had finished during which a bucket was still in flight
-    (what the caller waited for the all-reduce; a wait that ran on after the last
-    bucket completed, e.g. for the GIL, does not count). At most ``busy_s``."""
-    backward_done: float = 0.0
-    """``time.perf_counter()`` when this rank's schedule finished and the wait began
-    (comparable across processes of one machine: benchmarks use it for rank skew)."""
-
-    @property
-    def hidden_fraction(self) -> float:
-        """Share of the all-reduce time hidden behind the backward."""
-        return 1.0 - self.exposed_s / self.busy_s if self.busy_s > 0 else 1.0
+__all__ = ["CallReduce", "GradReducer", "InFlight", "ReduceStats", "interval_union"]
 
 
 class GradReducer:
@@ -307,229 +289,3 @@ class GradReducer:
             f"data-parallel {what} (collective #{seq}) failed on rank {dist.get_rank()}: "
             f"{who} lost. {why}. Underlying error: {type(exc).__name__}: "
             f"{str(exc).strip()[:500]}", lost_ranks=tuple(lost))
-
-
-class CallReduce:
-    """The bucketed gradient all-reduce of one training call."""
-
-    def __init__(self, reducer: GradReducer, layout: dict[str, list[list[int]]],
-                 grads: CallGrads, gate: InFlight | None = None):
-        self.r, self.layout, self.grads = reducer, layout, grads
-        self.gate = gate if gate is not None else InFlight(1 << 62)
-        self._inflight: list[_Bucket] = []
-        self._lock = threading.Lock()   # finish() runs on the caller, handoff on the host lane
-
-    def handoff(self, key: str) -> list[_Bucket]:
-        """The O action ``key`` added its stage's gradients: start its buckets (the
-        parameters whose last hand-off this is) and return them. A bucket waits for
-        older ones while the buffers in flight would pass the cap (:class:`InFlight`)."""
-        try:
-            return self._handoff(key)
-        finally:
-            self.gate.leave(self.r.stage_of(key))
-
-    def _apply_oldest(self) -> bool:
-        """Wait for the oldest bucket not yet applied and apply it (its flat buffer
-        becomes the staged gradients, the copy it was made from goes)."""
-        with self._lock:
-            oldest = next((b for b in self._inflight if not b.applied), None)
-        if oldest is None:
-            return False
-        self.apply([oldest])
-        return True
-
-    def _handoff(self, key: str) -> list[_Bucket]:
-        launched = []
-        for pids in self.layout.get(key, ()):
-            nbytes = 4 * (sum(self.r._shapes[pid].numel() for pid in pids) + len(pids))
-            self.gate.admit(nbytes, self._apply_oldest)
-            parts = []
-            for pid in pids:
-                g = self.grads.staged.get(pid)
-                parts.append(g.reshape(-1) if g is not None
-                             else torch.zeros(self.r._shapes[pid].numel(),
-                                              dtype=torch.float32))
-            present = torch.tensor([float(pid in self.grads.staged) for pid in pids],
-                                   dtype=torch.float32)
-            flat = torch.cat(parts + [present])
-            start = time.perf_counter()
-            seq = self.r.issued
-            work = self.r._launch(flat)
-            bucket = _Bucket(pids, flat, work, seq, start, nbytes=nbytes)
-            work.get_future().add_done_callback(bucket.done)
-            with self._lock:
-                self._inflight.append(bucket)
-            launched.append(bucket)
-        return launched
-
-    def apply(self, buckets: Sequence[_Bucket]) -> None:
-        """Wait for ``buckets`` (with the deadline) and replace their parameters' staged
-        gradients by the reduced sums: a parameter no rank has a gradient for is
-        dropped. The overlapped optimizer calls it before stepping them; each bucket is
-        applied once."""
-        self._wait(buckets)
-        self._write(buckets)
-
-    def _wait(self, buckets: Sequence[_Bucket]) -> None:
-        for b in buckets:
-            self.r._wait(b.work, b.seq, f"gradient all-reduce of {len(b.pids)} parameters")
-
-    def _write(self, buckets: Sequence[_Bucket]) -> None:
-        """Put completed buckets' sums in place of the staged gradients (once each)."""
-        staged = self.grads.staged
-        for b in buckets:
-            # Under the lock until written: a thread that finds the bucket applied must
-            # find the reduced gradients in place (the caller's finish() and the
-            # host lane's hand-offs may apply the same bucket).
-            with self._lock:
-                if b.applied:
-                    continue
-                n = len(b.pids)
-                present = b.flat[-n:]
-                off = 0
-                for i, pid in enumerate(b.pids):
-                    shape = self.r._shapes[pid]
-                    numel = shape.numel()
-                    if present[i] > 0:
-                        staged[pid] = b.flat[off:off + numel].view(shape)
-                    else:
-                        staged.pop(pid, None)
-                    off += numel
-                b.applied = True
-                self.gate.release(b.nbytes)
-
-    def finish(self) -> ReduceStats:
-        """Wait for every bucket; replace the staged gradients by the reduced sums."""
-        t0 = time.perf_counter()
-        with self._lock:
-            buckets = list(self._inflight)
-        self._wait(buckets)
-        waited = time.perf_counter() - t0
-        self._write(buckets)
-        ends = [b.end if b.end is not None else t0 + waited for b in buckets]
-        # Every bucket was launched before t0, so this is within the union (busy_s).
-        exposed = min(waited, max(0.0, max(ends, default=t0) - t0))
-        stats = ReduceStats(len(buckets), sum(b.flat.numel() * 4 for b in buckets),
-                            interval_union([(b.start, e) for b, e in zip(buckets, ends)]),
-                            exposed, t0)
-        self.r.last = stats
-        return stats
-
-
-class InFlight:
-    """Backpressure on the gradient collectives of one training call (or of one whole
-    step's collectives): how much a rank queues when its link is slower than its
-    backward (``DataParallelConfig.inflight_mb``; docs/distributed.md, "Backpressure").
-
-    Two bounds, so that a slow link makes the backward wait instead of queueing
-    gradients in host memory:
-
-    - :meth:`admit`: the host lane issues a collective only while the buffers of those
-      issued and not yet collected (send and receive buffers of the sharded modes'
-      all-to-alls, the flat buckets of the all-reduce) plus the new one's stay within
-      ``cap`` bytes; else it first completes the oldest (``wait_oldest``, which calls
-      :meth:`release`). A collective larger than the cap goes alone.
-    - :meth:`enter`: a worker starts the backward of a stage (the first of its
-      microbatches to run) only when the stage is among the next ``stages`` hand-offs
-      of the host lane (``order``: a stage's place among the ``O`` actions; the host
-      lane runs them in that order and :meth:`leave` counts them). With the host lane
-      waiting in :meth:`admit`, the workers wait here next, and at most ``stages``
-      stages' gradients wait between a worker and the host lane. The stage the host
-      lane waits for is always admitted, so the wait cannot close a cycle. The
-      planner's host-memory model counts both bounds
-      (:func:`rotapipe.plan.hostmem.per_server`).
-
-    The order of collectives is unchanged (the host lane issues them in schedule
-    order; only *when* changes), so every rank still issues the same sequence.
-    ``aborted()`` true (the call failed) releases every waiting worker."""
-
-    def __init__(self, cap: int, stages: int | None = None,
-                 order: dict[str, int] | None = None,
-                 aborted: Callable[[], bool] = lambda: False):
-        self.cap, self.stages, self.aborted = cap, stages, aborted
-        self.order = order or {}
-        self.bytes = 0                 # buffers of the collectives issued, not collected
-        self.peak = 0                  # the most ``bytes`` ever was (after an admit)
-        self.host_waits = 0            # admits that first completed an older collective
-        self.backward_waits = 0        # enters that waited
-        self.backward_wait_s = 0.0     # seconds workers spent waiting in enter
-        self.handed_off = 0            # O actions done (leave)
-        self.most_ahead = 0            # the most stages ever entered and not handed off
-        self.waiting = 0               # workers waiting in enter now
-        self._entered: set[str] = set()
-        self._cv = threading.Condition()
-
-    def admit(self, nbytes: int, wait_oldest: Callable[[], bool]) -> None:
-        """Reserve ``nbytes`` for a collective about to be issued (host lane).
-        ``wait_oldest()`` completes the oldest collective still counted and returns
-        ``False`` when none is left."""
-        waited = False
-        while self.bytes > 0 and self.bytes + nbytes > self.cap:
-            waited = True
-            if not wait_oldest():
-                break
-        with self._cv:
-            self.host_waits += waited
-            self.bytes += nbytes
-            self.peak = max(self.peak, self.bytes)
-
-    def release(self, nbytes: int) -> None:
-        with self._cv:
-            self.bytes -= nbytes
-
-    def enter(self, stage: str) -> None:
-        """A worker is about to run a backward of ``stage`` (blocks until it is among
-        the next ``stages`` hand-offs; at once for a stage already entered)."""
-        place = self.order.get(stage)
-        if self.stages is None or place is None:
-            return
-        with self._cv:
-            if stage in self._entered:
-                return
-            t0 = None
-            while place >= self.handed_off + self.stages and not self.aborted():
-                if t0 is None:
-                    t0 = time.perf_counter()
-                    self.waiting += 1
-                self._cv.wait(0.01)
-            if t0 is not None:
-                self.waiting -= 1
-                self.backward_waits += 1
-                self.backward_wait_s += time.perf_counter() - t0
-            self._entered.add(stage)
-            ahead = sum(1 for st in self._entered if self.order[st] >= self.handed_off)
-            self.most_ahead = max(self.most_ahead, ahead)
-
-    def leave(self, stage: str | None) -> None:
-        """An ``O`` action handed its stage's gradients off (its buckets issued)."""
-        with self._cv:
-            self.handed_off += 1
-            self._cv.notify_all()
-
-
-@dataclass
-class _Bucket:
-    pids: list[int]
-    flat: torch.Tensor
-    work: object
-    seq: int
-    start: float
-    end: float | None = field(default=None)
-    applied: bool = False
-    nbytes: int = 0
-
-    def done(self, _future) -> None:
-        self.end = time.perf_counter()
-
-
-def interval_union(intervals: list[tuple[float, float]]) -> float:
-    """The total length the ``(start, end)`` intervals cover (overlaps counted once)."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return total + (cur_e - cur_s if cur_e is not None else 0.0)

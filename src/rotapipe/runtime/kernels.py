@@ -16,6 +16,9 @@ stage's name: ``FK:Fc`` binds ``("w", Bc)`` and keeps its graph as ``("graph", B
 for ``BK:Bc``. Chunks on one device hand over on the device: a forward puts its output
 as the next stage's ``("in", ...)``, a backward its input gradient as the shallower
 stage's ``("gout", ...)`` (:class:`rotapipe.schedule.routes.Routes`).
+
+The data a call's actions share (:class:`CallContext`, :class:`CallState`) is
+``callcontext.py``'s; the checks of the user's layers and loss, ``contract.py``'s.
 """
 
 from __future__ import annotations
@@ -24,10 +27,8 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from ..config import RecomputeGrain
 from ..errors import InputError
@@ -36,7 +37,9 @@ from ..plan import Stage, StageKind
 from ..schedule import Action, ActionKind as K, action_key
 from ..schedule.routes import Routes
 from .backend import Device
-from .host import CallGrads, HostState
+from .callcontext import CallContext, CallState
+from .contract import check_loss_graph, check_rows, check_unchanged
+from .host import HostState
 from .rng import layer_seed
 from .store import Store
 from .chunks import ChunkedCopies
@@ -45,42 +48,7 @@ from .stagetensors import (SavedBytes, WorkingSet, backward_tree, batch_rows, co
 from .transfer import sleep_until
 from .trees import map_tensors
 
-
-
-@dataclass
-class CallContext:
-    """Everything one call's actions share (built by the pipeline per call)."""
-
-    call: int                  # call counter, part of the random stream
-    seed: int
-    microbatches: int
-    weights: list[float]       # loss weight of each microbatch (its share of the batch)
-    loss_scale: float
-    training: bool
-    grain: RecomputeGrain
-    has_side: bool
-    autocast: list             # [(device_type, dtype)] captured from the caller
-    grads: CallGrads | None
-    tail_context: object = None   # fn(tail inputs, labels) -> context for loss_fn
-    tail_value: object = None     # its result, computed once per call by the tail
-    handoff: Callable[[str], None] | None = None   # data parallel: after each O action
-    rows_first: Callable[[str], None] | None = None   # an OR action (its O's key)
-    mb_offset: int = 0         # data parallel: rank * microbatches, for random streams
-    extra_weight: float = 1.0  # data parallel: this rank's share of the global units
-    grad_gate: Callable[[str], None] | None = None   # data parallel: backpressure, before
-    # a stage's backward (allreduce.InFlight.enter: waits while hand-offs queue up)
-
-
-@dataclass
-class CallState:
-    """One call's data while its actions run: its context, host store, device stores,
-    data routes, and the compute copies its weight uploads read."""
-
-    ctx: CallContext
-    host_store: Store
-    stores: list[Store]
-    routes: Routes
-    compute: list[torch.Tensor]
+__all__ = ["ActionRunner", "CallContext", "CallState"]
 
 
 class ActionRunner:
@@ -98,7 +66,7 @@ class ActionRunner:
         self._trainable = frozenset(host.trainable)
         self._masters = {id(layerset.params[pid]): pid for pid in host.trainable}
         """id -> index of the trainable masters: a loss must not reach them
-        (:meth:`_check_loss_graph`)."""
+        (:func:`~rotapipe.runtime.contract.check_loss_graph`)."""
         self.devices, self.shells, self.stages = devices, shells, stages
         self.states: dict[int, CallState] = {}
         self.lookups = None
@@ -222,24 +190,10 @@ class ActionRunner:
                 for device_type, dtype in self.ctx.autocast:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
                 yield params
-            self._check_unchanged(a, params, versions)
+            check_unchanged(self.ls, a, params, versions)
         finally:
             for l in s.layers:
                 shells[l].unbind()
-
-    def _check_unchanged(self, a: Action, params: dict, versions: dict) -> None:
-        """Refuse a layer that changed a parameter in place (its version counter moved):
-        the change went to this worker's copy of the weights and would be lost."""
-        changed = [pid for pid, v in versions.items() if params[pid]._version != v]
-        if changed:
-            names = [self.ls.param_names[pid] for pid in changed]
-            layer = int(names[0].split(".", 1)[0])
-            raise InputError(
-                f"layer {layer} ({type(self.ls.layers[layer]).__name__}) changed "
-                f"its parameter(s) {', '.join(names)} in place while running: workers run "
-                "each layer on an uploaded copy of its weights, so the change would be "
-                "lost. Change parameters only through the optimizer, or keep such state "
-                "in a buffer (buffer updates made in forward are kept)")
 
     def _layers(self, a: Action, layers, x, side, keep=None):
         """Run ``layers`` on ``x``; ``keep(boundary, y, shared)`` sees each output,
@@ -253,26 +207,10 @@ class ActionRunner:
             with dev.seeded(layer_seed(self.ctx.seed, self.ctx.call, mb, l)):
                 x = call_layer(shells[l].module, x, side)
             if rows >= 0:
-                self._check_rows(l, x, rows)
+                check_rows(self.ls, l, x, rows)
             if keep is not None:
                 keep(l + 1, x, l != last)
         return x
-
-    def _check_rows(self, l: int, out, rows: int) -> None:
-        """The batch contract, the same in training and evaluation: the first tensor a
-        layer returns (its activation) keeps the microbatch's samples in dim 0 (the
-        batch is split into microbatches along it and evaluation joins the outputs
-        along it). Further tensors of the output may be shaped freely (per-token
-        records of an adapter, e.g. ``[batch * seq]`` routing indices)."""
-        t = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
-        if t is not None and (t.dim() == 0 or t.shape[0] != rows):
-            got = "a 0-dim tensor" if t.dim() == 0 else f"{t.shape[0]} rows in dim 0"
-            raise InputError(
-                f"layer {l} ({type(self.ls.layers[l]).__name__}) returned {got} (shape "
-                f"{tuple(t.shape)}) for a microbatch of {rows} samples: every layer must "
-                "keep the batch in dim 0 of its output (rotapipe splits the batch into "
-                "microbatches along it). Do batch-changing work in loss_fn, or reshape "
-                "back before returning")
 
     def _side(self, a: Action):
         return self.stores[a.worker].get(("side", a.mb)) if self.ctx.has_side else None
@@ -344,48 +282,8 @@ class ActionRunner:
                 "grad (detached, .item() turned back into a tensor, or built with "
                 "torch.tensor): compute it from the model's output with differentiable, "
                 "floating-point operations")
-        self._check_loss_graph(contribution, out)
+        check_loss_graph(self.ls, self._masters, contribution, out)
         return contribution
-
-    def _check_loss_graph(self, contribution: torch.Tensor, out) -> None:
-        """Refuse a loss that uses a trainable parameter of the model itself (an L2
-        term on a weight, a temperature kept in the model): workers compute with
-        copies of the weights, so autograd would write that term's gradient into the
-        master's ``.grad`` from this worker thread, outside the call's gradients (the
-        merge then drops it). Runs before any backward: nothing is written.
-
-        Walks the loss's own part of the graph, from its root down to the nodes that
-        produced the layers' outputs (the layers compute with this worker's copies):
-        a few nodes per microbatch, whatever the size of the tail."""
-        layers = {t.grad_fn for t in tree_flatten(out)[0]
-                  if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-        seen, todo, found = set(layers), [contribution.grad_fn], []
-        while todo:
-            fn = todo.pop()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            var = getattr(fn, "variable", None)        # an AccumulateGrad node's leaf
-            if var is not None:
-                pid = self._masters.get(id(var))
-                if pid is not None and self.ls.params[pid] is var:
-                    found.append(pid)
-                continue
-            todo.extend(f for f, _ in fn.next_functions)
-        if found:
-            found.sort()
-            names = [self.ls.param_names[pid] for pid in found]
-            layer = int(names[0].split(".", 1)[0])
-            more = f" (and {len(names) - 1} more: {', '.join(names[1:])})" \
-                if len(names) > 1 else ""
-            raise InputError(
-                f"the loss function uses the model's parameter {names[0]} (layer {layer}, "
-                f"{type(self.ls.layers[layer]).__name__}){more} directly: workers compute "
-                "with copies of the weights, so the gradient of that term would be lost. "
-                "Compute the term inside the forward of the layer holding the parameter "
-                "(a layer may return (output, term) and pass the term on; loss_fn adds "
-                "the term the last layer returns), or, for an L2 penalty, use the "
-                "optimizer's weight_decay (in a parameter group of its own)")
 
     def _tail_value(self, s: Stage):
         """The whole-batch context of the loss: computed by the first fused-tail action
