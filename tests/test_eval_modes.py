@@ -55,6 +55,29 @@ def test_mode_switch_between_pipelined_calls_reaches_the_next_call(mode):
         torch.testing.assert_close(state[k], v, rtol=RTOL, atol=ATOL, msg=k)
 
 
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_the_users_own_model_eval_between_pipelined_calls_reaches_the_next_call(mode):
+    """As above, but ``model.eval()`` / ``model.train()`` on the user's own model (the
+    wrapped layers), not through the pipeline: in ``overlap`` the next call began while
+    the last drained, so the workers' copies kept train mode (dropout on) for good."""
+    model = tiny_transformer(dropout=0.3, widths=(24, 40))
+    ref = copy.deepcopy(model)
+    want = reference(ref, 6)
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, optimizer_mode=mode),
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.5)) as pipe:
+        got = []
+        for call in range(6):
+            if call == EVAL_CALLS[0]:
+                model.eval()
+            if call == EVAL_CALLS[-1] + 1:
+                model.train()
+            got.append(pipe.train_step(*token_batch(8, 6, seed=call)))
+        state = pipe.state_dict()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=RTOL, atol=ATOL, msg=k)
+
+
 def test_mode_switch_keeps_the_call_in_flight_in_its_own_mode():
     """A call still draining when ``pipe.eval()`` is called finishes in train mode (its
     backward recomputes with the dropout its forward drew): equal to plain PyTorch."""

@@ -37,6 +37,10 @@ class TrainCalls:
         stream, dp = self._stream, self.data_parallel
         overlap = self._overlapping()
         self._watch.check()                 # parameters replaced since wrapping
+        if overlap and stream.inflight and self._calls.flags_changed():
+            # model.train()/eval() on the user's own model (pipe.train() drains itself):
+            # the calls in flight finish in their mode, this one begins in the new one.
+            self._reaped(stream.drain())
         self._reaped(stream.reap(1) if overlap else stream.drain())
         if not stream.inflight:
             self.host.follow_edits()        # weights edited or stepped since the last call
