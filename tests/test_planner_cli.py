@@ -309,3 +309,28 @@ def test_analyze_refuses_what_the_command_line_refuses(name, value, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plan", "qwen3-1.7b", flag, text.replace("True", "1.5")])
     assert exc.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_plan_reads_a_hub_id_from_the_local_cache(tmp_path):
+    """``train --model Org/Name`` reads the local Hugging Face cache; ``plan`` and
+    ``simulate`` said "no model config" for the same id. They now read its config.json
+    from the cache (never the network), and name the download when it is not there."""
+    import os
+    import subprocess
+    import sys
+
+    snap = tmp_path / "hub" / "models--acme--tiny-qwen3" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (tmp_path / "hub" / "models--acme--tiny-qwen3" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny-qwen3" / "refs" / "main").write_text("abc123")
+    config = pathlib.Path(rotapipe.__file__).parent / "data" / "configs" / "qwen3-1.7b.json"
+    (snap / "config.json").write_text(config.read_text())
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "rotapipe", *argv],  # noqa: E731
+                                       capture_output=True, text=True, env=env)
+    out = run("plan", "acme/tiny-qwen3", "--microbatches", "16", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["fits"], out.stderr
+    out = run("simulate", "--model", "acme/tiny-qwen3", "--schedules", "1f1b")
+    assert out.returncode == 0 and "1f1b" in out.stdout, out.stderr
+    out = run("plan", "acme/missing-model")
+    assert out.returncode == 2 and "hf download acme/missing-model config.json" in out.stderr

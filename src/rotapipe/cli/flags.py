@@ -46,4 +46,23 @@ def _model_name(name: str) -> str:
     if close:
         raise ConfigError(f"no model config at {name!r}: did you mean {close[0]!r}? Give "
                           f"a config.json path or one of {', '.join(KNOWN_MODELS)}")
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return _cached_hub_model(name)
     return name
+
+
+def _cached_hub_model(repo: str) -> str:
+    """A Hugging Face hub id (``org/name``), as ``train --model`` takes it: the folder
+    of its ``config.json`` in the local hub cache (nothing is downloaded)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:             # without transformers' hub client: a path is needed
+        return repo
+    found = try_to_load_from_cache(repo, "config.json")
+    if isinstance(found, str):
+        import pathlib
+        return str(pathlib.Path(found).parent)
+    raise ConfigError(f"no model config at {repo!r}, and the local Hugging Face cache holds "
+                      "no config.json for it (plan and simulate read the cache, never the "
+                      f"network): download it first (hf download {repo} config.json), or "
+                      "give a config.json path or a known name")
