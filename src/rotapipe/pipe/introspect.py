@@ -7,7 +7,7 @@ from ..config import PinMode
 from ..errors import ConfigError, ScheduleError
 from ..runtime.calls import timeline
 from ..schedule import Schedule, validate
-from ..schedule.validate import check_runnable
+from ..schedule.runnable import check_runnable
 
 __all__ = ["Inspection"]
 
@@ -42,7 +42,8 @@ class Inspection:
         validate(schedule)
         try:
             check_runnable(schedule, side_inputs=self.side_inputs is not None,
-                           buffer_layers=self.layerset.buffer_layers(),
+                           buffer_layers={l: self.layerset.layer_buffers[l]
+                                          for l in self.layerset.buffer_layers()},
                            tail_context=self.tail_context is not None)
         except ScheduleError as exc:
             raise ConfigError(str(exc)) from None

@@ -36,6 +36,15 @@ one lowering pass (:func:`_lower`) then turns them into actions and adds the tra
   RoundPipe's schedule gives it.
   The tail's input always goes through host memory then (its upload brings the labels),
   also from a chunk on the same device.
+- a buffer held by several chunks (``buffer_layers`` as a mapping from layer to buffer
+  ids, as :func:`~rotapipe.schedule.roundpipe_schedule` takes it: PEFT VeRA's
+  projections, a counter two layers update) passes from holder to holder in program
+  order, as in RoundPipe's schedule: the action bringing a later chunk's buffers (its
+  weight upload, or without ``offload_optimizer`` its forwards) waits for the ``DB`` of
+  the last earlier chunk holding them, so that chunk's forwards start only once the
+  earlier one's have run every microbatch. Each chunk otherwise uploads the call's first
+  value and the last ``DB`` overwrites the others' updates. An order that cannot wait so
+  (1F1B with more microbatches than its warm-up) is refused, naming the buffer.
 - with ``swap=True`` (looped BFS only, with ``offload_optimizer`` and ``recompute``), a
   device instead uploads a chunk's weights at the start of each *phase* (its run of
   forwards: ``UW:Fc``; its run of backwards: ``UW:Bc``; the tail's forwards and
@@ -47,7 +56,7 @@ one lowering pass (:func:`_lower`) then turns them into actions and adds the tra
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from ..errors import ScheduleError
@@ -55,6 +64,8 @@ from ..plan import Plan
 from ..plan.balance import Recompute
 from ..plan.partition import INPUT_DEPTH
 from .actions import HOST, Action, ActionKind as K, Schedule, action_key
+from .roundpipe import BufferLayers, _buffers_of
+from .validate import _dry_run
 
 __all__ = ["gpipe_schedule", "one_f_one_b_schedule", "interleaved_1f1b_schedule",
            "looped_bfs_schedule", "mobius_schedule", "Pass"]
@@ -73,7 +84,7 @@ def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
                    recompute: Recompute | str | bool = False,
                    offload_optimizer: bool = False,
                    side_inputs: bool = False,
-                   buffer_layers: Collection[int] = ()) -> Schedule:
+                   buffer_layers: BufferLayers = ()) -> Schedule:
     """GPipe: every device runs all its forwards, then all its backwards (one chunk
     per device).
 
@@ -94,8 +105,12 @@ def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
       Off (the default): weights and optimizer stay on the device, as in Megatron.
     - ``side_inputs``: the model has per-microbatch side inputs, uploaded once per
       device and microbatch (``UZ``).
-    - ``buffer_layers``: layers whose forward updates buffers; a chunk holding one
-      downloads its buffers after microbatch ``M - 1``'s forward (``DB``). Not with
+    - ``buffer_layers``: layers whose forward updates buffers, or a mapping from each
+      such layer to the ids of the buffers it holds (two layers naming one id hold one
+      buffer; in the runtime ``{l: pipe.layerset.layer_buffers[l] for l in
+      pipe.layerset.buffer_layers()}``); a chunk holding one downloads its buffers
+      after microbatch ``M - 1``'s forward (``DB``), and a later chunk holding one of
+      those buffers brings it only after that download (module docstring). Not with
       ``recompute``, which would update them twice.
     """
     _check(plan, devices, microbatches, per_device=1)
@@ -103,14 +118,14 @@ def gpipe_schedule(plan: Plan, devices: int, microbatches: int, *,
     orders = [[(Pass.FORWARD, d, m) for m in range(M)] + [(Pass.BACKWARD, d, m) for m in range(M)]
               for d in range(devices)]
     return _lower(plan, devices, M, orders, recompute, "gpipe",
-                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers)))
+                  _Options(offload_optimizer, side_inputs, _held(buffer_layers)))
 
 
 def one_f_one_b_schedule(plan: Plan, devices: int, microbatches: int, *,
                          recompute: Recompute | str | bool = False,
                          offload_optimizer: bool = False,
                          side_inputs: bool = False,
-                         buffer_layers: Collection[int] = ()) -> Schedule:
+                         buffer_layers: BufferLayers = ()) -> Schedule:
     """1F1B (PipeDream-flush): device ``d`` runs ``devices - 1 - d`` warm-up forwards,
     then alternates one forward and one backward, then drains the backwards. At most
     ``devices - d`` microbatches' activations are alive on device ``d``. Options as
@@ -125,14 +140,14 @@ def one_f_one_b_schedule(plan: Plan, devices: int, microbatches: int, *,
         ops += [(Pass.BACKWARD, d, m) for m in range(M - warm, M)]
         orders.append(ops)
     return _lower(plan, devices, M, orders, recompute, "1f1b",
-                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers)))
+                  _Options(offload_optimizer, side_inputs, _held(buffer_layers)))
 
 
 def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
                               recompute: Recompute | str | bool = False,
                               offload_optimizer: bool = False,
                               side_inputs: bool = False,
-                              buffer_layers: Collection[int] = ()) -> Schedule:
+                              buffer_layers: BufferLayers = ()) -> Schedule:
     """Interleaved 1F1B (Megatron-LM): each device holds ``v = chunks / devices``
     chunks (virtual stages) ``d, d + devices, ...``. Microbatches go in rounds: a
     round runs through local chunk 0, then chunk 1, ...; backwards go through the
@@ -160,14 +175,14 @@ def interleaved_1f1b_schedule(plan: Plan, devices: int, microbatches: int, *,
         ops += [(Pass.BACKWARD, i * p + d, m) for i, m in bwd[M * v - warm:]]
         orders.append(ops)
     return _lower(plan, p, M, orders, recompute, "interleaved-1f1b",
-                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers)))
+                  _Options(offload_optimizer, side_inputs, _held(buffer_layers)))
 
 
 def looped_bfs_schedule(plan: Plan, devices: int, microbatches: int, *,
                         recompute: Recompute | str | bool = False,
                         offload_optimizer: bool = False,
                         side_inputs: bool = False,
-                        buffer_layers: Collection[int] = (), swap: bool = False) -> Schedule:
+                        buffer_layers: BufferLayers = (), swap: bool = False) -> Schedule:
     """Looped BFS (breadth-first pipeline): chunks placed as in interleaved 1F1B, but
     each device runs every microbatch through its first chunk, then its second, ...,
     then the backwards chunk by chunk in reverse (microbatches in reverse too). Options
@@ -194,13 +209,13 @@ def looped_bfs_schedule(plan: Plan, devices: int, microbatches: int, *,
                     for m in range(M) if i * p + d != tail]
         orders.append(ops)
     return _lower(plan, p, M, orders, recompute, "mobius" if swap else "looped-bfs",
-                  _Options(offload_optimizer, side_inputs, frozenset(buffer_layers), swap))
+                  _Options(offload_optimizer, side_inputs, _held(buffer_layers), swap))
 
 
 def mobius_schedule(plan: Plan, devices: int, microbatches: int, *,
                     recompute: Recompute | str | bool = Recompute.AHEAD,
                     side_inputs: bool = False,
-                    buffer_layers: Collection[int] = ()) -> Schedule:
+                    buffer_layers: BufferLayers = ()) -> Schedule:
     """Mobius: the model in host memory, more chunks than devices (``v`` per device,
     placed as in looped BFS), and each chunk's weights swapped in from host memory for
     its forwards and again for its backwards, the next chunk's upload prefetched while
@@ -237,13 +252,20 @@ def _check(plan: Plan, devices: int, microbatches: int, per_device: int | None) 
     return chunks // devices
 
 
+def _held(buffer_layers: BufferLayers) -> tuple[tuple[int, frozenset[Hashable]], ...]:
+    """``buffer_layers`` as sorted (layer, buffer ids) pairs (a plain collection: each
+    layer's buffers are its own)."""
+    return tuple(sorted(_buffers_of(buffer_layers).items()))
+
+
 @dataclass(frozen=True)
 class _Options:
     """What a runtime that keeps the model in host memory needs (module docstring)."""
 
     offload_optimizer: bool = False
     side_inputs: bool = False
-    buffer_layers: frozenset[int] = frozenset()
+    buffer_layers: tuple[tuple[int, frozenset[Hashable]], ...] = ()
+    """(layer, ids of the buffers it holds) for each layer holding buffers."""
     swap: bool = False
 
 
@@ -256,7 +278,8 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
     fwd_stages = plan.forward + (plan.tail,)
     bwd_stages = plan.backward + (plan.tail,)
     last = len(fwd_stages) - 1
-    redone = sorted(l for s in plan.forward for l in s.layers if l in opts.buffer_layers)
+    held = dict(opts.buffer_layers)
+    redone = sorted(l for s in plan.forward for l in s.layers if l in held)
     if recompute and redone:
         raise ScheduleError(f"recompute=True re-runs the forward of layers {redone}, whose "
                             "forward updates buffers, on the same device buffers: the update "
@@ -282,6 +305,7 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
         kind = K.BACKWARD if recompute and c < last else K.BACKWARD_KEPT
         return action_key(kind, bwd_stages[c].name, m)
 
+    passed = _passed_buffers(fwd_stages, held)
     out: list[Action] = []
     hand_offs: list[tuple[int, Action]] = []   # (chunk, O action) for the host lane
     for d, ops in enumerate(orders):
@@ -291,9 +315,10 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
         final_bwd = {c: i for i, (pas, c, _) in enumerate(ops) if pas is Pass.BACKWARD}
         if opts.offload_optimizer and not opts.swap:
             for c in sorted(final_bwd):
-                out.append(Action(K.UPLOAD_WEIGHTS, d, bwd_stages[c].name))
+                out.append(Action(K.UPLOAD_WEIGHTS, d, bwd_stages[c].name,
+                                  deps=passed.get(c, ())))
                 uw[c] = (out[-1].key,)
-        swap = _Swap(ops, last, name, d) if opts.swap else None
+        swap = _Swap(ops, last, name, d, passed) if opts.swap else None
         side: dict[int, str] = {}    # microbatch -> its side-input upload on this device
         for i, (pas, c, m) in enumerate(ops):
             ahead = [computes[i - INPUT_DEPTH]] if i >= INPUT_DEPTH else []
@@ -314,11 +339,13 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
                 else:
                     inp = fwd_key(c - 1, m)
                 kind = K.FORWARD if recompute and c < last else K.FORWARD_KEEP
-                out.append(Action(kind, d, s.name, m, deps=(inp,) + extra))
+                # Without a weight upload, the forward itself waits for the buffers.
+                brought = () if opts.offload_optimizer else passed.get(c, ())
+                out.append(Action(kind, d, s.name, m, deps=(inp,) + extra + brought))
                 computes.append(out[-1].key)
                 if c < last and crosses(c + 1):
                     out.append(Action(K.DOWNLOAD_ACT, d, s.name, m, s.stop, (out[-1].key,)))
-                if m == microbatches - 1 and any(l in opts.buffer_layers for l in s.layers):
+                if m == microbatches - 1 and any(l in held for l in s.layers):
                     # The runtime keeps the updated buffers after the last microbatch.
                     out.append(Action(K.DOWNLOAD_BUFFERS, d, s.name, deps=(computes[-1],)))
             else:
@@ -361,7 +388,50 @@ def _lower(plan: Plan, devices: int, microbatches: int, orders: list[list[Op]],
         out += [Action(K.FREE, d, bwd_stages[c].name) for c in uw]
     # Deeper chunks finish their backward first: the host takes their gradients first.
     out += [o for _, o in sorted(hand_offs, key=lambda x: -x[0])]
-    return Schedule(plan, devices, microbatches, tuple(out), name)
+    schedule = Schedule(plan, devices, microbatches, tuple(out), name)
+    if passed:
+        _check_passing(schedule, fwd_stages, held)
+    return schedule
+
+
+def _passed_buffers(fwd_stages, held: dict[int, frozenset]) -> dict[int, tuple[str, ...]]:
+    """Chunk -> the buffer downloads (``DB``) it must wait for: per buffer it holds, that
+    of the last earlier chunk holding it (module docstring). Empty when no buffer is held
+    by two chunks."""
+    last_db: dict[Hashable, str] = {}
+    out: dict[int, tuple[str, ...]] = {}
+    for c, s in enumerate(fwd_stages):
+        ids = frozenset().union(*(held.get(l, ()) for l in s.layers))
+        waits = sorted({last_db[b] for b in ids if b in last_db})
+        if waits:
+            out[c] = tuple(waits)
+        for b in ids:
+            last_db[b] = action_key(K.DOWNLOAD_BUFFERS, s.name)
+    return out
+
+
+def _check_passing(schedule: Schedule, fwd_stages, held: dict[int, frozenset]) -> None:
+    """Refuse a compute order in which a chunk holding a shared buffer cannot wait for
+    the earlier holder's last forward (it would deadlock), naming the buffer."""
+    try:
+        _dry_run(schedule)
+    except ScheduleError:
+        pass
+    else:
+        return
+    holders: dict[Hashable, list[str]] = {}
+    for s in fwd_stages:
+        for b in sorted(frozenset().union(*(held.get(l, ()) for l in s.layers)), key=str):
+            holders.setdefault(b, []).append(f"{s.name} (layers {s.start}-{s.stop - 1})")
+    shared = "; ".join(f"buffer {b!r}: {', '.join(h)}" for b, h in holders.items()
+                       if len(h) > 1)
+    raise ScheduleError(
+        f"{schedule.name} cannot pass a buffer from chunk to chunk: {shared} hold one "
+        "buffer their forward may update, so a later holder's forwards must wait until "
+        "the earlier one has run its forward for every microbatch, and this compute "
+        f"order ({schedule.workers} devices, {schedule.microbatches} microbatches) needs "
+        "a later holder's forward first (it would deadlock). Use gpipe_schedule or "
+        "looped_bfs_schedule, or a plan that puts those layers in one chunk")
 
 
 class _Swap:
@@ -369,8 +439,9 @@ class _Swap:
     forwards, its run of backwards; the tail's are one), each with its own weight upload
     and free (module docstring)."""
 
-    def __init__(self, ops: list[Op], last: int, name: str, device: int):
-        self.last = last
+    def __init__(self, ops: list[Op], last: int, name: str, device: int,
+                 passed: dict[int, tuple[str, ...]]):
+        self.last, self.passed = last, passed
         self.phases: list[tuple[Pass, int]] = []
         self.final: dict[tuple[Pass, int], int] = {}     # phase -> index of its last op
         for i, (pas, c, _) in enumerate(ops):
@@ -400,7 +471,11 @@ class _Swap:
             # Room for it: the free of the phase two back (the running one stays).
             room = (self.x[k - 2],) if k >= 2 else ()
             stage = (fwd_stages if ph[0] is Pass.FORWARD else bwd_stages)[c]
-            out.append(Action(K.UPLOAD_WEIGHTS, self.device, stage.name, host_deps=room))
+            # A forward phase (or the tail's) brings the buffers earlier chunks passed on.
+            brought = self.passed.get(c, ()) if ph[0] is Pass.FORWARD or c == self.last \
+                else ()
+            out.append(Action(K.UPLOAD_WEIGHTS, self.device, stage.name, deps=brought,
+                              host_deps=room))
             self.uw[ph], self.names[ph] = out[-1].key, stage.name
         return (self.uw[ph],)
 

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Collection
 
 from ..errors import ScheduleError
-from ..plan import Stage, StageKind
-from .actions import (COMPUTE_PASSES, CRITICAL, Action, ActionKind as K, Lane, Schedule,
-                      action_key)
-from .routes import weight_stages
+from ..plan import Stage
+from .actions import (COMPUTE_PASSES, CRITICAL, HOST, Action, ActionKind as K, Lane,
+                      Schedule, action_key)
 from .memory import MemorySizes, check_limit, peak_memory
 
 _FORWARD_KINDS = (K.FORWARD, K.FORWARD_KEEP, K.FUSED, K.RECOMPUTE)
@@ -20,7 +18,15 @@ def validate(schedule: Schedule, *, dataflow: bool = False,
     """Raise :class:`ScheduleError` unless the schedule is sound:
 
     - no action appears twice, every dependency names an action of the schedule, every
-      compute action names a stage of the plan and a microbatch in range;
+      action runs on a worker of the schedule (``0..workers - 1``; the optimizer
+      hand-offs ``O``/``OR`` on the host lane, nothing else there), every compute
+      action names a stage of the plan and a microbatch in range;
+    - every optimizer hand-off ``O`` waits (directly, or through its stage's ``OR``) for
+      its stage's weight-gradient download ``DW``: it hands what ``DW`` brought to the
+      host, so one running first would hand over nothing;
+    - an evaluation schedule (name ending in ``-eval``) has only forward work: uploads,
+      ``F`` of the evaluation stages (``Plan.eval_jobs``) for every microbatch, and the
+      last layer's output downloaded for every microbatch;
     - every (stage, microbatch, pass) of every call runs exactly once: a forward stage's
       forward (``F`` or ``FK``), the tail (``FT``, or ``FK`` then ``BK``), a backward
       stage's backward (``R`` then ``B``, or ``BK``);
@@ -38,11 +44,15 @@ def validate(schedule: Schedule, *, dataflow: bool = False,
     - with ``memory_limit`` (bytes) and ``sizes``: no worker's device memory exceeds the
       limit in the unit-time dry run (every action takes one step; see ``memory.py``).
     """
+    _check_workers(schedule)
     by_key = _unique(schedule)
     _check_trained(schedule, by_key)
     _check_rows(schedule, by_key)
+    _check_hand_offs(schedule, by_key)
     eval_call = schedule.name.endswith("-eval")
-    if not eval_call:
+    if eval_call:
+        _check_eval(schedule, by_key)
+    else:
         _check_passes(schedule, by_key)
     rounds = _dry_run(schedule)
     if memory_limit is not None:
@@ -55,6 +65,82 @@ def validate(schedule: Schedule, *, dataflow: bool = False,
         _check_order(schedule, by_key, _happens_before(schedule, order), dataflow)
     if dataflow:
         _check_data(schedule, by_key)
+
+
+def _check_workers(schedule: Schedule) -> None:
+    """Each action on a worker of the schedule; the host lane holds the hand-offs only."""
+    W = schedule.workers
+    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+        raise ScheduleError(f"the schedule has workers={W!r}: it must be an int >= 1")
+    for a in schedule.actions:
+        if a.lane is Lane.HOST:
+            if a.worker != HOST:
+                raise ScheduleError(f"action {a.key} is host work (the optimizer hand-off) "
+                                    f"but is placed on worker {a.worker}: put it on the "
+                                    "host lane (HOST, 'host' in the text form)")
+        elif a.worker == HOST:
+            raise ScheduleError(f"action {a.key} runs on a device ({a.lane.value} lane) but "
+                                "is placed on the host lane: give it a worker "
+                                f"0..{W - 1}")
+        elif isinstance(a.worker, bool) or not isinstance(a.worker, int) or \
+                not 0 <= a.worker < W:
+            raise ScheduleError(f"action {a.key} is placed on worker {a.worker!r}, but the "
+                                f"schedule has {W} worker(s), 0..{W - 1}")
+
+
+def _check_hand_offs(schedule: Schedule, by_key: dict[str, Action]) -> None:
+    """Each ``O`` waits for the ``DW`` of its stage and call (through its ``OR``)."""
+    for a in schedule.actions:
+        if a.kind is not K.OPTIMIZER:
+            continue
+        dw = action_key(K.DOWNLOAD_WGRAD, a.stage, call=a.call)
+        rows = action_key(K.OPTIMIZER_ROWS, a.stage, call=a.call)
+        waits = set(a.deps + a.host_deps)
+        if rows in waits:
+            waits |= set(by_key[rows].deps + by_key[rows].host_deps)
+        if dw not in waits:
+            got = f" ({dw} is not in the schedule)" if dw not in by_key else ""
+            raise ScheduleError(f"{a.key} hands {a.stage}'s weight gradients to the "
+                                f"optimizer but does not wait for {dw}, which brings them "
+                                f"to the host{got}: run first, the hand-off would find no "
+                                f"gradients and drop them. Give it the host dependency "
+                                f"<~ {dw}")
+
+
+_EVAL_KINDS = frozenset({K.UPLOAD_WEIGHTS, K.UPLOAD_SIDE, K.UPLOAD_ACT, K.FORWARD,
+                         K.DOWNLOAD_ACT, K.FREE})
+
+
+def _check_eval(schedule: Schedule, by_key: dict[str, Action]) -> None:
+    """An evaluation call's schedule: forward work only, complete, output downloaded."""
+    plan, M = schedule.plan, schedule.microbatches
+    for a in schedule.actions:
+        if a.kind not in _EVAL_KINDS:
+            raise ScheduleError(
+                f"schedule {schedule.name} is an evaluation call's (its name ends in "
+                f"-eval) but has {a.key}: an evaluation runs forward stages only "
+                f"({', '.join(sorted(k.value for k in _EVAL_KINDS))}); name a training "
+                "schedule without -eval")
+    names = {s.name for s in plan.eval_jobs()}
+    for a in schedule.actions:
+        if a.kind is K.FORWARD and a.stage not in names:
+            raise ScheduleError(f"action {a.key} names stage {a.stage}, which is not a stage "
+                                f"of an evaluation call of plan {plan.to_text()} "
+                                f"({', '.join(sorted(names))})")
+        if a.kind is K.FORWARD and (a.mb is None or not 0 <= a.mb < M):
+            raise ScheduleError(f"action {a.key} names microbatch {a.mb}; the schedule has "
+                                f"microbatches 0..{M - 1}")
+    out = {a.mb for a in schedule.actions
+           if a.kind is K.DOWNLOAD_ACT and a.at == plan.num_layers}
+    for m in range(M):
+        for s in plan.eval_jobs():
+            if action_key(K.FORWARD, s.name, m) not in by_key:
+                raise ScheduleError(f"forward of stage {s.name} microbatch {m} is missing "
+                                    f"from evaluation schedule {schedule.name}")
+        if m not in out:
+            raise ScheduleError(f"evaluation schedule {schedule.name} never downloads "
+                                f"microbatch {m}'s output (DA at layer {plan.num_layers}): "
+                                "the call returns it")
 
 
 def _unique(schedule: Schedule) -> dict[str, Action]:
@@ -311,54 +397,5 @@ def _dry_run(schedule: Schedule) -> dict[str, int]:
     return step_of
 
 
-def check_runnable(schedule: Schedule, *, side_inputs: bool = False,
-                   buffer_layers: Collection[int] = (), tail_context: bool = False) -> None:
-    """Raise :class:`ScheduleError` unless ``schedule`` moves what the runtime keeps in host
-    memory: each compute's weights uploaded on its worker, every trained stage's weight
-    gradients downloaded and handed to the optimizer, every tail loss downloaded, side
-    inputs uploaded, and updated buffers downloaded. A whole-batch loss context needs
-    RoundPipe's fused tail (its first action waits for every microbatch's input)."""
-    side, buffer_layers = side_inputs, frozenset(buffer_layers)
-    twins = weight_stages(schedule)
-    stages = {x.name: x for x in schedule.plan.jobs() + schedule.plan.eval_jobs()}
-    keys = {a.key for a in schedule.actions}
-    uploaded = {(a.worker, a.stage, a.call) for a in schedule.actions
-                if a.kind is K.UPLOAD_WEIGHTS}
-    side_at = {(a.worker, a.mb, a.call) for a in schedule.actions if a.kind is K.UPLOAD_SIDE}
-    training = not schedule.name.endswith("-eval")
-    hint = ("; the bound generators (gpipe_schedule, one_f_one_b_schedule, ...) add them "
-            "with offload_optimizer=True")
-
-    def fail(a, what):
-        raise ScheduleError(f"schedule {schedule.name}: {a.key} on worker {a.worker} {what}")
-
-    for a in schedule.actions:
-        if a.lane is not Lane.COMPUTE or a.kind is K.FREE:
-            continue
-        s, w = stages[a.stage], twins.get(a.stage, a.stage)
-        if (a.worker, w, a.call) not in uploaded:
-            fail(a, f"has no upload of its weights (UW:{w}); this pipeline keeps the "
-                 "weights in host memory" + hint)
-        if side and (a.worker, a.mb, a.call) not in side_at:
-            fail(a, f"has no upload of microbatch {a.mb}'s side inputs (UZ): generate the "
-                 "schedule with side_inputs=True")
-        if not training:
-            continue
-        if a.kind in (K.BACKWARD, K.BACKWARD_KEPT, K.FUSED) and not (
-                action_key(K.DOWNLOAD_WGRAD, a.stage, call=a.call) in keys
-                and action_key(K.OPTIMIZER, a.stage, call=a.call) in keys):
-            fail(a, f"runs a backward whose weight gradients are never downloaded and "
-                 f"handed to the optimizer (DW:{a.stage}, O:{a.stage})" + hint)
-        tail = s.kind is StageKind.TAIL
-        if tail_context and a.kind is K.FORWARD_KEEP and tail:
-            fail(a, "computes the loss before every microbatch's tail input is in host "
-                 "memory, which tail_context needs: run RoundPipe's own schedule")
-        if tail and a.kind in (K.FORWARD_KEEP, K.FUSED) and \
-                action_key(K.DOWNLOAD_GRAD, s.name, a.mb, s.start, a.call) not in keys:
-            fail(a, f"computes a loss that is never downloaded (DG:{s.name}:m{a.mb})" + hint)
-        layers = sorted(buffer_layers & set(s.layers))
-        if layers and a.kind in (K.FORWARD, K.FORWARD_KEEP, K.FUSED) and \
-                action_key(K.DOWNLOAD_BUFFERS, s.name, call=a.call) not in keys:
-            fail(a, f"updates the buffers of layers {layers} but never downloads them "
-                 f"(DB:{s.name}): generate the schedule with "
-                 f"buffer_layers={sorted(buffer_layers)}")
+# Re-exported: check_runnable lived here (docs/api.md imports it from this module).
+from .runnable import check_runnable  # noqa: E402,F401
