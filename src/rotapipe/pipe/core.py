@@ -192,10 +192,13 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         # The same weights and seed on every rank (pipe.consistency).
         self._agree = WeightCheck(self.layerset, self.host, config.seed,
                                   lambda stream=self._stream: stream.next_number)
+        # Closures the reducer keeps must not hold the pipeline: a reference cycle would
+        # keep a dropped pipeline (and its threads) alive until the cyclic collector runs.
+        layerset = self.layerset
         self.data_parallel = GradReducer.create(
             config.data_parallel, group, fingerprint(self),
-            {pid: self.layerset.params[pid].shape for pid in trainable},
-            lambda stage: [pid for pid in self.layerset.stage_params(stages[stage].layers)
+            {pid: layerset.params[pid].shape for pid in trainable},
+            lambda stage: [pid for pid in layerset.stage_params(stages[stage].layers)
                            if pid in trainable], self._agree)
         if self.data_parallel is not None:
             # Backpressure (allreduce.InFlight): two stages per worker may wait for the

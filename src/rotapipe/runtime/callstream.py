@@ -181,7 +181,10 @@ class CallStream:
         self.reap(1)
         call.loss = None            # read, but never returned to the caller
         self._fail(exc)
-        raise exc
+        try:
+            raise exc
+        finally:
+            del exc         # no cycle through this frame (Session.raise_failure)
 
     def reap(self, keep: int) -> list[Call]:
         """Complete the oldest calls until at most ``keep`` are in flight (committing
@@ -203,10 +206,7 @@ class CallStream:
             self.results[c.number] = c.result
             self.results.pop(c.number - 64, None)
             self.runner.end(c.index)
-            # The call's context points back at it (ctx.handoff): break the cycle so
-            # the call's host store (activation checkpoints, input gradients) is freed
-            # when the caller drops the call, not at some later garbage collection.
-            c.state.ctx.handoff = c.state.ctx.rows_first = c.next_store = None
+            _unlink(c)
             done.append(c)
         return done
 
@@ -222,6 +222,8 @@ class CallStream:
     def _reset(self) -> None:
         # ``steps`` goes on: it picks the compute copies a call uploads (stale keeps two
         # sets, which differ until the optimizer flushes).
+        if self.session is not None:
+            self.session.release()
         self.session = None
         self.index, self.step_ends = 0, []
 
@@ -246,6 +248,7 @@ class CallStream:
             c.hook.keep_changes()      # the workers have stopped: nothing reads the copies
         for c in self.inflight:
             self.runner.end(c.index)
+            _unlink(c)
         for c in kept:
             self.results[c.number] = c.result
         self.committed += len(kept) + len(partly)
@@ -306,3 +309,11 @@ def timeline(history: Sequence[tuple[Schedule, list]]):
         start[k] = min(start.get(k, sp.start), sp.start)
         end[k] = max(end.get(k, sp.end), sp.end)
     return Timeline(schedule, out, start, end)
+
+
+def _unlink(c: Call) -> None:
+    """A call's context points back at it (``ctx.handoff``): break the cycle once the
+    call completed or failed, so that the call's host store (activation checkpoints,
+    input gradients) and what it reaches (the pipeline, through its bound methods) are
+    freed when the caller drops the call, not at some later garbage collection."""
+    c.state.ctx.handoff = c.state.ctx.rows_first = c.next_store = None

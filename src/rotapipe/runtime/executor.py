@@ -78,6 +78,7 @@ class Executor:
             raise
         finally:
             session.close()
+            session.release()
 
     def open(self, body: Callable[[Action], None],
              describe: Callable[[Action], str] = lambda a: "",

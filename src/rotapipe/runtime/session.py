@@ -174,6 +174,15 @@ class Session:
                              "cannot run again; build a new one")
             abandon(ex, stuck)
 
+    def release(self) -> None:
+        """Forget the failure's exception once it was raised and the session is being
+        dropped: its traceback holds the worker frames that ran this session's closures,
+        so keeping it would make a reference cycle (session -> exception -> frames ->
+        session) that keeps the dispatchers' work, the call's tensors and the pipeline
+        alive until the cyclic collector runs. The failing action stays known."""
+        if self.failure is not None:
+            self.failure = (self.failure[0], None)
+
     def kill(self) -> None:
         """Abort everything in flight (e.g. on KeyboardInterrupt) and drain the devices."""
         self.abort.set()
@@ -200,7 +209,13 @@ class Session:
         error = self.ex._error(self.schedule_of(action), action, exc, self.describe(action))
         if self.ex.broken:
             error.args = (error.args[0] + f"\n\n{self.ex.broken}",)
-        raise error from exc
+        try:
+            raise error from exc
+        finally:
+            # The traceback holds this frame: a local naming the error would make a
+            # reference cycle that keeps the caller's frames (the pipeline, its threads)
+            # alive until the cyclic collector runs.
+            del error, exc
 
     def schedule_of(self, action: Action) -> Schedule:
         """The submitted actions around ``action`` as one schedule (for messages)."""
