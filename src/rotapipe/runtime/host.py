@@ -58,6 +58,25 @@ def in_own_step() -> bool:
     return _OWN_STEPS.active
 
 
+def cleared_grads(params, left: dict) -> tuple[list[int], list[int]]:
+    """Which of ``(pid, parameter)`` had the gradient the last commit left them (``left``:
+    pid -> (weakref to that gradient, its version)) cleared since (``zero_grad()``:
+    set to ``None``, or zeroed in place), and which kept one (a gradient the user set
+    on a parameter given none counts as kept: theirs to weight)."""
+    cleared, kept = [], []
+    for pid, p in params:
+        g, was = p.grad, left.get(pid)
+        if was is None:
+            if g is not None:
+                kept.append(pid)
+            continue
+        if g is None or (g is was[0]() and g._version != was[1] and not g.any()):
+            cleared.append(pid)
+        else:
+            kept.append(pid)
+    return cleared, kept
+
+
 class HostState:
     """``pinning`` keeps every tensor the workers upload in its host memory mode
     (:class:`~rotapipe.runtime.pinning.HostPinning`; ``None``: pageable, as allocated).
@@ -209,17 +228,8 @@ class HostState:
         if self.samples == 0 or not self._left:
             return
         params, names = self.layerset.params, self.layerset.param_names
-        cleared, kept = [], []
-        for pid in self.trainable:
-            g, left = params[pid].grad, self._left.get(pid)
-            if left is None:
-                if g is not None:
-                    kept.append(pid)     # a gradient set by the user: theirs to weight
-                continue
-            if g is None or (g is left[0]() and g._version != left[1] and not g.any()):
-                cleared.append(pid)
-            else:
-                kept.append(pid)
+        cleared, kept = cleared_grads(((pid, params[pid]) for pid in self.trainable),
+                                      self._left)
         if not cleared:
             return
         if kept:

@@ -60,7 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..config import NonFinite, OptimizerMode, ShardMode
 from ..errors import InputError, NonFiniteError
 from ..schedule import Schedule
-from .host import CallGrads, HostState, LossScaler, in_own_step, own_step
+from .host import CallGrads, HostState, LossScaler, cleared_grads, in_own_step, own_step
 from .inflight import InFlight
 from .optimizer import HostOptimizer
 from .shardcall import ShardCall
@@ -245,17 +245,7 @@ class ShardedOptimizer(HostOptimizer, ShardCollectives):
         parallelism is retired (the units of this call are already all-reduced)."""
         if self.samples == 0 or not self._left:
             return
-        cleared, kept = [], []
-        for pid, q in self.masters.items():
-            g, left = q.grad, self._left.get(pid)
-            if left is None:
-                if g is not None:
-                    kept.append(pid)
-                continue
-            if g is None or (g is left[0]() and g._version != left[1] and not g.any()):
-                cleared.append(pid)
-            else:
-                kept.append(pid)
+        cleared, kept = cleared_grads(self.masters.items(), self._left)
         if not cleared:
             return
         if kept:
