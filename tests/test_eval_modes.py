@@ -30,47 +30,26 @@ def reference(model, steps: int):
     return losses
 
 
+@pytest.mark.parametrize("through", ["pipe", "model"])
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
-def test_mode_switch_between_pipelined_calls_reaches_the_next_call(mode):
-    """Dropout 0.3; ``pipe.eval()`` after call 1 and ``pipe.train()`` after call 3, with
-    no evaluation in between: calls 2 and 3 run without dropout. In ``overlap`` the
-    runner is never idle between calls, and the workers' copies of the layers used to
-    keep the mode of the first call for good (the loss of call 2 was 3.7% off, the
-    weights 7e-3)."""
+def test_mode_switch_between_pipelined_calls_reaches_the_next_call(mode, through):
+    """Dropout 0.3; ``eval()`` after call 1 and ``train()`` after call 3, with no
+    evaluation in between, through the pipeline or on the user's own model (the wrapped
+    layers): calls 2 and 3 run without dropout. In ``overlap`` the runner is never idle
+    between calls, and the workers' copies of the layers used to keep the mode of the
+    first call for good (the loss of call 2 was 3.7% off, the weights 7e-3)."""
     model = tiny_transformer(dropout=0.3, widths=(24, 40))
     ref = copy.deepcopy(model)
     want = reference(ref, 6)
     with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, optimizer_mode=mode),
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.5)) as pipe:
+        target = pipe if through == "pipe" else model
         got = []
         for call in range(6):
             if call == EVAL_CALLS[0]:
-                assert pipe.eval() is pipe
+                assert target.eval() is target
             if call == EVAL_CALLS[-1] + 1:
-                pipe.train()
-            got.append(pipe.train_step(*token_batch(8, 6, seed=call)))
-        state = pipe.state_dict()
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(state[k], v, rtol=RTOL, atol=ATOL, msg=k)
-
-
-@pytest.mark.parametrize("mode", ["sync", "overlap"])
-def test_the_users_own_model_eval_between_pipelined_calls_reaches_the_next_call(mode):
-    """As above, but ``model.eval()`` / ``model.train()`` on the user's own model (the
-    wrapped layers), not through the pipeline: in ``overlap`` the next call began while
-    the last drained, so the workers' copies kept train mode (dropout on) for good."""
-    model = tiny_transformer(dropout=0.3, widths=(24, 40))
-    ref = copy.deepcopy(model)
-    want = reference(ref, 6)
-    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, optimizer_mode=mode),
-                            optimizer=lambda p: torch.optim.SGD(p, lr=0.5)) as pipe:
-        got = []
-        for call in range(6):
-            if call == EVAL_CALLS[0]:
-                model.eval()
-            if call == EVAL_CALLS[-1] + 1:
-                model.train()
+                target.train()
             got.append(pipe.train_step(*token_batch(8, 6, seed=call)))
         state = pipe.state_dict()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)

@@ -78,21 +78,13 @@ class StateIO:
         """Set the layers' training flag (dropout, BatchNorm), as ``nn.Module.train``;
         returns the pipeline. The next call (training or evaluation) runs in the new
         mode: calls still in flight (``overlap``, ``stale``) complete in the mode they
-        started in first."""
+        started in first (the workers' copies of the layers take the flags when a call
+        begins with none in flight; a training call that finds them changed waits for
+        those in flight, as after ``model.eval()`` on the user's own model)."""
         self._check_open()
-        mode = bool(mode)
         with self._lock:
-            changes = any(m.training != mode for layer in self.layerset.layers
-                          for m in layer.modules())
-            if changes and self._stream.inflight:
-                # The workers' copies of the layers take these flags when a call begins
-                # with none in flight (runtime/calls.py, CallRunner.begin): a call in
-                # flight must recompute its backward with the dropout its forward drew.
-                # Without this drain, overlapping calls never leave the runner idle and
-                # would keep the old mode for good.
-                self._reaped(self._stream.drain())
             for layer in self.layerset.layers:
-                layer.train(mode)
+                layer.train(bool(mode))
         return self
 
     def eval(self):
