@@ -65,6 +65,18 @@ class RunningNorm(nn.Module):
         return x + self.bn(x.transpose(1, 2)).transpose(1, 2)
 
 
+class Residual(nn.Module):
+    """``x + W2 tanh(W1 x)``: (batch, dim) -> (batch, dim), the memory tests' layer."""
+
+    def __init__(self, dim: int = 64, hidden: int = 256):
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
 class Head(nn.Module):
     """Final norm + output projection; ``tied`` reuses the embedding weight."""
 

@@ -20,17 +20,9 @@ import rotapipe
 from rotapipe.runtime.chunks import ChunkedCopies
 from rotapipe.runtime.emulated import EmulatedDevice
 
+from models import Residual
+
 DIM, HIDDEN, LAYERS = 64, 256, 8
-
-
-class Residual(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x)))
 
 
 class Landing(EmulatedDevice):
@@ -50,7 +42,7 @@ class Landing(EmulatedDevice):
 
 def _model() -> tuple[nn.Sequential, int]:
     torch.manual_seed(0)
-    model = nn.Sequential(*[Residual() for _ in range(LAYERS)])
+    model = nn.Sequential(*[Residual(DIM, HIDDEN) for _ in range(LAYERS)])
     return model, sum(p.numel() * p.element_size() for p in model[0].parameters())
 
 

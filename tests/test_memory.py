@@ -31,28 +31,16 @@ import torch
 from torch import nn
 
 import rotapipe
-from models import emulated, reference_forward_backward
+from models import Residual, emulated, reference_forward_backward
 from rotapipe.runtime.chunks import ChunkedCopies
 
 DIM, HIDDEN, LAYERS = 64, 256, 40
 BATCH, MICROBATCHES = 16, 2
 
 
-class Residual(nn.Module):
-    """``x + W2 tanh(W1 x)``: (batch, DIM) -> (batch, DIM)."""
-
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x)))
-
-
 def deep_mlp(layers: int = LAYERS) -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(*[Residual() for _ in range(layers)])
+    model = nn.Sequential(*[Residual(DIM, HIDDEN) for _ in range(layers)])
     with torch.no_grad():               # keep 40 residual layers well conditioned
         for layer in model:
             layer.down.weight.mul_(0.1)
