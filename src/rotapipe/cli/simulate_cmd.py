@@ -11,8 +11,6 @@ from .._validate import PLAN_LIMITS, int_flag as _count, real_flag as _real
 from ..errors import ConfigError
 from .flags import _hardware, _lora, _model_name
 
-MAX_LORA_RANK = int(PLAN_LIMITS["lora_rank"].high)
-"""``--lora-rank`` of ``plan`` and ``simulate`` at most this, as ``train``'s."""
 MIN_MEMORY_GIB, MAX_MEMORY_GIB = 0.001, 100_000
 """``simulate --memory-gib`` outside this (about 1 MiB to 100 TiB) is a typo, not a
 device."""
@@ -68,7 +66,7 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="LoRA on a frozen base, priced as LoRA (as plan --lora): a frozen "
                         "weight's backward computes only its input gradient, only the "
                         "adapters' gradients go down")
-    g.add_argument("--lora-rank", type=_count(maximum=MAX_LORA_RANK), default=None,
+    g.add_argument("--lora-rank", type=PLAN_LIMITS["lora_rank"].flag_type(), default=None,
                    help="LoRA rank, with --lora or --qlora (default: 8, as plan and train)")
     g.add_argument("--qlora", action="store_true",
                    help="QLoRA: --lora with the blocks uploaded as NF4")
