@@ -33,6 +33,7 @@ from ..plan import Plan
 from ..schedule import Schedule
 from ..runtime.allreduce import GradReducer
 from ..runtime.backend import Device
+from ..runtime.batch import as_tree
 from ..runtime.calls import CallRunner, CallStream, StepResult, check_stage_budget
 from ..runtime.devices import make_devices
 from ..runtime.dispatchers import on_worker_thread
@@ -405,6 +406,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         joined along dim 0; a further output tensor that cannot be (0-dim, e.g. an
         auxiliary mean) comes back as a list, one value per microbatch."""
         self._check_open()
+        inputs = as_tree(inputs)
         with self._lock:
             self._watch.check()
             self._flush()

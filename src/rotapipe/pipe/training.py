@@ -53,7 +53,8 @@ class TrainCalls:
         if any(u < 0 for u in units) or not (total > 0 or dp is not None):
             raise InputError(f"loss_weight gave {units} for the microbatches: the items "
                              "the loss averages over must be >= 0 and not all 0 (are all "
-                             "labels ignored?)")
+                             "labels ignored? such a batch adds nothing to the mean: skip "
+                             "it)")
         if dp is not None:
             # Every rank weights its microbatches by their share of the global batch;
             # the same all-reduce tells whether any rank loaded weights since the ranks

@@ -37,15 +37,23 @@ def check_rows(ls: LayerSet, l: int, out, rows: int) -> None:
     batch is split into microbatches along it and evaluation joins the outputs
     along it). Further tensors of the output may be shaped freely (per-token
     records of an adapter, e.g. ``[batch * seq]`` routing indices)."""
-    t = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    t = tensors[0] if tensors else None
     if t is not None and (t.dim() == 0 or t.shape[0] != rows):
         got = "a 0-dim tensor" if t.dim() == 0 else f"{t.shape[0]} rows in dim 0"
+        where, fix = "", "Do batch-changing work in loss_fn, or reshape back before " \
+            "returning"
+        if len(tensors) > 1:
+            # e.g. {"aux": mean, "hidden": h}: the activation is there, but not first.
+            where = f" as the first of the {len(tensors)} tensors of its output"
+            fix = "The first tensor is taken as the activation: return the activation " \
+                "first (e.g. (hidden, aux), or the hidden states' key first in a dict), " \
+                "or reshape it back before returning"
         raise InputError(
             f"layer {l} ({type(ls.layers[l]).__name__}) returned {got} (shape "
-            f"{tuple(t.shape)}) for a microbatch of {rows} samples: every layer must "
-            "keep the batch in dim 0 of its output (rotapipe splits the batch into "
-            "microbatches along it). Do batch-changing work in loss_fn, or reshape "
-            "back before returning")
+            f"{tuple(t.shape)}){where} for a microbatch of {rows} samples: every layer "
+            "must keep the batch in dim 0 of its output (rotapipe splits the batch into "
+            f"microbatches along it). {fix}")
 
 
 def check_loss_graph(ls: LayerSet, masters: dict[int, int], contribution: torch.Tensor,
