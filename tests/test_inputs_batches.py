@@ -194,3 +194,32 @@ def test_a_mapping_inside_the_batch_is_split_like_a_dict():
         with torch.no_grad():
             torch.testing.assert_close(pipe((UserDict(x=x), scale)),
                                        ref(x * scale[:, None]), rtol=RTOL, atol=ATOL)
+
+
+def _token_loss(logits, labels):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       labels.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("mode,grain", [("sync", "stage"), ("overlap", "layer"),
+                                        ("stale", "stage")])
+def test_a_microbatch_whose_labels_are_all_ignored_adds_nothing(mode, grain):
+    """The user's own mean loss over no tokens is NaN; weighted by tokens, that
+    microbatch counts for nothing in plain PyTorch's whole-batch mean: the call
+    trains exactly as that mean does (it failed as a non-finite loss)."""
+    x, y = token_batch(8, 6)
+    y = y.clone()
+    y[:2] = -100                                # microbatch 0 of 4: nothing to learn
+    y[5, 2:] = -100
+    model, ref = tiny_transformer(), tiny_transformer()
+    with rotapipe.RoundPipe(model, _token_loss,
+                            config=emulated(2, 4, optimizer_mode=mode, grain=grain),
+                            loss_weight=lambda lab: int((lab != -100).sum())) as pipe:
+        loss = pipe.forward_backward(x, y)
+        pipe.flush()
+        want = _token_loss(ref(x), y)
+        want.backward()
+        torch.testing.assert_close(torch.as_tensor(float(loss)), want.detach(),
+                                   rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)

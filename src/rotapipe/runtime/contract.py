@@ -96,3 +96,12 @@ def check_loss_graph(ls: LayerSet, masters: dict[int, int], contribution: torch.
             "(a layer may return (output, term) and pass the term on; loss_fn adds "
             "the term the last layer returns), or, for an L2 penalty, use the "
             "optimizer's weight_decay (in a parameter group of its own)")
+
+
+def zero_contribution(out, loss: torch.Tensor) -> torch.Tensor:
+    """An fp32 zero joined to the graph of the stage's output, whose backward gives the
+    layers exact zero gradients without running the loss's own backward (NaN on a
+    mean over nothing); ``loss * 0`` when the output holds nothing to join."""
+    parts = [t.sum() * 0.0 for t in tree_flatten(out)[0]
+             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    return torch.stack(parts).sum().float() if parts else loss * 0.0

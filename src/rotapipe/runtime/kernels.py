@@ -38,7 +38,7 @@ from ..schedule import Action, ActionKind as K, action_key
 from ..schedule.routes import Routes
 from .backend import Device
 from .callcontext import CallContext, CallState
-from .contract import check_loss_graph, check_rows, check_unchanged
+from .contract import check_loss_graph, check_rows, check_unchanged, zero_contribution
 from .host import HostState
 from .rng import layer_seed
 from .store import Store
@@ -272,17 +272,22 @@ class ActionRunner:
                     "outside loss_fn; only with tail_context may it return (loss, "
                     "whole-batch term))")
             loss, extra = result
-        contribution = loss_scalar(loss).float() * self.ctx.weights[a.mb]
-        if extra is not None:
-            # Data parallel: a per-rank whole-batch term counts by the rank's share.
-            contribution = contribution + loss_scalar(extra).float() * self.ctx.extra_weight
-        if not contribution.requires_grad:
+        loss, weight = loss_scalar(loss), self.ctx.weights[a.mb]
+        if not loss.requires_grad:
             raise InputError(
                 f"the loss function returned a {loss.dtype} tensor that does not require "
                 "grad (detached, .item() turned back into a tensor, or built with "
                 "torch.tensor): compute it from the model's output with differentiable, "
                 "floating-point operations")
-        check_loss_graph(self.ls, self._masters, contribution, out)
+        check_loss_graph(self.ls, self._masters, loss, out)
+        loss = loss.float()
+        # A microbatch weighing nothing (every label ignored) adds an exact zero, as its
+        # terms do in a whole-batch mean: its own mean over no tokens is NaN, and NaN
+        # times 0 would fail the call (or skip the step) where plain PyTorch trains.
+        contribution = loss * weight if weight else zero_contribution(out, loss)
+        if extra is not None:
+            # Data parallel: a per-rank whole-batch term counts by the rank's share.
+            contribution = contribution + loss_scalar(extra).float() * self.ctx.extra_weight
         return contribution
 
     def _tail_value(self, s: Stage):
@@ -487,3 +492,4 @@ class ActionRunner:
             self.ctx.grads.add(pid, g)
         if self.ctx.rows_first is not None:
             self.ctx.rows_first(action_key(K.OPTIMIZER, a.stage, call=a.call))
+
