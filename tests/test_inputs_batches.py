@@ -223,3 +223,27 @@ def test_a_microbatch_whose_labels_are_all_ignored_adds_nothing(mode, grain):
                                    rtol=1e-5, atol=1e-6)
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "stale"])
+def test_a_pinned_input_refilled_after_the_call_returns_changes_nothing(mode, monkeypatch):
+    """A loader's pinned buffer (on CUDA ``t.is_pinned()``; here reported pinned) is
+    the caller's again once a pipelined call returns, before its backward re-reads
+    the inputs: the call works on its own copy, as with pageable inputs."""
+    from models import lm_loss
+    from rotapipe.runtime.pinning import HostPinning
+    x, y = token_batch(8, 6)
+    other, _ = token_batch(8, 6, seed=7)
+    buffer = x.clone()
+    pinned = HostPinning.is_pinned
+    monkeypatch.setattr(HostPinning, "is_pinned", lambda self, t: (
+        t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        or pinned(self, t)))
+    model, ref = tiny_transformer(), tiny_transformer()
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 4, optimizer_mode=mode)) as pipe:
+        pipe.forward_backward(buffer, y)
+        buffer.copy_(other)                     # the loader refills its buffer
+        pipe.flush()
+        lm_loss(ref(x), y).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -155,13 +155,15 @@ class CallRunner:
         return store
 
     def _stage(self, tree):
-        """``tree`` with every CPU tensor leaf copied into a page-locked block."""
+        """``tree`` with every CPU tensor leaf copied into a page-locked block. Pinned
+        ones too: a pipelined call returns before its backward re-reads its inputs, and
+        a loader may refill its pinned buffer by then (the caller owns it again)."""
         pool = self._staging
         if pool is None:
             return tree
 
         def stage(t: torch.Tensor) -> torch.Tensor:
-            if t.device.type != "cpu" or pool.pinning.is_pinned(t):
+            if t.device.type != "cpu":
                 return t
             return pool.empty(t.shape, t.dtype).copy_(t)
         with torch.no_grad():
