@@ -27,7 +27,7 @@ from ..errors import RotapipeError, WorkerError, worker_error_type
 from ..schedule import HOST, Action, Schedule
 from .backend import Device, HostStream
 from .dispatchers import DispatcherPool
-from .session import _VERBS, ABANDON_S, Session, abandon
+from .session import ABANDON_S, Session, abandon
 from .store import Actor
 
 __all__ = ["ABANDON_S", "Chunk", "Executor", "Session", "abandon"]
@@ -110,7 +110,7 @@ class Executor:
         who = "the host" if action.worker == HOST else f"worker {action.worker}"
         mb = f" at microbatch {action.mb}" if action.mb is not None else ""
         call = f" of call {action.call}" if schedule.calls > 1 else ""
-        msg = (f"{_VERBS[action.kind]} {action.key}{call} of stage {where}{mb} failed on "
+        msg = (f"{action.kind.verb} {action.key}{call} of stage {where}{mb} failed on "
                f"{who}: {type(exc).__name__}: {exc}\n\nschedule ({schedule.name}, failing "
                f"action marked):\n{schedule.grid(mark=action.key, context=8)}")
         cls = worker_error_type(type(exc)) if isinstance(exc, RotapipeError) else WorkerError

@@ -19,7 +19,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ..schedule import HOST, Action, ActionKind as K, Lane, Schedule
+from ..schedule import HOST, Action, Lane, Schedule
 from ..schedule.actions import COMPUTE_PASSES
 from .backend import Aborted
 from .transfer import CHUNKED, CRITICAL, DOWN, UP, CopyGate, direction
@@ -29,17 +29,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ABANDON_S", "Session", "abandon"]
 
-_VERBS = {K.UPLOAD_WEIGHTS: "weight upload", K.UPLOAD_TRAINED: "trained-weight upload",
-          K.UPLOAD_SIDE: "side-input upload",
-          K.UPLOAD_ACT: "activation upload", K.UPLOAD_GRAD: "gradient upload",
-          K.FORWARD: "forward", K.FUSED: "fused forward+loss+backward",
-          K.RECOMPUTE: "recompute", K.BACKWARD: "backward", K.FREE: "weight free",
-          K.FORWARD_KEEP: "forward (keeping its graph)",
-          K.BACKWARD_KEPT: "backward (through the kept graph)",
-          K.DOWNLOAD_ACT: "activation download", K.DOWNLOAD_GRAD: "gradient download",
-          K.DOWNLOAD_BUFFERS: "buffer download", K.DOWNLOAD_WGRAD: "weight-gradient download",
-          K.OPTIMIZER: "gradient hand-off to the optimizer",
-          K.OPTIMIZER_ROWS: "optimizer step of the next call's embedding rows"}
 
 
 class _Copy:
@@ -195,7 +184,7 @@ class Session:
         """The actions running now, oldest first, with their worker and for how long."""
         now = time.monotonic()
         items = sorted(self.running.copy().values(), key=lambda r: r[1])
-        return "; ".join(f"{a.key} ({_VERBS[a.kind]}) on "
+        return "; ".join(f"{a.key} ({a.kind.verb}) on "
                          f"{'the host' if a.worker == HOST else f'worker {a.worker}'} for "
                          f"{now - t0:.0f} s" for a, t0 in items)
 
@@ -454,7 +443,7 @@ class Session:
         for a in issued:
             if all(d in events and events[d].query() for d in a.deps):
                 who = "the host" if a.worker == HOST else f"worker {a.worker}"
-                return a, (f"{a.key} ({_VERBS[a.kind]}) on {who} was issued with its "
+                return a, (f"{a.key} ({a.kind.verb}) on {who} was issued with its "
                            "inputs ready and has not completed (marked)")
         if issued:
             return issued[0], "the oldest issued action not yet complete is marked"

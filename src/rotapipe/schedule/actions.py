@@ -79,6 +79,11 @@ class ActionKind(str, enum.Enum):
     def lane(self) -> Lane:
         return _LANES[self]
 
+    @property
+    def verb(self) -> str:
+        """What the action does, in words (errors and stall reports)."""
+        return _VERBS[self]
+
 
 _LANES = {
     ActionKind.UPLOAD_WEIGHTS: Lane.WEIGHTS, ActionKind.UPLOAD_TRAINED: Lane.TRAINED,
@@ -91,6 +96,22 @@ _LANES = {
     ActionKind.DOWNLOAD_ACT: Lane.DOWNLOAD, ActionKind.DOWNLOAD_GRAD: Lane.DOWNLOAD,
     ActionKind.DOWNLOAD_BUFFERS: Lane.DOWNLOAD, ActionKind.DOWNLOAD_WGRAD: Lane.GRADS,
     ActionKind.OPTIMIZER: Lane.HOST, ActionKind.OPTIMIZER_ROWS: Lane.HOST,
+}
+_VERBS = {
+    ActionKind.UPLOAD_WEIGHTS: "weight upload",
+    ActionKind.UPLOAD_TRAINED: "trained-weight upload",
+    ActionKind.UPLOAD_SIDE: "side-input upload", ActionKind.UPLOAD_ACT: "activation upload",
+    ActionKind.UPLOAD_GRAD: "gradient upload", ActionKind.FORWARD: "forward",
+    ActionKind.FUSED: "fused forward+loss+backward", ActionKind.RECOMPUTE: "recompute",
+    ActionKind.BACKWARD: "backward", ActionKind.FREE: "weight free",
+    ActionKind.FORWARD_KEEP: "forward (keeping its graph)",
+    ActionKind.BACKWARD_KEPT: "backward (through the kept graph)",
+    ActionKind.DOWNLOAD_ACT: "activation download",
+    ActionKind.DOWNLOAD_GRAD: "gradient download",
+    ActionKind.DOWNLOAD_BUFFERS: "buffer download",
+    ActionKind.DOWNLOAD_WGRAD: "weight-gradient download",
+    ActionKind.OPTIMIZER: "gradient hand-off to the optimizer",
+    ActionKind.OPTIMIZER_ROWS: "optimizer step of the next call's embedding rows",
 }
 COMPUTE_PASSES = frozenset({ActionKind.FORWARD, ActionKind.FORWARD_KEEP, ActionKind.FUSED,
                             ActionKind.RECOMPUTE, ActionKind.BACKWARD,
