@@ -21,6 +21,8 @@ rtol 1e-5, atol 1e-6, the test suite's; CUDA: rtol 1e-4, atol 1e-5, since cuBLAS
 the CPU sum in different orders). The table has one row per (model, optimizer, pin)
 with the worst case over workers x microbatches x grain; ``--detail`` prints every case.
 ``rel`` is normwise: max |got - want| / max |want| over a tensor, worst tensor shown.
+Then dropout 0.1 (:func:`dropout_exactness`): the first call's gradients against plain
+PyTorch on the same device type, each layer seeded as the pipeline seeds it.
 
 (b) Timing. CUDA: a Qwen3-like model (``--layers`` decoder layers of hidden 2048,
 sequence ``--seq``, bf16, one sequence per microbatch) runs ``forward_backward`` on all
@@ -29,7 +31,8 @@ GPUs; the same plan and schedule are simulated on a hardware profile measured he
 ``torch.cuda.get_device_properties``), and run on the timed emulation of that profile
 (emulated workers with a stand-in model that sleep for the modeled times). Emulated
 backend: only the last two (timed emulation against the simulator; there is no real
-GPU to time). Step = one ``forward_backward`` call (no optimizer), median of
+GPU to time). On CUDA a ``copy engines`` line per direction first tests the copy model
+(:func:`copy_engines`). Step = one ``forward_backward`` call (no optimizer), median of
 ``--timing-steps`` after a warm-up.
 
     python benchmarks/gpu_check.py                         # on a machine with GPUs
@@ -305,6 +308,7 @@ def exactness(args, backend: str, devices: int) -> bool:
             key = (subject.name, mode, pin)
             old, n, bad = rows.get(key, (Diff(), 0, None))
             rows[key] = (old.worst(diff), n + 1, bad or (None if diff.ok else case))
+    dropout_ok = dropout_exactness(backend, workers)
     print(f"{len(rows)} rows, {sum(n for _, n, _ in rows.values())} cases in "
           f"{time.perf_counter() - t0:.0f} s\n")
     print(f"{'model':9s} {'optimizer':9s} {'pin':8s} {'cases':>5s} {'grad abs':>9s} "
@@ -314,7 +318,41 @@ def exactness(args, backend: str, devices: int) -> bool:
                                     f"{bad.grain}: {d.note})")
         print(f"{name:9s} {mode:9s} {pin:8s} {n:5d} {d.grad_abs:9.1e} {d.grad_rel:9.1e} "
               f"{d.weight_abs:10.1e} {d.weight_rel:10.1e} {d.loss_abs:9.1e}  {result}")
-    return all(d.ok for d, _, _ in rows.values())
+    return dropout_ok and all(d.ok for d, _, _ in rows.values())
+
+
+def dropout_exactness(backend: str, workers: list[int]) -> bool:
+    """Dropout 0.1 in every block: the first call's gradients against plain PyTorch on
+    the same device type, each layer seeded as the pipeline seeds it
+    (``rotapipe.layer_seed``). The matrix above has no dropout; this is the case that
+    shows whether a backward stage's recompute (grad on) draws the masks its forward
+    (no grad) drew, with GPU kernels that may differ between the two."""
+    dev = torch.device("cuda", 0) if backend == "cuda" else torch.device("cpu")
+    rtol, atol = TOLERANCE[backend]
+    vocab, seq, M = 64, 16, 2
+    torch.manual_seed(0)
+    model = tiny_gpt(vocab, dim=32, layers=3, heads=4, seq=seq, dropout=0.1)
+    ref = copy.deepcopy(model).to(dev)
+    x, y = stride_batch(BATCH, seq, vocab, generator=torch.Generator().manual_seed(0))
+    for m, (xm, ym) in enumerate(zip(x.tensor_split(M), y.tensor_split(M))):
+        h = xm.to(dev)
+        for l, layer in enumerate(ref):
+            torch.manual_seed(rotapipe.layer_seed(0, 0, m, l))   # CPU and every GPU
+            h = layer(h)
+        (lm_loss(h, ym.to(dev)) * (xm.shape[0] / x.shape[0])).backward()
+    want = {n: p.grad.cpu() for n, p in ref.named_parameters()}
+    ok = True
+    for w, grain in itertools.product(workers, ("stage", "layer")):
+        cfg = rotapipe.PipeConfig(workers=w, microbatches=M, grain=grain, backend=backend,
+                                  seed=0)
+        got_model = copy.deepcopy(model)
+        with rotapipe.RoundPipe(got_model, lm_loss, config=cfg) as pipe:
+            pipe.forward_backward(x, y)
+        abs_, rel, good, note = compare(_grads(got_model), want, rtol, atol)
+        ok = ok and good
+        print(f"dropout 0.1, {w} worker(s), grain {grain}: gradients {abs_:.1e} abs, "
+              f"{rel:.1e} rel  {'ok' if good else 'FAIL ' + note}")
+    return ok
 
 
 # -- timing ----------------------------------------------------------------------------
@@ -362,6 +400,45 @@ def measured_hardware(count: int, efficiency: float) -> Hardware:
                     count, efficiency=efficiency)
 
 
+def copy_engines() -> None:
+    """Whether the runtime's copy model holds on GPU 0 (docs/concepts.md, "Copy
+    engines"): a 4 MiB copy issued on a second stream just after a 512 MiB one in the
+    same direction waits for all of it (one engine per direction, in issue order), also
+    from a high-priority stream. Several engines per direction (data-centre GPUs) let
+    it run beside the big one: then the gated chunks buy less than the emulation says."""
+    dev = torch.device("cuda", 0)
+    big_h = torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
+    small_h = torch.empty(4 << 20, dtype=torch.uint8, pin_memory=True)
+    big_d = torch.empty_like(big_h, device=dev)
+    small_d = torch.empty_like(small_h, device=dev)
+
+    def timed(stream, fn):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record(stream)
+        with torch.cuda.stream(stream):
+            fn()
+        ev[1].record(stream)
+        return ev
+    directions = (("host->device", (big_h, big_d, small_h, small_d)),
+                  ("device->host", (big_d, big_h, small_d, small_h)))
+    for name, (src_b, dst_b, src_s, dst_s) in directions:
+        alone = timed(torch.cuda.Stream(dev), lambda: dst_s.copy_(src_s, non_blocking=True))
+        torch.cuda.synchronize(dev)
+        line = f"copy engines, {name}: 4 MiB alone {alone[0].elapsed_time(alone[1]):.2f} ms"
+        for label, priority in (("default", 0), ("high", -1)):
+            a, b = torch.cuda.Stream(dev), torch.cuda.Stream(dev, priority=priority)
+            big = timed(a, lambda: dst_b.copy_(src_b, non_blocking=True))
+            small = timed(b, lambda: dst_s.copy_(src_s, non_blocking=True))
+            torch.cuda.synchronize(dev)
+            big_ms, small_ms = big[0].elapsed_time(big[1]), small[0].elapsed_time(small[1])
+            verdict = "waits" if small_ms > 0.5 * big_ms else "runs beside it"
+            line += (f"; behind 512 MiB ({big_ms:.1f} ms) on a {label}-priority stream "
+                     f"{small_ms:.2f} ms ({verdict})")
+        print(line)
+    del big_h, small_h, big_d, small_d
+    torch.cuda.empty_cache()
+
+
 def median_call_s(pipe, inputs, labels, steps: int) -> float:
     pipe.forward_backward(inputs, labels)          # warm-up (allocator, autograd)
     pipe.zero_grad()
@@ -395,6 +472,7 @@ def timing(args, backend: str, devices: int) -> None:
         import transformers
         from rotapipe.adapters import wrap_hf
         hw = measured_hardware(devices, args.efficiency)
+        copy_engines()
         torch.manual_seed(0)
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
             **config, attn_implementation="sdpa"))

@@ -279,3 +279,69 @@ def test_a_call_that_cannot_start_its_dispatchers_leaves_none_running(monkeypatc
         made[0].thread.join(5.0)
         assert not made[0].thread.is_alive()
         assert math.isfinite(pipe.forward_backward(x, y))
+
+
+def test_uploads_are_private_copies_for_layers_that_change_their_input(fake_cuda):
+    """A stage whose first layer changes its input in place (``ReLU(inplace=True)``,
+    ``x.add_()``) must not write into the host's copy that the recompute uploads
+    again. A GPU upload is a copy; ``CudaDevice.upload`` also copies a tensor already
+    on its device (a side input computed there), as the emulated upload does: before,
+    ``.to(device)`` returned that tensor itself."""
+    from test_user_code import (INPLACE_PLANS, _assert_like_reference, batches,
+                                inplace_mlp, mse)
+    workers, microbatches, text = INPLACE_PLANS["starts-3x2"]
+    devices = [fake_cuda(i) for i in range(workers)]
+    model = inplace_mlp()
+    data = batches(3, width=6)
+    config = rotapipe.PipeConfig(workers=workers, microbatches=microbatches,
+                                 backend="emulated")
+    try:
+        with rotapipe.RoundPipe(model, mse, config=config, devices=devices,
+                                plan=rotapipe.Plan.from_text(text),
+                                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1,
+                                                                     momentum=0.9)) as pipe:
+            losses = [pipe.forward_backward(data[0][0].clone(), data[0][1])]
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            pipe.step()
+            losses += [pipe.train_step(x.clone(), y) for x, y in data[1:]]
+            with torch.no_grad():
+                out = pipe(data[0][0].clone())
+    finally:
+        for d in devices:
+            d.stop()
+            d.close()
+    _assert_like_reference(losses, grads, model, out)
+
+
+def test_a_gpu_out_of_memory_is_a_device_out_of_memory_error(fake_cuda):
+    """``torch.cuda.OutOfMemoryError`` in a worker reaches the caller as the emulated
+    budget's does: a ``WorkerError`` that is also a ``DeviceOutOfMemoryError`` (so a
+    script that backs off on it runs the same on a GPU), naming the worker and what to
+    change, torch's message kept; the failed call changed nothing and the next one runs.
+    Before, it was a plain ``WorkerError``."""
+    model = tiny_transformer()
+    oom = [False]
+
+    def hook(module, args):
+        if oom[0]:
+            raise torch.cuda.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB")
+    model[2].register_forward_pre_hook(hook)
+    devices = [fake_cuda(0), fake_cuda(1)]
+    x, y = token_batch(4, 6)
+    config = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated")
+    try:
+        with rotapipe.RoundPipe(model, lm_loss, config=config, devices=devices) as pipe:
+            oom[0] = True
+            with pytest.raises(rotapipe.DeviceOutOfMemoryError) as info:
+                pipe.forward_backward(x, y)
+            assert isinstance(info.value, rotapipe.WorkerError)
+            text = str(info.value)
+            assert "Tried to allocate 2.00 GiB" in text and "grain='layer'" in text, text
+            assert all(p.grad is None for p in model.parameters())
+            oom[0] = False
+            assert math.isfinite(pipe.forward_backward(x, y))
+    finally:
+        for d in devices:
+            d.stop()
+            d.close()

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..errors import DeviceOutOfMemoryError
 from ..schedule import Lane
 from .backend import Aborted, Device, Event, Stream
 from .pool import BlockPool
@@ -78,6 +79,8 @@ class CudaStream(Stream):
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 fn()
+        except torch.cuda.OutOfMemoryError as exc:
+            on_error(out_of_memory(self.device, exc))
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             on_error(exc)
 
@@ -86,6 +89,17 @@ class CudaStream(Stream):
 
     def record(self, notify=None, timing=False):
         return CudaEvent(self.stream, timing, self.timer)
+
+
+def out_of_memory(device: torch.device, exc: BaseException) -> DeviceOutOfMemoryError:
+    """A GPU's out-of-memory error as the emulated budget's: the caller can catch
+    :class:`~rotapipe.DeviceOutOfMemoryError` on either backend (torch's is its cause)."""
+    err = DeviceOutOfMemoryError(
+        f"worker {device.index} ({device}) is out of memory: {exc} Use more (smaller) "
+        "stages, more microbatches, or grain='layer'; device_memory below the GPU's "
+        "memory makes the planner leave more room")
+    err.__cause__ = exc
+    return err
 
 
 class CudaDevice(Device):
@@ -114,7 +128,10 @@ class CudaDevice(Device):
         return self._streams[lane]
 
     def upload(self, host, dtype=None):
-        out = host.to(self.torch_device, non_blocking=True)
+        # Always a copy the device owns, as on emulated workers: a layer may change its
+        # input in place, and a tensor already on this GPU (a side input computed here)
+        # would otherwise be the caller's, or the host copy a recompute reads again.
+        out = host.to(self.torch_device, non_blocking=True, copy=True)
         return out if dtype is None or out.dtype == dtype else out.to(dtype)
 
     def download(self, dev):
@@ -161,11 +178,23 @@ class CudaDevice(Device):
             self._peak = self._used
 
     def drain(self, timeout=None):
-        events = [s.record() for s in self._streams.values()]
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not all(ev.query() for ev in events):
-            if deadline is not None and time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
+        try:
+            events = [s.record() for s in self._streams.values()]
+            while not all(ev.query() for ev in events):
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
+        except RuntimeError:
+            # An asynchronous CUDA error (a device-side assert, an illegal address) is
+            # sticky: every later CUDA call raises it, and the context runs nothing
+            # more, so the streams are idle. The drain runs while a failure is being
+            # handled; raising here would lose that failure's report and leave the calls
+            # in flight neither kept nor undone (tests/test_cuda_errors.py). An error
+            # that is not sticky: wait for the device the blunt way.
+            try:
+                torch.cuda.synchronize(self.torch_device)
+            except RuntimeError:
+                pass
         return True
 
