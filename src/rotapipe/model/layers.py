@@ -7,7 +7,9 @@ one host copy; each stage uploads it once and its gradients from every use are s
 Workers never run the user's modules directly: two workers may run the same layer at
 once (one its forward stage, another its backward stage), so each worker gets a
 *shell*: a deep copy of every layer whose parameters and buffers are meta tensors, into
-which the device tensors of the stage being run are bound.
+which the device tensors of the stage being run are bound. A call that starts with none
+in flight first copies into the shells what the user changed since (train/eval flags,
+attributes, hooks: :meth:`Shell.follow`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class LayerSet:
             self.layer_params.append(sorted(set(pids)))
             self.layer_buffers.append(sorted(set(bids)))
         self._pid_of, self._bid_of = pid_of, bid_of
+        self._spare: list[Shell] | None = None   # shells check_copies built, unused yet
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -118,14 +121,57 @@ class LayerSet:
                 for n, b in m._buffers.items() if b is target]
 
     def make_shells(self) -> list[Shell]:
-        """One shell per layer for one worker."""
+        """One shell per layer for one worker (the first call takes the set
+        :meth:`check_copies` built)."""
+        if self._spare is not None:
+            shells, self._spare = self._spare, None
+            return shells
         return [Shell(layer, self._pid_of, self._bid_of) for layer in self.layers]
 
+    def check_copies(self) -> None:
+        """Build one worker's shells now, before the pipeline changes anything: a layer
+        that ``copy.deepcopy`` cannot copy is refused with a :class:`ConfigError`
+        naming it (not a bare ``RuntimeError`` after the weights were converted)."""
+        shells = []
+        for i, layer in enumerate(self.layers):
+            try:
+                shells.append(Shell(layer, self._pid_of, self._bid_of))
+            except Exception as exc:
+                old = any(type(h).__name__ == "WeightNorm" for m in layer.modules()
+                          for h in m._forward_pre_hooks.values())
+                fix = ("torch.nn.utils.weight_norm keeps its weight as a computed tensor, "
+                       "which cannot be copied: use torch.nn.utils.parametrizations."
+                       "weight_norm instead" if old else
+                       "keep only parameters, buffers, submodules and plain values in "
+                       "the layer's attributes (compute tensors derived from weights in "
+                       "forward)")
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                raise ConfigError(
+                    f"layer {i} ({type(layer).__name__}) cannot be copied for the workers "
+                    f"({type(exc).__name__}: {first}): each worker runs a copy of every "
+                    f"layer, made with copy.deepcopy without its weights. {fix}") from exc
+        self._spare = shells
+
     def set_training(self, shells: list[Shell]) -> None:
-        """Copy each layer's train/eval flags onto its shell."""
-        for layer, shell in zip(self.layers, shells):
-            for om, sm in zip(layer.modules(), shell.module.modules()):
-                sm.training = om.training
+        """Copy each layer's train/eval flags onto its shell, and the attributes changed
+        since the shell last took them (``dropout.p = 0.2``, a hook registered later)."""
+        for shell in shells:
+            shell.follow()
+
+
+# A module's own state, bound (parameters, buffers), copied per shell (submodules) or
+# followed as flags (training); every other attribute is followed by Shell.follow.
+_STATE = frozenset({"_parameters", "_buffers", "_modules", "training"})
+
+
+def _seen(k: str, v) -> tuple:
+    """``(value, its keys when a hook dict)``: what :meth:`Shell.follow` compares (a
+    hook registered later changes a hook dict's keys, not the dict)."""
+    return v, tuple(v) if "hook" in k and isinstance(v, dict) else None
+
+
+def _attributes(module: nn.Module) -> dict[str, tuple]:
+    return {k: _seen(k, v) for k, v in vars(module).items() if k not in _STATE}
 
 
 class Shell:
@@ -138,9 +184,15 @@ class Shell:
                                        requires_grad=t.requires_grad)
         for t in list(layer.buffers()):
             memo[id(t)] = torch.empty_like(t, device="meta")
+        seen = [_attributes(m) for m in layer.modules()]
         self.module = copy.deepcopy(layer, memo)
+        self._pairs = list(zip(layer.modules(), self.module.modules(), seen))
+        """Per module of the layer: its copy here, and the attributes the copy was
+        made from (submodules stay: a replaced one is refused, pipe.checks.ModelWatch)."""
         self.param_slots: list[_Slot] = []
         self.buffer_slots: list[_Slot] = []
+        self._buffers: dict[int, torch.Tensor] | None = None   # the bound stage's
+        self._bound: list[torch.Tensor] = []                   # per buffer slot
         pairs = zip(layer.modules(), self.module.modules())
         for om, sm in pairs:
             for name, p in om._parameters.items():
@@ -150,21 +202,64 @@ class Shell:
                 if b is not None:
                     self.buffer_slots.append(_Slot(sm, name, bid_of[id(b)]))
 
+    def follow(self) -> None:
+        """Take the layer's train/eval flags, and a copy of every attribute the user
+        set or replaced since this shell last took it (with no call in flight: the
+        workers run the shells). Attributes changed in place (a list appended to)
+        are not seen."""
+        memo = None
+        for om, sm, seen in self._pairs:
+            sm.training = om.training
+            for k, v in vars(om).items():
+                if k in _STATE:
+                    continue
+                was = seen.get(k)
+                if was is not None and was[0] is v and \
+                        (was[1] is None or was[1] == tuple(v)):
+                    continue
+                if memo is None:      # the layer's own tensors and modules map to ours
+                    memo = self._memo()
+                try:
+                    sm.__dict__[k] = copy.deepcopy(v, memo)
+                except Exception:     # a lock, a handle: the object itself, as plain
+                    sm.__dict__[k] = v   # PyTorch would use it
+                seen[k] = _seen(k, v)
+
+    def _memo(self) -> dict[int, object]:
+        """What a copy of a changed attribute maps to, as when the shell was made: the
+        layer's modules to the shell's, its tensors to meta tensors."""
+        memo: dict[int, object] = {}
+        for om, sm, _ in self._pairs:
+            memo[id(om)] = sm
+            for t in list(om._parameters.values()) + list(om._buffers.values()):
+                if t is not None:
+                    memo[id(t)] = torch.empty_like(t, device="meta")
+        return memo
+
     def bind(self, params: dict[int, torch.Tensor], buffers: dict[int, torch.Tensor]) -> None:
         for s in self.param_slots:
             s.module._parameters[s.name] = params[s.index]
         for s in self.buffer_slots:
             s.module._buffers[s.name] = buffers[s.index]
+        self._buffers = buffers
+        self._bound = [buffers[s.index] for s in self.buffer_slots]
 
     def bound_buffers(self) -> dict[int, torch.Tensor]:
         """Current buffer tensors (a forward may have updated or replaced them)."""
         return {s.index: s.module._buffers[s.name] for s in self.buffer_slots}
 
     def unbind(self) -> None:
+        """Unbind, writing a buffer the forward *replaced* (``self.ema = 0.9 * self.ema
+        + ...``, not in place) into the stage's buffers: the stage's next microbatch
+        starts from it, as plain PyTorch's would (an in-place update needs nothing)."""
         for s in self.param_slots:
             s.module._parameters[s.name] = None
-        for s in self.buffer_slots:
+        for s, was in zip(self.buffer_slots, self._bound):
+            now = s.module._buffers[s.name]
+            if now is not was and now is not None:
+                self._buffers[s.index] = now
             s.module._buffers[s.name] = None
+        self._buffers, self._bound = None, []
 
 
 def _join(layer: int, mod_name: str, name: str) -> str:

@@ -55,9 +55,15 @@ _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_layers(layerset) -> None:
     """The wrapped layers' trained parameters, before the pipeline changes anything:
-    each must widen exactly into an fp32 master (the host converts it in place), and
-    none may get a sparse gradient (the workers move dense weight gradients only)."""
+    each must widen exactly into an fp32 master (the host converts it in place), none
+    may get a sparse gradient (the workers move dense weight gradients only), and none
+    may have a gradient hook (it would never run on the workers' copies); every layer
+    must copy into a worker's shell (:meth:`~rotapipe.model.LayerSet.check_copies`)."""
     for name, p in zip(layerset.param_names, layerset.params):
+        if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+            raise ConfigError(f"parameter {name} is not initialized yet (a lazy module, "
+                              "e.g. nn.LazyLinear): run the model once on a sample batch "
+                              "before wrapping it, so that its shapes are known")
         if p.requires_grad and p.dtype not in _MASTER_DTYPES:
             fix = ("convert it with .float() before wrapping, or freeze it "
                    "(requires_grad_(False))")
@@ -70,6 +76,10 @@ def check_layers(layerset) -> None:
                 f"trained parameter and computes in PipeConfig.precision (float32, "
                 f"bfloat16 or float16), so {why}. Trained parameters must be float32, "
                 f"bfloat16 or float16: {fix}")
+        hook = _grad_hook(p)
+        if hook is not None:
+            raise ConfigError(_grad_hook_refusal(name, hook, later=False))
+    _check_no_shared_memory(layerset)
     for i, layer in enumerate(layerset.layers):
         for mod_name, mod in layer.named_modules():
             if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and \
@@ -80,6 +90,73 @@ def check_layers(layerset) -> None:
                     "would get a sparse gradient, and rotapipe moves dense weight "
                     "gradients only. Build it with sparse=False (the dense gradient "
                     "trains the same), or freeze its weight")
+            for attr, value in vars(mod).items():
+                if isinstance(value, torch.Generator):
+                    where = f"{i}.{mod_name}" if mod_name else str(i)
+                    raise ConfigError(
+                        f"layer {where} ({type(mod).__name__}) holds a torch.Generator "
+                        f"({attr}): each worker would draw from its own copy, and a "
+                        "backward stage's recompute would draw other numbers than the "
+                        "forward did. Draw from the default generator instead (no "
+                        "generator= argument): rotapipe seeds it per call, microbatch "
+                        "and layer, so the numbers are reproducible and the recompute "
+                        "draws the same ones")
+    layerset.check_copies()
+
+
+def _check_no_shared_memory(layerset) -> None:
+    """Refuse a trained parameter whose memory overlaps another parameter's (one made
+    as a view of the other): plain PyTorch's optimizer step on one changes the other,
+    but the pipeline's fp32 masters and compute copies are tensors of their own."""
+    spans: dict[int, list[tuple[int, int, int]]] = {}     # storage -> byte ranges
+    for pid, p in enumerate(layerset.params):
+        if p.numel() == 0 or p.layout is not torch.strided or p.is_meta:
+            continue
+        try:
+            ptr = p.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):    # a tensor subclass without one
+            continue
+        start = p.storage_offset()
+        end = start + sum((n - 1) * abs(s) for n, s in zip(p.shape, p.stride())) + 1
+        spans.setdefault(ptr, []).append((start * p.element_size(),
+                                          end * p.element_size(), pid))
+    params, names = layerset.params, layerset.param_names
+    for group in spans.values():
+        group.sort()
+        end, members = -1, []            # the run of overlapping ranges so far
+        for start, stop, b in group:
+            if start >= end:
+                end, members = stop, [b]
+                continue
+            other = next((a for a in members if params[a].requires_grad), members[0])
+            if params[b].requires_grad or params[other].requires_grad:
+                raise ConfigError(
+                    f"parameters {names[other]} and {names[b]} share memory (one is a "
+                    "view of the other): the pipeline keeps a separate master of each "
+                    "trained parameter, so an update of one would not change the other "
+                    "as in plain PyTorch. Make them one parameter (and compute the other "
+                    "from it in forward), or independent ones (nn.Parameter(t.clone()))")
+            end, members = max(end, stop), members + [b]
+
+
+def _grad_hook(p: torch.Tensor) -> str | None:
+    """How a trained parameter's gradient is hooked (``None``: it is not)."""
+    if not p.requires_grad:
+        return None      # never gets a gradient: its hooks never run, as in plain PyTorch
+    if p._backward_hooks:
+        return "register_hook"
+    if getattr(p, "_post_accumulate_grad_hooks", None):
+        return "register_post_accumulate_grad_hook"
+    return None
+
+
+def _grad_hook_refusal(name: str, hook: str, later: bool) -> str:
+    when = " since the pipeline was built" if later else ""
+    return (f"parameter {name} has a gradient hook ({hook}){when}: the workers compute "
+            "with copies of the weights, so it would never run and the weight would train "
+            "without it. Change the gradient after forward_backward instead (e.g. "
+            "p.grad.mul_(mask) before pipe.step(), with optimizer_mode 'sync'), or "
+            "remove the hook (handle.remove())")
 
 
 def _required_args(fn, skip: int = 0) -> list[str]:
@@ -251,7 +328,8 @@ class ModelWatch:
     very tensors, so a parameter replaced since (``layer.weight = nn.Parameter(...)``,
     ``.data = ...``, ``.set_()``, ``.half()``, a swapped submodule) or unfrozen would
     be silently ignored: :meth:`check` refuses the next call instead (a flat pass over
-    the recorded slots, no module traversal). Freezing a parameter is followed (it
+    the recorded slots, no module traversal), as it does a gradient hook registered
+    on a trained parameter since. Freezing a parameter is followed (it
     gets no gradient), and so are values edited in place."""
 
     def __init__(self, container: torch.nn.Module):
@@ -276,6 +354,9 @@ class ModelWatch:
             q = module._parameters.get(name)
             if q is p and q.data_ptr() == ptr and q.dtype == dtype and \
                     (trained or not q.requires_grad):
+                hook = _grad_hook(q)
+                if hook is not None:
+                    raise InputError(_grad_hook_refusal(where, hook, later=True))
                 continue
             if q is None:
                 why = "is gone from the model"
