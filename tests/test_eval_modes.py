@@ -30,14 +30,22 @@ def reference(model, steps: int):
     return losses
 
 
-@pytest.mark.parametrize("through", ["pipe", "model"])
+def _dropout_p(model, p: float) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+
+
+@pytest.mark.parametrize("through", ["pipe", "model", "attribute"])
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 def test_mode_switch_between_pipelined_calls_reaches_the_next_call(mode, through):
     """Dropout 0.3; ``eval()`` after call 1 and ``train()`` after call 3, with no
     evaluation in between, through the pipeline or on the user's own model (the wrapped
-    layers): calls 2 and 3 run without dropout. In ``overlap`` the runner is never idle
-    between calls, and the workers' copies of the layers used to keep the mode of the
-    first call for good (the loss of call 2 was 3.7% off, the weights 7e-3)."""
+    layers), or the dropout turned off by attribute (``dropout.p = 0``, which the
+    workers' copies follow too): calls 2 and 3 run without dropout. In ``overlap`` the
+    runner is never idle between calls, and the workers' copies of the layers used to
+    keep the mode of the first call for good (the loss of call 2 was 3.7% off, the
+    weights 7e-3)."""
     model = tiny_transformer(dropout=0.3, widths=(24, 40))
     ref = copy.deepcopy(model)
     want = reference(ref, 6)
@@ -47,9 +55,15 @@ def test_mode_switch_between_pipelined_calls_reaches_the_next_call(mode, through
         got = []
         for call in range(6):
             if call == EVAL_CALLS[0]:
-                assert target.eval() is target
+                if through == "attribute":
+                    _dropout_p(model, 0.0)
+                else:
+                    assert target.eval() is target
             if call == EVAL_CALLS[-1] + 1:
-                target.train()
+                if through == "attribute":
+                    _dropout_p(model, 0.3)
+                else:
+                    target.train()
             got.append(pipe.train_step(*token_batch(8, 6, seed=call)))
         state = pipe.state_dict()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)

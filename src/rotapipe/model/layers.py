@@ -225,6 +225,22 @@ class Shell:
                     sm.__dict__[k] = v   # PyTorch would use it
                 seen[k] = _seen(k, v)
 
+    def stale(self) -> bool:
+        """Whether :meth:`follow` would change anything: a train/eval flag or an
+        attribute the user set or replaced since (read only: safe with calls in
+        flight)."""
+        for om, sm, seen in self._pairs:
+            if sm.training != om.training:
+                return True
+            for k, v in vars(om).items():
+                if k in _STATE:
+                    continue
+                was = seen.get(k)
+                if was is None or was[0] is not v or \
+                        (was[1] is not None and was[1] != tuple(v)):
+                    return True
+        return False
+
     def _memo(self) -> dict[int, object]:
         """What a copy of a changed attribute maps to, as when the shell was made: the
         layer's modules to the shell's, its tensors to meta tensors."""

@@ -37,9 +37,9 @@ class TrainCalls:
         stream, dp = self._stream, self.data_parallel
         overlap = self._overlapping()
         self._watch.check()                 # parameters replaced since wrapping
-        if overlap and stream.inflight and self._calls.flags_changed():
-            # model.train()/eval() on the user's own model (pipe.train() drains itself):
-            # the calls in flight finish in their mode, this one begins in the new one.
+        if overlap and stream.inflight and self._calls.layers_changed():
+            # model.train()/eval() or an attribute set on the user's own model: the
+            # calls in flight finish as they began, this one begins as the model is now.
             self._reaped(stream.drain())
         self._reaped(stream.reap(1) if overlap else stream.drain())
         if not stream.inflight:

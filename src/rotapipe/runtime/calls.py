@@ -92,8 +92,6 @@ class CallRunner:
         self._plan = plan
         self.schedules: dict[tuple[bool, int], Schedule] = {}
         self._timed: tuple[Plan, dict] | None = None
-        self.flags: tuple[bool, ...] | None = None
-        """The layers' train/eval flags the workers' copies took last (:meth:`begin`)."""
 
     @property
     def stages(self):
@@ -184,18 +182,15 @@ class CallRunner:
             runner.timing = self._timing(self._plan)
             for shells in self.shells:
                 self.ls.set_training(shells)
-            self.flags = self._flags()
         runner.states[call] = state
 
-    def _flags(self) -> tuple[bool, ...]:
-        return tuple(m.training for layer in self.ls.layers for m in layer.modules())
-
-    def flags_changed(self) -> bool:
-        """Whether a layer's train/eval flag changed since the workers' copies took
-        them (at the last call that began with none in flight): ``model.eval()`` on
-        the user's own model between overlapping calls. The next call must then wait
-        for the calls in flight, or it would keep their mode."""
-        return self._flags() != self.flags
+    def layers_changed(self) -> bool:
+        """Whether a layer's train/eval flag or attributes changed since the workers'
+        copies took them (at the last call that began with none in flight):
+        ``model.eval()``, ``dropout.p = 0.2`` or a hook on the user's own model between
+        overlapping calls. The next call must then wait for the calls in flight, or it
+        would run as they do. Every worker's copies took the same: one set is read."""
+        return any(shell.stale() for shell in self.shells[0])
 
     def host_store_of(self, call: int) -> Store | None:
         """The host store of the running call numbered ``call`` (``None``: none)."""
