@@ -9,6 +9,7 @@
   plain PyTorch model; a quarter of the bytes; the loss curve stays close to fp32.
 - Checkpoints: state saved and loaded resumes bit for bit; the dtype is recorded and a
   mismatch is refused with the setting to change. Unsupported combinations are refused.
+  An optimizer moved from a bf16-state pipeline to an fp32 one is widened exactly.
 """
 
 from __future__ import annotations
@@ -194,6 +195,40 @@ def test_loaded_fp32_state_is_narrowed():
         opt.load_state_dict(saved)
         dtypes = {v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"}
         assert dtypes == {torch.bfloat16}
+
+
+def test_an_optimizer_moved_from_bf16_to_fp32_state_is_widened():
+    """The same model and optimizer, trained by a bf16-state pipeline, then by an fp32
+    one (a second phase with other settings): its bf16 moments used to stay bf16 and
+    the first fp32 step failed part-way ("expected dtype c10::BFloat16"), and the bf16
+    pipeline's load hook went on narrowing every state loaded. Now they are widened
+    exactly, loads stay fp32, and the step equals one from the widened state."""
+    model = tiny_transformer(widths=(24, 40))
+    batch = step_batches((8,), 1)[0][0]
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(
+            2, 2, optimizer_state_dtype="bf16")) as pipe:
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        pipe.attach_optimizer(opt)
+        pipe.train_step(*batch)
+    kept = copy.deepcopy(opt.state_dict())
+    twin = copy.deepcopy(model)
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2)) as pipe:
+        pipe.attach_optimizer(opt)
+        for i, st in opt.state_dict()["state"].items():
+            for k, v in st.items():
+                assert v.dtype == torch.float32 and torch.equal(v, kept["state"][i][k].float())
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        assert {v.dtype for st in opt.state.values() for v in st.values()} == {torch.float32}
+        pipe.train_step(*batch)
+        got = {k: v.clone() for k, v in pipe.state_dict().items()}
+    with rotapipe.RoundPipe(twin, lm_loss, config=emulated(2, 2)) as pipe:
+        fresh = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        fresh.load_state_dict(kept)             # cast to the parameters' fp32 by torch
+        pipe.attach_optimizer(fresh)
+        pipe.calls = 1
+        pipe.train_step(*batch)
+        for k, v in pipe.state_dict().items():
+            assert torch.equal(v, got[k]), k
 
 
 @pytest.mark.parametrize("dtype,make,match", [

@@ -3,13 +3,16 @@ it steps, state dicts and the pipeline state for exact resume (:class:`StateIO`)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from ..errors import CheckpointError, ConfigError
 from ..model.quant import quantized
+from ..runtime.dispatchers import on_worker_thread
 from .checks import (OptimizerParams, check_optimizer_step, check_scheduler, check_state,
                      kind, check_pipeline_state)
 
@@ -73,6 +76,30 @@ class StateIO:
                 self._host_opt.states.attach(optimizer)
                 groups.states = self._host_opt.states
             self.optimizer, self.scheduler, self._groups = optimizer, scheduler, groups
+            self._flush_optimizer_io(optimizer)
+
+    def _flush_optimizer_io(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.state_dict()`` and ``optimizer.load_state_dict()`` flush this
+        pipeline first, as its own state methods do: with ``overlap`` or ``stale`` the
+        host optimizer is still stepping after ``train_step`` returns, so a state read
+        then mixed stepped and unstepped parameters (step counts 2 and 3 in one saved
+        state), and a state loaded then was stepped again by the step under way.
+        The hooks hold the pipeline weakly and do nothing once it is closed, collected or
+        drives another optimizer, or on the pipeline's own threads."""
+        for handle in getattr(self, "_optimizer_hooks", ()):
+            handle.remove()
+        ref = weakref.ref(self)
+
+        def flush(opt, *_):
+            pipe = ref()
+            if pipe is None or pipe._closed or pipe.optimizer is not opt \
+                    or on_worker_thread(pipe._lock.owners):
+                return None
+            pipe.flush()
+            return None
+
+        self._optimizer_hooks = (optimizer.register_state_dict_pre_hook(flush),
+                                 optimizer.register_load_state_dict_pre_hook(flush))
 
     def train(self, mode: bool = True):
         """Set the layers' training flag (dropout, BatchNorm), as ``nn.Module.train``;
@@ -115,14 +142,17 @@ class StateIO:
         return [k for k, v in self._container.state_dict(keep_vars=True).items()
                 if quantized(v) is not None]
 
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True):
         """Load weights and buffers (keys as :meth:`state_dict`) into the masters and
         refresh the compute-dtype copies the workers upload (every set of them).
+        Returns ``(missing_keys, unexpected_keys)``, as ``nn.Module.load_state_dict``.
 
         All or nothing: keys (with ``strict``: none missing, none unexpected), shapes
         and dtype kinds (floating point or not) are checked before any tensor is
         written; a mismatch raises :class:`~rotapipe.errors.ConfigError` naming every
-        offending key, and changes nothing. A frozen NF4 weight (QLoRA) is refused the
+        offending key, and changes nothing. So does a state none of whose keys is the
+        pipeline's, ``strict=False`` too (loading nothing, silently, is never meant:
+        e.g. the wrapped model's own names). A frozen NF4 weight (QLoRA) is refused the
         same way: it is never loaded. Values are copied in place, cast to each
         tensor's dtype, as ``nn.Module.load_state_dict`` does."""
         self._check_open()
@@ -141,11 +171,21 @@ class StateIO:
                     "pipe.state_dict() leaves it out. Nothing was loaded: pass the state "
                     "without it, e.g. {k: v for k, v in state.items() if k in "
                     "pipe.state_dict()}")
+            if isinstance(state, dict) and state and not any(k in own for k in state):
+                raise ConfigError(
+                    f"load_state_dict: none of the {len(state)} keys is one of the "
+                    f"pipeline's (given {next(iter(state))!r}, the pipeline's are keyed "
+                    f"like pipe.state_dict(): {next(iter(own))!r}, ...). Nothing was "
+                    "loaded: a state dict of the model you wrapped (e.g. Hugging Face "
+                    "names) loads into that model: pipe.flush(), then "
+                    "model.load_state_dict(state) (the next call uploads the new weights)")
             check_state(own, state, strict)
             self._agree.loaded()        # data parallel: the next call compares weights
+            keys = _IncompatibleKeys([k for k in own if k not in state],
+                                     [k for k in state if k not in own])
             if self._shard is not None:
                 self._load_sharded(state)
-                return
+                return keys
             try:
                 with torch.no_grad():
                     for k, v in state.items():
@@ -153,6 +193,7 @@ class StateIO:
                             own[k].copy_(v)
             finally:
                 self.host.write_back()
+            return keys
 
     def _load_sharded(self, state: dict[str, torch.Tensor]) -> None:
         """Masters from the fp32 tensors themselves (the module's parameters hold only

@@ -96,18 +96,25 @@ class StatePrecision:
                                       "differentiable optimizers: turn those options off")
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Check ``optimizer``; narrow the state it already has (loaded from a
-        checkpoint) and again after every ``load_state_dict`` (which casts state to
-        the parameters' dtype)."""
+        """Check ``optimizer``; bring the state it already has (loaded from a checkpoint,
+        or kept by a pipeline it drove before) to this precision: bf16 narrows it, and
+        again after every ``load_state_dict`` (which casts state to the parameters'
+        dtype) while this is the optimizer's latest precision; fp32 widens moments an
+        earlier bf16 pipeline narrowed (exactly: its step would fail on them)."""
         self.check(optimizer)
+        optimizer._rotapipe_precision = self        # what the load hook follows
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.dtype is StateDtype.FP32:
+            for p in params:
+                st, keys = self._moments(optimizer, p)
+                for k in keys:
+                    if st[k].dtype == torch.bfloat16:
+                        st[k] = st[k].to(torch.float32)
         if self.dtype is not StateDtype.BF16:
             return
-        params = [p for g in optimizer.param_groups for p in g["params"]]
         self._narrow(optimizer, params)
         if not getattr(optimizer, "_rotapipe_bf16_hook", False):
-            optimizer.register_load_state_dict_post_hook(
-                lambda opt: self._narrow(opt, [p for g in opt.param_groups
-                                               for p in g["params"]]))
+            optimizer.register_load_state_dict_post_hook(_narrow_loaded)
             optimizer._rotapipe_bf16_hook = True
 
     def step(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
@@ -192,6 +199,14 @@ class StatePrecision:
             for k in keys:
                 if st[k].dtype != torch.bfloat16:
                     st[k] = st[k].to(torch.bfloat16)
+
+
+def _narrow_loaded(optimizer: torch.optim.Optimizer) -> None:
+    """``load_state_dict`` post-hook: narrow the loaded state when the optimizer's
+    latest precision (:meth:`StatePrecision.attach`) is bf16."""
+    owner = getattr(optimizer, "_rotapipe_precision", None)
+    if owner is not None and owner.dtype is StateDtype.BF16:
+        owner._narrow(optimizer, [p for g in optimizer.param_groups for p in g["params"]])
 
 
 def _groups(params: list[nn.Parameter]) -> list[list[tuple[int, nn.Parameter]]]:

@@ -13,9 +13,10 @@ Layout of ``out_dir/checkpoints/step-00000050/``:
   of the fp32 masters and the optimizer state; ``masters.safetensors`` is then their
   consolidation and ``state.pt`` holds no optimizer state
   (:func:`save_sharded_checkpoint`; docs/distributed.md, "Sharded checkpoints")
-- ``manifest.json``: the size in bytes of every other file (written last): a file
-  truncated or deleted later marks the checkpoint as damaged, and resuming falls back
-  to the newest checkpoint that is whole (:func:`resume_from`)
+- ``manifest.json``: the size in bytes of every other file and a CRC-32 of every 64 MiB
+  of it (written last): a file truncated, deleted or changed later (a flipped bit)
+  marks the checkpoint as damaged, and resuming falls back to the newest checkpoint
+  that is whole (:func:`resume_from`)
 
 A save writes everything into ``checkpoints/.tmp-step-...``, fsyncs each file and the
 directory, then renames the directory into place (``os.replace`` of a directory is
@@ -26,6 +27,7 @@ by the next save. Only then are checkpoints beyond the last ``keep`` deleted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -34,6 +36,8 @@ import pathlib
 import re
 import shutil
 import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -47,6 +51,10 @@ __all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "list_chec
 log = logging.getLogger("rotapipe.train")
 
 MANIFEST = "manifest.json"
+ALIASES = "rotapipe.aliases"
+"""masters.safetensors' metadata key: ``{key: key of the same tensor}`` (tied weights)."""
+CRC_PIECE = 1 << 26
+"""The manifest keeps a CRC-32 of every 64 MiB of each file (pieces checked in parallel)."""
 
 _NAME = re.compile(r"^step-(\d{8})$")
 
@@ -98,13 +106,60 @@ def save_checkpoint(ckpt_dir: str | pathlib.Path, step: int, *,
         shutil.rmtree(stale, ignore_errors=True)
     final = ckpt_dir / f"step-{step:08d}"
     tmp = ckpt_dir / f".tmp-step-{step:08d}-{os.getpid()}"
+    tensors, aliases = _distinct(masters)
     tmp.mkdir()
-    # safetensors wants contiguous tensors that share no storage (tied weights are
-    # one parameter, so they appear once).
-    save_file({k: v.detach().contiguous() for k, v in masters.items()},
-              str(tmp / "masters.safetensors"))
+    with _writing(tmp, final):
+        save_file(tensors, str(tmp / "masters.safetensors"),
+                  metadata={ALIASES: json.dumps(aliases)} if aliases else None)
     _publish(tmp, final, state, meta, tokenizer, keep)
     return final
+
+
+def _distinct(masters: dict[str, torch.Tensor]) -> tuple[dict, dict[str, str]]:
+    """safetensors wants contiguous tensors that share no storage: each tensor once, and
+    ``{key: earlier key}`` of the keys naming a tensor already written (a tied weight
+    in ``pipe.state_dict()``: :func:`load_checkpoint` gives it under both keys again);
+    a partial overlap of storage is written as a copy."""
+    out, aliases, seen, storages = {}, {}, {}, set()
+    for k, v in masters.items():
+        v = v.detach()
+        same = (v.untyped_storage().data_ptr(), v.storage_offset(), v.shape, v.stride(),
+                v.dtype)
+        if same in seen:
+            aliases[k] = seen[same]
+            continue
+        seen[same] = k
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.contiguous() if ptr not in storages else v.clone()
+        storages.add(ptr)
+    return out, aliases
+
+
+@contextlib.contextmanager
+def _writing(tmp: pathlib.Path, final: pathlib.Path):
+    """A failed write into ``tmp`` (a full disk, a lost mount) removes it, which would
+    hold the space a full disk lacks, and raises :class:`CheckpointError` naming the
+    cause and what is kept (``torch.save`` says only "unexpected pos 295104 vs ...")."""
+    try:
+        yield
+    except Exception as exc:
+        from safetensors import SafetensorError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, (OSError, RuntimeError, SafetensorError)):
+            raise                       # not the write: e.g. state that cannot be pickled
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        kept = list_checkpoints(final.parent)
+        try:
+            free = f"; {shutil.disk_usage(final.parent).free / 1e6:,.0f} MB free there"
+        except OSError:
+            free = ""
+        raise CheckpointError(
+            f"writing checkpoint {final} failed ({type(exc).__name__}: {first}{free}): "
+            "nothing of it was kept, " + (f"the previous checkpoints are intact (newest: "
+                                          f"{kept[-1].name})" if kept else
+                                          "and there is no earlier checkpoint")
+            + ". Free space on that file system (or pass an --out-dir with room) and "
+            "--resume") from exc
 
 
 def _publish(tmp: pathlib.Path, final: pathlib.Path, state: dict, meta: dict, tokenizer,
@@ -112,12 +167,13 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path, state: dict, meta: dict, to
     """Write the rest of a checkpoint into ``tmp`` (state, meta, tokenizer, manifest),
     fsync it, move it to ``final`` in one rename and prune to the newest ``keep``."""
     ckpt_dir = final.parent
-    torch.save(state, tmp / "state.pt")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp / "tokenizer"))
-    (tmp / MANIFEST).write_text(json.dumps(_sizes(tmp), indent=1))
-    _fsync_tree(tmp)
+    with _writing(tmp, final):
+        torch.save(state, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        (tmp / MANIFEST).write_text(json.dumps(_sizes(tmp), indent=1))
+        _fsync_tree(tmp)
     if final.exists():                 # re-saving a step (resumed, then stopped at once)
         old = ckpt_dir / f".tmp-old-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -130,20 +186,43 @@ def _publish(tmp: pathlib.Path, final: pathlib.Path, state: dict, meta: dict, to
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _sizes(path: pathlib.Path) -> dict[str, int]:
-    """``{relative file path: bytes}`` of every file of a checkpoint but the manifest."""
-    return {f.relative_to(path).as_posix(): f.stat().st_size
-            for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST}
+def _sizes(path: pathlib.Path) -> dict[str, dict]:
+    """``{relative file path: {"bytes": size, "crc32": [hex, ...]}}`` of every file of a
+    checkpoint but the manifest (:func:`_crc32s`)."""
+    files = [f for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST]
+    return {f.relative_to(path).as_posix(): {"bytes": f.stat().st_size, "crc32": crcs}
+            for f, crcs in zip(files, _crc32s(files))}
 
 
-def verify_checkpoint(path: pathlib.Path) -> None:
-    """Raise :class:`CheckpointError` naming the first file of ``path`` that is missing
-    or not the size its manifest says, or the manifest when it is not the object of
-    ``{file: bytes}`` a save writes (checkpoints written before manifests existed are
-    only checked by reading them)."""
+def _crc32s(files: list[pathlib.Path]) -> list[list[str]]:
+    """Each file's CRC-32s, one per :data:`CRC_PIECE` bytes, the pieces read in parallel
+    (``zlib.crc32`` releases the GIL): a checkpoint of hundreds of GB is read back at
+    the disk's or the page cache's speed, not at one core's (about 1 GB/s)."""
+    jobs = [(i, off) for i, f in enumerate(files)
+            for off in range(0, f.stat().st_size, CRC_PIECE)]
+
+    def one(job):
+        with open(files[job[0]], "rb") as fh:
+            fh.seek(job[1])
+            crc, left = 0, CRC_PIECE
+            while left and (chunk := fh.read(min(left, 1 << 24))):
+                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+        return f"{crc:08x}"
+    with ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1, len(jobs)))) \
+            as pool:
+        crcs = list(pool.map(one, jobs))
+    out: list[list[str]] = [[] for _ in files]
+    for (i, _), crc in zip(jobs, crcs):
+        out[i].append(crc)
+    return out
+
+
+def _manifest(path: pathlib.Path) -> list[tuple[str, int, list | None]]:
+    """``(file, bytes, CRC-32s or None)`` of ``path``'s manifest, checked to be what a save
+    writes (a bare size: a manifest from before checksums); ``[]`` without one."""
     manifest = path / MANIFEST
     if not manifest.is_file():
-        return
+        return []
     try:
         want = json.loads(manifest.read_text())
     except (OSError, ValueError) as exc:
@@ -151,15 +230,33 @@ def verify_checkpoint(path: pathlib.Path) -> None:
                               f"({type(exc).__name__})") from None
     if not isinstance(want, dict):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a JSON object (it holds "
-                              f"a {type(want).__name__}; a save writes {{file: bytes}})")
-    for name, size in want.items():
+                              f"a {type(want).__name__}; a save writes {{file: {{bytes, "
+                              "crc32}})")
+    out = []
+    for name, entry in want.items():
         rel = pathlib.PurePosixPath(name)
         if rel.is_absolute() or ".." in rel.parts or not rel.parts:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} names {name!r}, which is "
                                   "not a file inside the checkpoint")
+        size, crc = (entry.get("bytes"), entry.get("crc32")) if isinstance(entry, dict) \
+            else (entry, None)
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise CheckpointError(f"checkpoint {path}: {MANIFEST} gives {name} a size of "
                                   f"{size!r}, not a number of bytes")
+        if crc is not None and not (isinstance(crc, list)
+                                    and all(isinstance(c, str) for c in crc)):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} gives {name} the checksums "
+                                  f"{crc!r}, not a list of CRC-32s")
+        out.append((name, size, crc))
+    return out
+
+
+def verify_checkpoint(path: pathlib.Path) -> None:
+    """Raise :class:`CheckpointError` naming the first file of ``path`` that is missing
+    or not the size its manifest says, or the manifest when it is not the object of
+    ``{file: {"bytes", "crc32"}}`` a save writes (checkpoints written before manifests
+    existed are only checked by reading them). The checksums: :func:`verify_checksums`."""
+    for name, size, _ in _manifest(path):
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path}: {name} is missing")
@@ -168,19 +265,38 @@ def verify_checkpoint(path: pathlib.Path) -> None:
                                   f"{size} were written (truncated or overwritten)")
 
 
+def verify_checksums(path: pathlib.Path) -> None:
+    """Raise :class:`CheckpointError` naming the first file of ``path`` whose CRC-32 is
+    not its manifest's: changed after the save, its size kept (a flipped bit on disk),
+    which neither the sizes nor reading the file finds. Reads every file once."""
+    entries = [(n, c) for n, _, c in _manifest(path) if c is not None]
+    try:
+        got = _crc32s([path / n for n, _ in entries])
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({type(exc).__name__}: "
+                              f"{exc.strerror or exc})") from None
+    for (name, want), have in zip(entries, got):
+        want = [w.lower() for w in want]
+        if have != want:
+            i = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b),
+                     min(len(have), len(want)))
+            where = f" in bytes {i * CRC_PIECE}.." if len(have) > 1 else ""
+            raise CheckpointError(
+                f"checkpoint {path}: {name} has CRC-32 {(have + ['-'])[i]}{where}, "
+                f"{(want + ['-'])[i]} was written (its bytes changed after the save)")
+
+
 def load_checkpoint(path: str | pathlib.Path, masters: bool = True
                     ) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """``(masters, state, meta)`` of a checkpoint directory; :class:`CheckpointError`
     (naming the file) when it is damaged. ``masters=False``: ``{}`` instead of reading
     ``masters.safetensors`` (a sharded checkpoint resumes from its shards)."""
     path = pathlib.Path(path)      # a str too
-    from safetensors.torch import load_file
-
     verify_checkpoint(path)
     want_masters = masters
     try:
         meta = json.loads((path / "meta.json").read_text())
-        masters = load_file(str(path / "masters.safetensors")) if want_masters else {}
+        masters = _load_masters(path / "masters.safetensors") if want_masters else {}
         state = torch.load(path / "state.pt", weights_only=True)
     except Exception as exc:   # noqa: BLE001 - safetensors, pickle, zip, json errors
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -192,6 +308,16 @@ def load_checkpoint(path: str | pathlib.Path, masters: bool = True
             raise CheckpointError(f"checkpoint {path}: {name} holds a {type(value).__name__}, "
                                   "not the dict a save writes")
     return masters, state, meta
+
+
+def _load_masters(f: pathlib.Path) -> dict[str, torch.Tensor]:
+    """``masters.safetensors`` with each tied key naming its tensor again (:func:`_distinct`)."""
+    from safetensors import safe_open
+    with safe_open(str(f), framework="pt") as fh:
+        masters = {k: fh.get_tensor(k) for k in fh.keys()}
+        aliases = json.loads((fh.metadata() or {}).get(ALIASES, "{}"))
+    masters.update({k: masters[v] for k, v in aliases.items()})
+    return masters
 
 
 _KINDS = (("state.pt", ("step",), int), ("state.pt", ("tokens",), int),
@@ -250,6 +376,7 @@ def resume_from(ckpt_dir: pathlib.Path, resume: bool | str
         try:
             masters, state, meta = load_checkpoint(path, masters=not is_sharded(path))
             check_resumable(path, masters, state, meta)
+            verify_checksums(path)
         except CheckpointError as exc:
             log.warning("%s: skipping it", exc)
             damaged.append(path.name)
@@ -292,6 +419,10 @@ def check_out_dir(out: pathlib.Path) -> None:
             kind = "a directory" if is_dir else "a file"
             raise ConfigError(f"out_dir {str(out)!r}: {name} exists but is not {kind}: move "
                               "it away or pass a new --out-dir")
+        if is_dir and p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
+            # else the run trains until its first checkpoint (or its export) and fails there
+            raise ConfigError(f"out_dir {str(out)!r}: {name}/ cannot be written (no write "
+                              "permission): fix its permissions or pass a new --out-dir")
 
 
 def check_compatible(path: pathlib.Path, meta: dict, fingerprint: dict) -> None:
