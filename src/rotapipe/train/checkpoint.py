@@ -15,8 +15,8 @@ Layout of ``out_dir/checkpoints/step-00000050/``:
   (:func:`save_sharded_checkpoint`; docs/distributed.md, "Sharded checkpoints")
 - ``manifest.json`` (``manifest.py``): the size in bytes of every other file and a
   CRC-32 of every 64 MiB of it (written last): a file truncated, deleted or changed
-  later (a flipped bit) marks the checkpoint as damaged, and resuming falls back to the newest checkpoint
-  that is whole (:func:`resume_from`)
+  later (a flipped bit) marks the checkpoint as damaged, and resuming falls back to the
+  newest checkpoint that is whole (:func:`resume_from`)
 
 A save writes everything into ``checkpoints/.tmp-step-...``, fsyncs each file and the
 directory, then renames the directory into place (``os.replace`` of a directory is
