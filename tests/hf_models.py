@@ -67,6 +67,15 @@ FAMILIES = {
     "granite": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
         **COMMON, embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5,
         attention_multiplier=0.2, attn_implementation="eager")),
+    # HyperCLOVA X: Granite's multipliers, but its forward multiplies the logits by
+    # logits_scaling where Granite's divides (a family hook: families.py).
+    "hyperclovax": _model("HyperCLOVAXForCausalLM", "HyperCLOVAXConfig", head_dim=8,
+                          embedding_multiplier=2.0, logits_scaling=0.5,
+                          residual_multiplier=0.5, attention_multiplier=0.2),
+    # xLSTM: mLSTM blocks, logits soft-capped by output_logit_soft_cap (families.py).
+    # use_cache=False: with a cache its own forward fails ("matC_old has wrong shape").
+    "xlstm": _model("xLSTMForCausalLM", "xLSTMConfig", head_dim=8, use_cache=False,
+                    output_logit_soft_cap=3.0),
     "olmo": _model("OlmoForCausalLM", "OlmoConfig", clip_qkv=2.0),
     "olmo2": _model("Olmo2ForCausalLM", "Olmo2Config"),
     "cohere": _model("CohereForCausalLM", "CohereConfig", logit_scale=0.0625,
@@ -88,7 +97,9 @@ FAMILIES = {
                    rope_parameters=_rope(0.5)),
     "mpt": _model("MptForCausalLM", "MptConfig", d_model=32, n_heads=4, n_layers=3,
                   expansion_ratio=2, max_seq_len=64, no_bias=False,
-                  attn_config={"alibi": True, "alibi_bias_max": 8}),
+                  attn_config={"alibi": True, "alibi_bias_max": 8},
+                  # in MPT's config, not applied by its forward (families.UNUSED)
+                  logit_scale=0.5),
     "falcon": _model("FalconForCausalLM", "FalconConfig", alibi=True, parallel_attn=True,
                      bias=True, new_decoder_architecture=False, multi_query=False),
     "gpt_neox_japanese": lambda: transformers.GPTNeoXJapaneseForCausalLM(
@@ -154,14 +165,15 @@ FEATURES = {
     # feature: (families, predicate(model, wrapped) that holds when the feature is on)
     "parameter-free final norm": (("olmo",), lambda m, w: w.parts["norm"] and not list(
         m.get_submodule(w.parts["norm"]).parameters())),
-    "logit scaling in forward": (("granite", "cohere", "cohere2", "falcon_h1"),
+    "logit scaling in forward": (("granite", "cohere", "cohere2", "falcon_h1",
+                                  "hyperclovax"),
                                  lambda m, w: {"divide", "multiply"} & set(
                                      w.layers[-1].transforms)),
-    "final-logit soft-capping": (("gemma2", "gemma3", "gemma4"),
+    "final-logit soft-capping": (("gemma2", "gemma3", "gemma4", "xlstm"),
                                  lambda m, w: "softcap" in w.layers[-1].transforms),
     "attention soft-capping": (("gemma2",),
                                lambda m, w: m.config.attn_logit_softcapping is not None),
-    "embedding scaling": (("gemma", "granite", "falcon_h1"),
+    "embedding scaling": (("gemma", "granite", "falcon_h1", "hyperclovax"),
                           lambda m, w: w.layers[0].multiplier or
                           "Scaled" in type(m.get_input_embeddings()).__name__),
     "sliding windows": (("mistral", "gemma2", "gemma3", "cohere2", "starcoder2",

@@ -329,3 +329,41 @@ def test_verify_example_runs(capsys, monkeypatch):
     runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr().out
     assert "3. every gradient equal" in out and "'norm': 'model.norm'" in out
+
+
+# -- 5. a loss the forward computes another way ---------------------------------------
+def _bamba(z_loss: float):
+    torch.manual_seed(0)
+    return transformers.BambaForCausalLM(transformers.BambaConfig(
+        **COMMON, attn_implementation="eager", mamba_n_heads=8, mamba_d_head=8,
+        mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4, attn_layer_indices=[1],
+        z_loss_coefficient=z_loss))
+
+
+class _SmoothedLlama(transformers.LlamaForCausalLM):
+    """Its forward's loss smooths the labels: the logits are Llama's, the loss not."""
+
+    def forward(self, *args, labels=None, **kwargs):
+        out = super().forward(*args, **kwargs)
+        if labels is not None:
+            logits = out.logits[:, :-1].flatten(0, 1).float()
+            out.loss = nn.functional.cross_entropy(logits, labels[:, 1:].flatten(),
+                                                   label_smoothing=0.1)
+        return out
+
+
+def test_a_loss_other_than_the_cross_entropy_is_refused():
+    """Bamba's forward adds ``z_loss_coefficient * mean(logsumexp(logits)^2)`` to the
+    loss; rotapipe trained the cross-entropy alone (loss 4.5698 where the model's is
+    15.0595 at 0.5), silently. The tail check now compares the forward's loss with the
+    cross-entropy of its logits and refuses, naming the coefficient; at 0 Bamba trains
+    exactly. Any other loss (here label smoothing) is refused the same way."""
+    with pytest.raises(AdapterError, match=r"BambaForCausalLM.forward's loss differs .*"
+                                           r"z_loss_coefficient=0.5"):
+        wrap_hf(_bamba(0.5))
+    _equal_to_hf(_bamba(0.0), runs=((2, 2),))
+    torch.manual_seed(0)
+    smoothed = _SmoothedLlama(transformers.LlamaConfig(**COMMON,
+                                                       attn_implementation="eager"))
+    with pytest.raises(AdapterError, match=r"_SmoothedLlama.forward's loss differs"):
+        wrap_hf(smoothed)

@@ -9,9 +9,11 @@ Three checks, from cheapest:
 - **The tail** (:func:`find_tail` and :func:`check_tail`): the whole causal-LM forward,
   run with stub blocks whose last one returns known random hidden states ``H``, gives
   Hugging Face's logits for ``H``; the adapter's head layer (final norm, LM head, logit
-  transforms) must give the same logits for the same ``H``, element by element. The
-  same run finds the final norm: the child of the inner model applied to ``H``
-  (parameter-free norms included). Only the norm and head weights are touched.
+  transforms) must give the same logits for the same ``H``, element by element, and
+  the loss the forward returns for them must be their causal-LM cross-entropy (what
+  the adapter trains; Bamba's z-loss is not). The same run finds the final norm: the
+  child of the inner model applied to ``H`` (parameter-free norms included). Only the
+  norm and head weights are touched.
 - **The whole model** (:func:`verify_full`, opt-in with ``wrap_hf(verify="full")``): the
   adapter's layers, run one after another on a few padded tokens, against the model's
   own forward.
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from .errors import AdapterError
+from .loss import unchunked_lm_loss
 from .side import DropoutCall, SideInputs, eval_mode, shallow_clone
 
 __all__ = ["check_model", "check_chain", "find_tail", "check_tail", "verify_full",
@@ -189,10 +192,16 @@ class TailRun:
     inner model the forward applied after the last block (in call order)."""
 
     def __init__(self, hidden: torch.Tensor, logits: torch.Tensor | None,
-                 after: list[tuple[str, nn.Module, bool]]):
+                 after: list[tuple[str, nn.Module, bool]],
+                 labels: torch.Tensor | None = None, loss: torch.Tensor | None = None,
+                 loss_terms: str = ""):
         self.hidden, self.logits = hidden, logits
         self.after = after
         """``(name, module, applied to the last block's output)`` per call."""
+        self.labels, self.loss = labels, loss
+        """The labels the forward was given and the loss it returned (or ``None``)."""
+        self.loss_terms = loss_terms
+        """Non-zero loss coefficients of the config, for the message (``"a=1, b=2"``)."""
 
     def norm(self) -> tuple[str, nn.Module] | None:
         """The child applied to the last block's output, if any."""
@@ -218,6 +227,9 @@ def _find_tail(base: nn.Module, inner_path: str, side: SideInputs, embed: nn.Mod
     hidden = torch.randn(2, 3, side.hidden_size, generator=g).to(dtype)
     embeds = torch.zeros(2, 3, side.hidden_size, dtype=dtype)
     mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    # Labels as a collator builds them (-100 on padding): the loss the forward returns
+    # for them must be the causal-LM cross-entropy of its logits (check_tail).
+    labels = torch.randint(0, 2, (2, 3), generator=g).masked_fill(mask == 0, -100)
     after: list[tuple[str, nn.Module, bool]] = []
     done = {"last": False}
 
@@ -235,7 +247,8 @@ def _find_tail(base: nn.Module, inner_path: str, side: SideInputs, embed: nn.Mod
                for n, m in inner.named_children() if m is not embed and n != side.layers_name]
     handles.append(side.stubs[-1].register_forward_hook(last_returned))
     try:
-        out, _ = side.run_whole(probe, embeds, hidden, mask, **forward_kwargs)
+        out, _ = side.run_whole(probe, embeds, hidden, mask, labels=labels,
+                                **forward_kwargs)
     except AdapterError:
         raise
     except Exception as exc:
@@ -259,7 +272,25 @@ def _find_tail(base: nn.Module, inner_path: str, side: SideInputs, embed: nn.Mod
     logits = getattr(out, "logits", None)
     if logits is None and isinstance(out, (tuple, list)) and out:
         logits = out[0]
-    return TailRun(hidden, logits if isinstance(logits, torch.Tensor) else None, after)
+    loss = getattr(out, "loss", None)
+    return TailRun(hidden, logits if isinstance(logits, torch.Tensor) else None, after,
+                   labels, loss if isinstance(loss, torch.Tensor) else None,
+                   _loss_terms(base))
+
+
+_MOE_COEFS = ("router_aux_loss_coef", "aux_loss_coef")
+"""Loss coefficients rotapipe applies itself (the load-balancing loss, :mod:`.moe`)."""
+
+
+def _loss_terms(base: nn.Module) -> str:
+    """The config's non-zero numbers named like a loss term (``z_loss_coefficient``),
+    other than the load-balancing coefficients rotapipe applies."""
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") \
+        else base.config
+    terms = [f"{k}={v}" for k, v in sorted(vars(config).items())
+             if "loss" in k and k not in _MOE_COEFS and not isinstance(v, bool)
+             and isinstance(v, (int, float)) and v]
+    return ", ".join(terms)
 
 
 def check_tail(run: TailRun, head_layer: nn.Module, name: str, where: str) -> None:
@@ -289,6 +320,7 @@ def check_tail(run: TailRun, head_layer: nn.Module, name: str, where: str) -> No
     scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30)
     err = (a - b).abs().max().item()
     if err <= tolerance(ours.dtype) * scale:
+        _check_loss(run, ours, name)
         return
     ratio = (a * b).sum().item() / max((b * b).sum().item(), 1e-30)
     hint = ""
@@ -301,6 +333,27 @@ def check_tail(run: TailRun, head_layer: nn.Module, name: str, where: str) -> No
         f"final hidden states: max abs error {err:.3g} (logits up to {scale:.3g}, shape "
         f"{list(want.shape)}, {ours.dtype}); after the last layer the forward ran: "
         f"{ran}.{hint} Training would use a wrong loss: {fix}")
+
+
+def _check_loss(run: TailRun, logits: torch.Tensor, name: str) -> None:
+    """The loss the forward returned with the tail check's labels is the causal-LM
+    cross-entropy of its logits (Hugging Face's ``ForCausalLMLoss``), which is what
+    the adapter trains: a forward that adds a term to it (Bamba's z-loss,
+    ``z_loss_coefficient``) or computes it another way is refused."""
+    if run.loss is None or run.labels is None:
+        return
+    want = run.loss.double().item()
+    got = unchunked_lm_loss(logits, run.labels).double().item()
+    if abs(want - got) <= tolerance(logits.dtype) * max(abs(want), abs(got), 1.0):
+        return
+    terms = f" (the config sets {run.loss_terms})" if run.loss_terms else ""
+    raise AdapterError(
+        f"{name}.forward's loss differs from the causal-LM cross-entropy of its own "
+        f"logits on the same final hidden states and labels: {want:.6g} against "
+        f"{got:.6g}{terms}. rotapipe trains the cross-entropy (plus the MoE "
+        "load-balancing loss), so the forward's other loss terms would be silently "
+        "left out: set their coefficients to 0 in the config to train without them, or "
+        "build the layers and loss yourself and pass them to rotapipe.RoundPipe")
 
 
 def verify_full(wrapped, tokens: int = 6, seed: int = 0) -> float:
