@@ -6,8 +6,9 @@ Importing this package does not import ``transformers``; :func:`load_hf` and PEF
 models need it (``pip install rotapipe[hf]``).
 """
 
-from .hf import AdapterError, CausalLMLoss, HFModel, hf_pipe, load_hf, wrap_hf
-from .loss import LMHead, TokenCount, chunked_cross_entropy, lm_loss, shift_labels
+from .hf import AdapterError, HFModel, hf_pipe, load_hf, wrap_hf
+from .loss import (CausalLMLoss, LMHead, TokenCount, chunked_cross_entropy, lm_loss,
+                   shift_labels)
 
 __all__ = ["AdapterError", "CausalLMLoss", "HFModel", "LMHead", "TokenCount",
            "chunked_cross_entropy", "hf_pipe", "lm_loss", "load_hf", "shift_labels",

@@ -39,58 +39,17 @@ from .checks import (check_chain, check_model, check_peft, check_tail, find_tail
                      verify_full)
 from .families import embedding_multiplier, logit_transforms
 from .layers import DecoderLayer, EmbedLayer, HeadLayer
-from .loss import TokenCount, head_vocab, lm_loss
+from .loss import CausalLMLoss, TokenCount, head_vocab
 from .moe import (MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class,
                   warn_eager_experts)
 from .side import SideInputs, token_ids
 
-__all__ = ["AdapterError", "HFModel", "CausalLMLoss", "wrap_hf", "hf_pipe", "load_hf",
-           "PLANNER_SEQ"]
+__all__ = ["AdapterError", "HFModel", "wrap_hf", "hf_pipe", "load_hf", "PLANNER_SEQ"]
 
 PLANNER_SEQ = 2048
 """Sequence length the runtime's planner prices attention at (capped by the config's
 ``max_position_embeddings``): the real length is unknown before the first call, and
 only the ratios between layers matter to the plan."""
-
-
-class CausalLMLoss:
-    """``loss_fn`` of a wrapped model: Hugging Face's causal-LM loss (chunked), plus
-    ``coef * load-balancing loss`` for MoE models whose config enables it."""
-
-    def __init__(self, chunk_tokens: int | None = None, ignore_index: int = -100,
-                 moe: MoESpec | None = None):
-        self.chunk_tokens, self.ignore_index, self.moe = chunk_tokens, ignore_index, moe
-
-    def __call__(self, out, labels: torch.Tensor, batch=None):
-        loss = lm_loss(out.hidden, labels, out.head, chunk_tokens=self.chunk_tokens,
-                       ignore_index=self.ignore_index)
-        if self.moe is None or out.moe is None:
-            return loss
-        if batch is None:   # one microbatch is the whole batch
-            return loss + self.moe.coef * aux_loss(out.moe, self.moe).to(loss.device)
-        # Whole-batch load balancing: the counts T and rows R of every microbatch (from
-        # ``batch_context``) with this microbatch's probability sums P, which carry the
-        # gradient. Summed over microbatches: E * sum_e (T_e / R) * (P_e / R), exactly
-        # Hugging Face's loss on the whole batch. Returned unweighted (second term).
-        tokens, rows, per_mb_rows = batch
-        _, probs, my_rows = out.moe
-        if not any(torch.equal(my_rows.cpu(), r) for r in per_mb_rows):
-            raise AdapterError("the fused tail holds MoE blocks, so the whole-batch "
-                               "load-balancing loss cannot see their routing before the "
-                               "tail runs: use tail_layers=1 (the default)")
-        tokens, rows = tokens.to(probs.device), rows.to(probs.device)
-        aux = torch.sum((tokens / rows) * (probs / rows)) * self.moe.num_experts
-        return loss, self.moe.coef * aux
-
-    def batch_context(self, tail_inputs: list, labels: list):
-        """``tail_context`` of the pipeline: the MoE counts summed over the batch."""
-        accs = [x[1] if isinstance(x, tuple) and len(x) == 2 else None for x in tail_inputs]
-        if any(a is None for a in accs):
-            raise AdapterError("the fused tail's input carries no MoE routing counts: "
-                               "keep at least one decoder block before the tail")
-        tokens = sum(a[0] for a in accs)
-        rows = sum(a[2] for a in accs)
-        return tokens.detach(), rows.detach(), [a[2].detach() for a in accs]
 
 
 class HFModel:

@@ -15,6 +15,8 @@ inside the loss, ``ignore_index`` (-100) positions do not count, and the loss is
 over the counted positions. Across microbatches the pipeline weights each microbatch by
 its counted positions (:class:`TokenCount` as ``loss_weight``), so the result is the mean
 over every counted token of the global batch, as one Hugging Face forward computes it.
+:class:`CausalLMLoss` is a wrapped model's ``loss_fn``: that loss, plus an MoE model's
+load-balancing loss over the whole batch (:mod:`.moe`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..errors import InputError
+from .errors import AdapterError
+from .moe import MoESpec, aux_loss
 
-__all__ = ["LMHead", "TokenCount", "shift_labels", "chunked_cross_entropy", "lm_loss",
-           "DEFAULT_LOGITS_BYTES"]
+__all__ = ["LMHead", "TokenCount", "CausalLMLoss", "shift_labels", "chunked_cross_entropy",
+           "lm_loss", "DEFAULT_LOGITS_BYTES"]
 
 DEFAULT_LOGITS_BYTES = 256 * 2**20
 """Default chunk size: as many tokens as fit 256 MiB of fp32 logits (about 440 tokens
@@ -320,3 +324,43 @@ def unchunked_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
     targets = shift_labels(labels, ignore_index).reshape(-1)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets,
                            ignore_index=ignore_index)
+
+
+class CausalLMLoss:
+    """``loss_fn`` of a wrapped model: Hugging Face's causal-LM loss (chunked), plus
+    ``coef * load-balancing loss`` for MoE models whose config enables it."""
+
+    def __init__(self, chunk_tokens: int | None = None, ignore_index: int = -100,
+                 moe: MoESpec | None = None):
+        self.chunk_tokens, self.ignore_index, self.moe = chunk_tokens, ignore_index, moe
+
+    def __call__(self, out, labels: torch.Tensor, batch=None):
+        loss = lm_loss(out.hidden, labels, out.head, chunk_tokens=self.chunk_tokens,
+                       ignore_index=self.ignore_index)
+        if self.moe is None or out.moe is None:
+            return loss
+        if batch is None:   # one microbatch is the whole batch
+            return loss + self.moe.coef * aux_loss(out.moe, self.moe).to(loss.device)
+        # Whole-batch load balancing: the counts T and rows R of every microbatch (from
+        # ``batch_context``) with this microbatch's probability sums P, which carry the
+        # gradient. Summed over microbatches: E * sum_e (T_e / R) * (P_e / R), exactly
+        # Hugging Face's loss on the whole batch. Returned unweighted (second term).
+        tokens, rows, per_mb_rows = batch
+        _, probs, my_rows = out.moe
+        if not any(torch.equal(my_rows.cpu(), r) for r in per_mb_rows):
+            raise AdapterError("the fused tail holds MoE blocks, so the whole-batch "
+                               "load-balancing loss cannot see their routing before the "
+                               "tail runs: use tail_layers=1 (the default)")
+        tokens, rows = tokens.to(probs.device), rows.to(probs.device)
+        aux = torch.sum((tokens / rows) * (probs / rows)) * self.moe.num_experts
+        return loss, self.moe.coef * aux
+
+    def batch_context(self, tail_inputs: list, labels: list):
+        """``tail_context`` of the pipeline: the MoE counts summed over the batch."""
+        accs = [x[1] if isinstance(x, tuple) and len(x) == 2 else None for x in tail_inputs]
+        if any(a is None for a in accs):
+            raise AdapterError("the fused tail's input carries no MoE routing counts: "
+                               "keep at least one decoder block before the tail")
+        tokens = sum(a[0] for a in accs)
+        rows = sum(a[2] for a in accs)
+        return tokens.detach(), rows.detach(), [a[2].detach() for a in accs]
