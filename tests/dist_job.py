@@ -24,6 +24,12 @@ heartbeat running); either way it first writes the wall-clock time to ``OUT.faul
 ``--overlap`` runs that training with ``optimizer_mode="overlap"``.
 The other ranks print the DistributedError (with ``at=<wall-clock time>``) and exit
 with status 3.
+
+``--leave-at S``: rank 1's loss raises at step ``S`` (its call fails, gradient buckets of
+rank 0 stay in flight); rank 0 prints its DistributedError and exits through the
+interpreter's normal shutdown (``sys.exit(3)``, not ``os._exit``), which it holds open
+for 3 s; rank 1 exits (status 1) once rank 0's shutdown began, so that its sockets
+close, failing rank 0's collectives still in flight, while rank 0 shuts down.
 """
 
 from __future__ import annotations
@@ -191,11 +197,50 @@ def reshard_phase(info, phase: int, root: str, timeout: float = 20.0):
         return {k: v.detach().float().clone() for k, v in pipe.state_dict().items()}
 
 
+_MARK = None     # --leave-at, rank 0: freed (and written) by the interpreter's shutdown
+
+
+class _ShutdownMark:
+    """Writes ``path`` once the interpreter's shutdown frees it (a module global), then
+    holds that shutdown open for ``hold`` seconds (what freeing a large model does)."""
+
+    def __init__(self, path: str, hold: float):
+        self.path, self.hold = path, hold
+
+    def __del__(self, open=open, sleep=time.sleep):   # the modules may be gone by then
+        with open(self.path, "w") as f:
+            f.write("shutting down")
+        sleep(self.hold)
+
+
+def leave(info, step: int, out: str, timeout: float) -> int:
+    """``--leave-at``: see the module docstring."""
+    global _MARK
+    mark = out.replace(f"rank{info.rank}", "rank0") + ".shutdown"     # rank 0's
+    try:
+        train(info, None, MICROBATCHES, ("raise", step), timeout, fault_file=out + ".fault")
+    except rotapipe.DistributedError as exc:
+        print(f"rank {info.rank}: DistributedError lost_ranks={list(exc.lost_ranks)}",
+              file=sys.stderr, flush=True)
+        _MARK = _ShutdownMark(mark, 3.0)
+        sys.exit(3)
+    except rotapipe.WorkerError as exc:
+        print(f"rank {info.rank}: {type(exc).__name__}", file=sys.stderr, flush=True)
+        end = time.monotonic() + 60
+        while not os.path.exists(mark) and time.monotonic() < end:
+            time.sleep(0.01)
+        os._exit(1)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--hang-at", type=int, default=None)
+    p.add_argument("--leave-at", type=int, default=None,
+                   help="rank 1's loss raises at that step; it exits during rank 0's "
+                        "interpreter shutdown")
     p.add_argument("--raise-at", type=int, default=None,
                    help="rank 1's loss raises at that step; the process then waits")
     p.add_argument("--timeout", type=float, default=20.0)
@@ -222,6 +267,8 @@ def main() -> int:
         ("hang", args.hang_at) if args.hang_at is not None else \
         ("raise", args.raise_at) if args.raise_at is not None else None
     t0 = time.monotonic()
+    if args.leave_at is not None:
+        return leave(info, args.leave_at, args.out, args.timeout)
     if args.exit_before_pipe and info.rank == 1:
         os._exit(1)
     if args.mismatch:

@@ -92,6 +92,32 @@ def test_a_wait_before_a_newer_write_does_not_cover_it(device):
     assert len(errors) == 1 and isinstance(errors[0], rotapipe.RaceError)
 
 
+def test_an_overwrite_without_wait_is_a_race_and_a_wait_fixes_it(device):
+    """Two streams writing one key with no wait between them: on a GPU either write
+    could land last, and a reader that waited on both would not know which it sees.
+    The second write is refused (the first value stays, nothing is charged for the
+    refused one); once the second stream waited on the first write it may replace it."""
+    store = Store("worker 0", device, check=True)
+    upload, download = device.stream(Lane.UPLOAD), device.stream(Lane.DOWNLOAD)
+    written = write(upload, store, ("buf", 3), torch.zeros(4))
+    used = device.memory_in_use()
+
+    errors = on(download, lambda: store.put(("buf", 3), torch.ones(4)))
+    assert len(errors) == 1 and isinstance(errors[0], rotapipe.RaceError)
+    msg = str(errors[0])
+    assert "w0.download overwrote buf(3)" in msg and "written by w0.upload" in msg, msg
+    assert "without waiting" in msg
+    assert torch.equal(store.get(("buf", 3)), torch.zeros(4))
+    assert device.memory_in_use() == used
+
+    download.wait(written)
+    assert on(download, lambda: store.put(("buf", 3), torch.ones(4))) == []
+    assert torch.equal(store.get(("buf", 3)), torch.ones(4))
+    assert device.memory_in_use() == used
+    # The same stream replacing its own value needs no wait (stream order).
+    assert on(download, lambda: store.put(("buf", 3), torch.full((4,), 2.0))) == []
+
+
 def test_read_before_any_write_is_reported(device):
     store = Store("worker 0", device, check=True)
     errors = on(device.stream(Lane.COMPUTE), lambda: store.get(("gout", "B1", 2)))

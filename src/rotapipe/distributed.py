@@ -18,7 +18,9 @@ See ``docs/distributed.md`` for the semantics and the failure behaviour.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
@@ -27,12 +29,15 @@ import torch.distributed as dist
 
 from .errors import ConfigError, InputError
 from .runtime import trees
+from .runtime.allreduce import collectives_in_flight
 from .runtime.heartbeat import stop_heartbeats
 
 __all__ = ["DistInfo", "env_int", "init_from_env", "info", "rank", "world_size", "is_main",
            "shard_batch", "any_rank", "barrier", "shutdown"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+log = logging.getLogger("rotapipe.distributed")
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,9 @@ def init_from_env(timeout_s: float = 300.0, backend: str = "gloo") -> DistInfo:
 
     ``timeout_s`` bounds how long the other ranks wait for a dead or hung one; set
     ``PipeConfig.data_parallel.timeout_s`` to at most this value.
+
+    A process that exits without :func:`shutdown` (an error on any path) leaves the
+    group at exit, before the interpreter shuts down (:func:`_leave_at_exit`).
     """
     if not timeout_s > 0:
         raise ConfigError(f"timeout_s={timeout_s!r}: use seconds > 0")
@@ -104,7 +112,35 @@ def init_from_env(timeout_s: float = 300.0, backend: str = "gloo") -> DistInfo:
         env_int("RANK", 0, most=world - 1)
         env_int("MASTER_PORT", 0, least=1, most=65535)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    atexit.unregister(_leave_at_exit)      # once, and after the handlers registered so far
+    atexit.register(_leave_at_exit)
     return info()
+
+
+def _leave_at_exit() -> None:
+    """Leave the process group at interpreter exit, while the interpreter still runs.
+
+    Otherwise gloo's threads outlive it: a worker thread frees a finished collective's
+    last reference a moment after the collective returned, and when that moment falls
+    into the interpreter's shutdown (a rank exiting right after a collective: an error
+    line and ``sys.exit``, on a loaded machine), freeing a tensor Python created takes
+    the GIL from a thread the shutdown no longer lets run, and the process aborts
+    (SIGABRT, "terminate called without an active exception") instead of exiting with
+    its status. Destroying the group first joins those threads. Not while a collective
+    of a pipeline is still in flight (a failed call's, which its peers never joined):
+    the destroy would wait for it, up to the group's timeout."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    stop_heartbeats()
+    stuck = collectives_in_flight()
+    if stuck:
+        log.debug("leaving %d collective(s) in flight: not destroying the process group "
+                  "at exit", stuck)
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway; the group is half gone
+        pass
 
 
 def info() -> DistInfo:

@@ -42,6 +42,7 @@ runs but that never issued the collective hung or left the loop).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,7 +56,18 @@ from .heartbeat import Heartbeat
 from .host import CallGrads
 from .inflight import InFlight
 
-__all__ = ["CallReduce", "GradReducer", "InFlight", "ReduceStats", "interval_union"]
+__all__ = ["CallReduce", "GradReducer", "InFlight", "ReduceStats", "collectives_in_flight",
+           "interval_union"]
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+"""Every live :class:`GradReducer` of the process, for :func:`collectives_in_flight`
+(what the process-exit hook of :func:`rotapipe.distributed.init_from_env` asks)."""
+
+
+def collectives_in_flight() -> int:
+    """How many collectives the process's pipelines issued that have not completed (a
+    call that failed leaves those its peers never joined)."""
+    return sum(r.in_flight() for r in list(_LIVE))
 
 
 class GradReducer:
@@ -84,6 +96,9 @@ class GradReducer:
         self.last_gate: InFlight | None = None
         """The backpressure counters of the last training call."""
         self._stage_of: dict[str, str] = {}
+        self._works: dict[int, object] = {}
+        """Collective number -> its work, until :meth:`_wait` saw it complete."""
+        _LIVE.add(self)
         token = f"{time.time_ns()}-{id(self)}"
         self._heartbeat = Heartbeat.start(dist.get_rank(), config.heartbeat_s, self)
         gathered: list = [None] * self.world
@@ -200,6 +215,13 @@ class GradReducer:
             if self._heartbeat is not None:
                 self._heartbeat.mark(f"its own call failed ({why})")
 
+    def in_flight(self) -> int:
+        """Collectives issued and not complete (pruning the completed ones)."""
+        for seq, work in list(self._works.items()):
+            if work.is_completed():
+                self._works.pop(seq, None)
+        return len(self._works)
+
     def close(self) -> None:
         if self._heartbeat is not None:
             if self.broken is None:
@@ -241,6 +263,7 @@ class GradReducer:
                                    async_op=True)
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
             raise self._error(self.issued, "starting an all-reduce", exc) from exc
+        self._works[self.issued] = work
         self.issued += 1
         return work
 
@@ -255,6 +278,7 @@ class GradReducer:
                                           async_op=True)
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError subclasses
             raise self._error(seq, "starting an all-to-all", exc) from exc
+        self._works[seq] = work
         self.issued += 1
         return work, seq
 
@@ -275,6 +299,7 @@ class GradReducer:
                     f"not complete after {self.config.timeout_s:g} s "
                     "(data_parallel.timeout_s)"))
             time.sleep(0.0005)
+        self._works.pop(seq, None)
         try:
             work.wait()
         except Exception as exc:  # noqa: BLE001 - gloo's errors are RuntimeErrors

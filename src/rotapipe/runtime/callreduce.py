@@ -30,7 +30,10 @@ class ReduceStats:
     buckets: int = 0
     bytes: int = 0
     busy_s: float = 0.0
-    """Time at least one gradient bucket was in flight (launch to completion)."""
+    """Time at least one gradient bucket was in flight (launch to completion). A
+    bucket's completion is when rotapipe first saw it (:meth:`CallReduce.observe`: at
+    each hand-off, and within 0.5 ms while it is waited for), so a bucket that
+    completed between two hand-offs counts until the second."""
     exposed_s: float = 0.0
     """Time after the schedule had finished during which a bucket was still in flight
     (what the caller waited for the all-reduce; a wait that ran on after the last
@@ -73,7 +76,23 @@ class CallReduce:
         self.apply([oldest])
         return True
 
+    def observe(self) -> None:
+        """Stamp the end of every bucket seen complete for the first time. Polled
+        rather than a done-callback on the collective's future: gloo completes a future
+        on its own worker thread, and a Python callback there takes the GIL; when a
+        peer's exit fails a bucket still in flight while this process is already
+        shutting down (a call that failed with buckets in flight), that thread is
+        torn down mid-callback and the process aborts ("terminate called after
+        throwing an instance of 'gloo::IoException'", exit -6 instead of the error)."""
+        now = time.perf_counter()
+        with self._lock:
+            pending = [b for b in self._inflight if b.end is None]
+        for b in pending:
+            if b.work.is_completed():
+                b.end = now
+
     def _handoff(self, key: str) -> list[_Bucket]:
+        self.observe()
         launched = []
         for pids in self.layout.get(key, ()):
             nbytes = 4 * (sum(self.r._shapes[pid].numel() for pid in pids) + len(pids))
@@ -91,7 +110,6 @@ class CallReduce:
             seq = self.r.issued
             work = self.r._launch(flat)
             bucket = _Bucket(pids, flat, work, seq, start, nbytes=nbytes)
-            work.get_future().add_done_callback(bucket.done)
             with self._lock:
                 self._inflight.append(bucket)
             launched.append(bucket)
@@ -108,6 +126,8 @@ class CallReduce:
     def _wait(self, buckets: Sequence[_Bucket]) -> None:
         for b in buckets:
             self.r._wait(b.work, b.seq, f"gradient all-reduce of {len(b.pids)} parameters")
+            if b.end is None:          # the wait returns within 0.5 ms of completion
+                b.end = time.perf_counter()
 
     def _write(self, buckets: Sequence[_Bucket]) -> None:
         """Put completed buckets' sums in place of the staged gradients (once each)."""
@@ -135,6 +155,7 @@ class CallReduce:
 
     def finish(self) -> ReduceStats:
         """Wait for every bucket; replace the staged gradients by the reduced sums."""
+        self.observe()
         t0 = time.perf_counter()
         with self._lock:
             buckets = list(self._inflight)
@@ -160,9 +181,6 @@ class _Bucket:
     end: float | None = field(default=None)
     applied: bool = False
     nbytes: int = 0
-
-    def done(self, _future) -> None:
-        self.end = time.perf_counter()
 
 
 def interval_union(intervals: list[tuple[float, float]]) -> float:

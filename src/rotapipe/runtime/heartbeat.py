@@ -18,22 +18,34 @@ if typing.TYPE_CHECKING:
 __all__ = ["Heartbeat", "stop_heartbeats"]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+_CALLS: weakref.WeakSet = weakref.WeakSet()
+"""The threads of :func:`_within` still running (each inside a store call)."""
+EXIT_WAIT_S = 5.0
+"""How long :func:`stop_heartbeats` waits, in all, for store calls still running."""
 
 
 def _within(fn, seconds: float) -> None:
     """Run ``fn`` (a rendezvous-store call) on a daemon thread for at most ``seconds``:
     a store whose host is gone never answers, and the caller must not wait for it."""
-    t = threading.Thread(target=fn, daemon=True)
+    t = threading.Thread(target=fn, daemon=True, name="rotapipe-store-call")
+    _CALLS.add(t)
     t.start()
     t.join(seconds)
 
 
 @atexit.register
 def stop_heartbeats() -> None:
-    """Stop every heartbeat thread of this process (before the process group goes away,
-    and at interpreter exit for pipelines never closed)."""
+    """Stop every heartbeat thread of this process and wait (at most
+    :data:`EXIT_WAIT_S`) for the store calls :func:`_within` left running, before the
+    process group goes away and at interpreter exit: a daemon thread that returns from
+    a store call while the interpreter shuts down aborts the process ("terminate
+    called without an active exception")."""
     for hb in list(_LIVE):
         hb.stop()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for t in list(_CALLS):
+        if t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class Heartbeat:

@@ -4,7 +4,9 @@ stream-race checker and device-memory accounting.
 Rules 1 and 3 of the event protocol (``backend.py``) are enforced here: each actor (an
 emulated stream or the host lane) keeps a vector clock; a write is tagged with the
 writer's clock entry, and a read checks that the reader has (transitively) waited on an
-event recorded after that write.
+event recorded after that write. So does a write that replaces a value another actor
+wrote: two writes of one key that no wait orders could land in either order on a GPU,
+and a reader that waited on both would see whichever landed last.
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ class Store:
         graph it keeps alive) count against the device budget until popped."""
         actor = current_actor()
         writer, seq = (actor.name, actor.clock[actor.name]) if actor else (None, 0)
+        if self.check and actor is not None:
+            with self._lock:
+                old = self._items.get(key)
+            if old is not None and old[1] is not None and not actor.covers(old[1], old[2]):
+                raise RaceError(
+                    f"{actor.name} overwrote {_describe(key)} in {self.name}, written by "
+                    f"{old[1]} (its op {old[2]}), without waiting on an event recorded "
+                    "after that write: on a GPU the two writes could land in either order")
         nbytes = tensor_bytes(value) + extra_bytes if self.device is not None else 0
         if nbytes:
             self.device.allocate(nbytes, what or _describe(key))
