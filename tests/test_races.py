@@ -338,3 +338,36 @@ def test_buffers_shared_by_layers_train_exactly(workers, microbatches, mode):
         torch.testing.assert_close(state[k], want[k].detach(), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, k=k: f"{k}: {m}")
     assert int(state["0.seen"]) == 3 * 16 * len(data)
+
+
+def test_a_hand_off_that_finds_no_gradients_fails_instead_of_dropping_them(monkeypatch):
+    """Runtime backstop behind the validator's check that ``O`` waits for its ``DW``
+    (disabled here): a hand-off running before the gradients reached the host raised
+    nothing and stepped without that stage's gradients; it is a race naming them."""
+    import importlib
+    monkeypatch.setattr(importlib.import_module("rotapipe.schedule.validate"),
+                        "_check_hand_offs", lambda *args: None)
+    x, y = token_batch(8, 5)
+    with rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(2, 2)) as pipe:
+        lines = []
+        for line in pipe.schedule().to_text().splitlines():
+            if line.startswith("host O:B0 "):
+                line = "host O:B0"                    # no longer waits for DW:B0 ...
+            elif line.startswith("w0 DW:B0 "):
+                line += " <~ O:B0"                    # ... which even waits for it
+            lines.append(line)
+        pipe.use_schedule(rotapipe.Schedule.from_text("\n".join(lines)))
+        with pytest.raises(rotapipe.RaceError, match=r"wgrad\(B0\).*before any action"):
+            pipe.forward_backward(x, y)
+        assert pipe.calls == 0 and all(p.grad is None for p in pipe.parameters())
+
+
+def test_a_stream_dependency_on_host_work_is_refused_statically():
+    """A device action waiting for a host action with ``<-`` (a stream wait) failed in
+    the worker (``'_DoneEvent' object has no attribute 'done'``): the host's work has
+    no stream event. The validator names the fix, ``<~``."""
+    with rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(2, 2)) as pipe:
+        text = "\n".join(line + " O:B1" if line.startswith("w0 DW:B0 ") else line
+                         for line in pipe.schedule().to_text().splitlines())
+        with pytest.raises(rotapipe.ScheduleError, match=r"<~ O:B1"):
+            pipe.use_schedule(rotapipe.Schedule.from_text(text))

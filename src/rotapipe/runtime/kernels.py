@@ -478,18 +478,19 @@ class ActionRunner:
             self.host_store.put(("buf", bid), self._down(a, t))
 
     def _optimizer(self, a: Action) -> None:
-        key = ("wgrad", a.stage)
-        if self.host_store.contains(key):      # else its OR took them
-            for pid, g in self.host_store.pop(key).items():
-                self.ctx.grads.add(pid, g)
+        # A set missing here (never downloaded) is an error of the schedule, raised by
+        # the store; a stage whose OR went first finds the empty set it left.
+        for pid, g in self.host_store.pop(("wgrad", a.stage)).items():
+            self.ctx.grads.add(pid, g)
         if self.ctx.handoff is not None:
             # Data parallel: all-reduce what is complete now, overlapping shallower stages.
             self.ctx.handoff(a.key)
 
     def _optimizer_rows(self, a: Action) -> None:
-        # The stage's gradients go in here; its O then finds none left to add.
+        # The stage's gradients go in here; its O then finds the empty set left.
         for pid, g in self.host_store.pop(("wgrad", a.stage)).items():
             self.ctx.grads.add(pid, g)
+        self.host_store.put(("wgrad", a.stage), {})
         if self.ctx.rows_first is not None:
             self.ctx.rows_first(action_key(K.OPTIMIZER, a.stage, call=a.call))
 

@@ -154,6 +154,12 @@ def _unique(schedule: Schedule) -> dict[str, Action]:
             if d not in by_key:
                 raise ScheduleError(f"action {a.key} depends on {d}, which is not in the "
                                     "schedule")
+        for d in a.deps:
+            if by_key[d].worker == HOST:
+                raise ScheduleError(f"action {a.key} waits for host action {d} with a "
+                                    f"stream dependency (<- {d}); work done on the host "
+                                    f"has no stream event to wait on: make it a host "
+                                    f"dependency (<~ {d})")
     return by_key
 
 
