@@ -46,7 +46,8 @@ from torch import nn
 
 from rotapipe.config import OptimizerMode, PrecisionConfig
 from rotapipe.model import LayerSet
-from rotapipe.runtime.host import CallGrads, HostState, LossScaler
+from rotapipe.runtime.callgrads import CallGrads
+from rotapipe.runtime.host import HostState, LossScaler
 from rotapipe.runtime.optimizer import HostOptimizer
 
 

@@ -20,7 +20,7 @@ import torch
 import rotapipe
 from gradcount import GradCount
 from models import emulated, lm_loss, tiny_transformer, token_batch
-from rotapipe.runtime.host import CallGrads, RowGrad
+from rotapipe.runtime.callgrads import CallGrads, RowGrad
 from test_exactness import OPTIMIZERS, RTOL, ATOL, step_batches, train_reference
 from test_faults import Trigger, assert_same_state, faulty_model, snapshot
 from test_optimizer_modes import CLIP, train_fused

@@ -16,7 +16,7 @@ import torch
 import rotapipe
 from rotapipe.errors import ConfigError, InputError, NonFiniteError
 from rotapipe.runtime.chunks import ChunkedCopies
-from rotapipe.runtime.host import CallGrads, RowGrad
+from rotapipe.runtime.callgrads import CallGrads, RowGrad
 
 from models import VOCAB, emulated, lm_loss, tiny_transformer, token_batch
 from test_exactness import OPTIMIZERS

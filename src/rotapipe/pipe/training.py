@@ -11,7 +11,7 @@ import time
 from ..config import NonFinite
 from ..errors import ConfigError, DistributedError, InputError, NonFiniteError, WorkerError
 from ..runtime.calls import Call, check_stage_budget, split_batch
-from ..runtime.host import CallGrads
+from ..runtime.callgrads import CallGrads
 from ..schedule import Schedule, roundpipe_call
 from ..schedule.roundpipe import grad_window
 

@@ -15,7 +15,7 @@ What lives in host memory (see :mod:`rotapipe.runtime.host`):
   state: :data:`STATE_BYTES`, ``PipeConfig.optimizer_state_dtype``);
 - **gradients**: an fp32 gradient per trainable parameter (accumulated over calls),
   and a second one for the call in flight: the runtime stages a call's gradients and
-  merges them only when the whole call succeeded (``runtime.host.CallGrads``), so a
+  merges them only when the whole call succeeded (``runtime.callgrads.CallGrads``), so a
   failed call changes nothing. It stages them as they arrive from the workers, in the
   compute dtype (2 bytes in bf16/fp16, 4 in fp32), and widens each to fp32 only where
   it is merged; with data parallelism the all-reduce works on them in fp32;

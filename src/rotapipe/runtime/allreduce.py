@@ -53,7 +53,7 @@ from ..errors import ConfigError, DistributedError
 from ..schedule import ActionKind as K, Schedule
 from .callreduce import CallReduce, ReduceStats, interval_union
 from .heartbeat import Heartbeat
-from .host import CallGrads
+from .callgrads import CallGrads
 from .inflight import InFlight
 
 __all__ = ["CallReduce", "GradReducer", "InFlight", "ReduceStats", "collectives_in_flight",

@@ -11,7 +11,7 @@ import torch
 
 from ..config import RecomputeGrain
 from ..schedule.routes import Routes
-from .host import CallGrads
+from .callgrads import CallGrads
 from .store import Store
 
 __all__ = ["CallContext", "CallState"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .host import CallGrads
+from .callgrads import CallGrads
 from .inflight import InFlight
 
 if TYPE_CHECKING:

@@ -30,7 +30,8 @@ from .batch import split_batch
 from .callcontext import CallContext, CallState
 from .callstream import Call, CallStream, StepResult, timeline
 from .executor import Executor
-from .host import CallGrads, HostState
+from .callgrads import CallGrads
+from .host import HostState
 from .kernels import ActionRunner
 from .pinning import HostPinning
 from .pool import BlockPool

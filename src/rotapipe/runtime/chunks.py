@@ -21,7 +21,7 @@ moves by rows: the call's distinct looked-up rows are gathered on the dispatcher
 into the bounce buffers (a gather is never page-locked), uploaded into a compact device
 buffer and scattered into a table whose other rows are NaN; its gradient's download
 gathers the same rows on the device and hands the host a
-:class:`~rotapipe.runtime.host.RowGrad`.
+:class:`~rotapipe.runtime.callgrads.RowGrad`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..plan import StageKind
 from ..schedule import Action, ActionKind as K
 from .backend import Device
 from .executor import Chunk
-from .host import RowGrad
+from .callgrads import RowGrad
 from .transfer import layer_chunks, sleep_until, split_bytes
 
 __all__ = ["ChunkedCopies", "BouncePool"]

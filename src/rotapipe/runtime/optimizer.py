@@ -25,7 +25,8 @@ import torch
 from ..config import NonFinite, OptimizerMode
 from ..errors import CheckpointError, NonFiniteError
 from ..schedule import Schedule
-from .host import CallGrads, HostState, LossScaler
+from .callgrads import CallGrads
+from .host import HostState, LossScaler
 from .optstate import StatePrecision
 from .overlapstep import OverlapStep
 from .stepping import CallHook, Cost, Room, WholeStep, clip

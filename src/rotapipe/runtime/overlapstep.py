@@ -15,7 +15,7 @@ from torch import nn
 from ..errors import ConfigError, NonFiniteError
 from ..plan.costs import ROWS_FIRST_COST
 from ..schedule import Schedule
-from .host import CallGrads
+from .callgrads import CallGrads
 from .stepping import CallHook, Cost, Snapshot, clip, merged, partly_stepped, per_element
 
 if typing.TYPE_CHECKING:

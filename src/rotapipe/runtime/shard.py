@@ -60,7 +60,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..config import NonFinite, OptimizerMode, ShardMode
 from ..errors import InputError, NonFiniteError
 from ..schedule import Schedule
-from .host import CallGrads, HostState, LossScaler, cleared_grads, in_own_step, own_step
+from .callgrads import CallGrads
+from .host import HostState, LossScaler, cleared_grads, in_own_step, own_step
 from .inflight import InFlight
 from .optimizer import HostOptimizer
 from .shardcall import ShardCall

@@ -12,7 +12,8 @@ import torch
 from ..config import OptimizerMode, ShardMode
 from ..errors import NonFiniteError
 from ..schedule import Schedule
-from .host import CallGrads, own_step
+from .callgrads import CallGrads
+from .host import own_step
 from .stepping import Cost, Snapshot, merged, partly_stepped
 
 if typing.TYPE_CHECKING:

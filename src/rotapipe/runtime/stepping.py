@@ -16,7 +16,8 @@ from torch import nn
 
 from ..config import NonFinite
 from ..schedule import ActionKind as K, Schedule
-from .host import CallGrads, HostState
+from .callgrads import CallGrads
+from .host import HostState
 
 if typing.TYPE_CHECKING:
     from .optimizer import HostOptimizer
