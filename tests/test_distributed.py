@@ -268,3 +268,9 @@ def test_shard_batch():
         distributed.shard_batch(x, 0, 3)
     with pytest.raises(rotapipe.InputError, match="rank=2"):
         distributed.shard_batch(x, 2, 2)
+    # A tokenizer's output (a UserDict that PyTorch's pytree does not open) was refused
+    # as holding no tensor: it shards as its dict.
+    from collections import UserDict
+    encoding = UserDict({"input_ids": x, "attention_mask": torch.ones_like(x)})
+    half = distributed.shard_batch(encoding, 1, 2)
+    assert torch.equal(half["input_ids"], x[4:]) and half["attention_mask"].shape == x[4:].shape

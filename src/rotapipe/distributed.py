@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .errors import ConfigError, InputError
 from .runtime import trees
 from .runtime.allreduce import collectives_in_flight
+from .runtime.batch import as_tree
 from .runtime.heartbeat import stop_heartbeats
 
 __all__ = ["DistInfo", "env_int", "init_from_env", "info", "rank", "world_size", "is_main",
@@ -174,8 +175,10 @@ def shard_batch(batch, rank: int | None = None, world: int | None = None):
     the global mean is the same as in a one-process run with the whole batch (and the
     pipelines' microbatches line up: rank ``r``'s microbatch ``m`` is microbatch
     ``r * M + m`` of a one-process run with ``W * M`` microbatches, random streams
-    included). ``rank``/``world`` default to this process's.
+    included). ``rank``/``world`` default to this process's. A tokenizer's
+    ``BatchEncoding`` (or another mapping) comes back as a dict of its shards.
     """
+    batch = as_tree(batch)
     if rank is None or world is None:
         here = info()
         rank = here.rank if rank is None else rank
