@@ -57,6 +57,8 @@ def main() -> None:
         return run
     # The tail check: the forward with stub blocks (find_tail), then the comparison.
     hf.find_tail, hf.check_tail = timed(checks.find_tail), timed(checks.check_tail)
+    print(f"one decoder block at full width, bf16; torch threads {torch.get_num_threads()}; "
+          "the second wrap_hf of each model timed (the first warms up)\n")
     print("| config | hidden x vocab | wrap_hf with checks | tail check |")
     print("|---|---|---|---|")
     for name in KNOWN_MODELS:

@@ -42,7 +42,7 @@ from rotapipe.plan.costs import nf4_bytes
 from rotapipe.plan.hostmem import host_memory, lora_params
 from rotapipe.model.quant import NF4Weight
 from rotapipe.runtime.devices import make_devices
-from rotapipe.runtime.host import CallGrads
+from rotapipe.runtime.callgrads import CallGrads
 from rotapipe.runtime.pool import BlockPool
 torch.set_num_threads(2)
 H, L, QUANT, V = {hidden}, {layers}, {quant!r}, 512
@@ -121,9 +121,9 @@ def add(self, pid, g):      # the call's gradients on the host, as staged
         grads.track(self.parts[pid][-1])
     elif self.staged.get(pid) is not cur:           # a new fp32 gradient
         grads.track(self.staged[pid])
-def get(self, pid):         # ... and widened to fp32 (then param.grad)
+def get(self, pid, *a, **k):    # ... and widened to fp32 (then param.grad)
     narrow = self.narrow(pid)
-    g = _get(self, pid)
+    g = _get(self, pid, *a, **k)
     if narrow and g is not None:
         grads.track(g)
     return g

@@ -48,6 +48,9 @@ def main(argv=None) -> None:
                          "token, the most there can be)")
     args = ap.parse_args(argv)
     m = args.microbatches
+    print(f"simulator: 8x RTX 4090, seq 2048, {m} microbatches, host optimizer "
+          f"{args.optimizer_rate:.0e} params/s, "
+          f"{args.rows or 2048 * m:,} embedding rows looked up per call")
     print(f"{'model':14s} {'call, no step':>13s} {'call + steps':>12s} {'overlap':>9s} "
           f"{'stale':>9s} {'overlap/stale':>13s} {'ceiling':>8s} {'free last step':>14s} "
           f"{'stale, own plan':>15s} {'overlap/it':>10s}")

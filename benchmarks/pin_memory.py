@@ -150,7 +150,9 @@ def main() -> None:
               f"{r['copied'] / mib:.0f} | {r['registered'] / mib:.0f} | "
               f"{r['pageable'] / mib:.0f} | {r['step_s']:.2f} |")
     losses = {r["mode"]: r["loss"] for r in rows}
-    print(f"\nlast loss per mode (must agree): {losses}")
+    same = len(set(losses.values())) == 1
+    print(f"\nlast loss per mode (must agree): {losses}: "
+          f"{'equal' if same else 'DIFFERENT'}")
     for r in rows:
         print(f"{r['mode']}: at the end RSS growth {r['end'] / mib:.0f} MiB = file-backed "
               f"{r['file'] / mib:.0f} + anonymous {r['anon'] / mib:.0f} MiB; adapter "
@@ -162,6 +164,8 @@ def main() -> None:
             verdict = "OK" if host <= limit else "OVER"
             print(f"off: host growth {host / mib:.0f} MiB <= 1.1 x file + pool = "
                   f"{limit / mib:.0f} MiB: {verdict}")
+    if not same:
+        raise SystemExit(f"the pin modes trained differently: {losses}")
 
 
 if __name__ == "__main__":

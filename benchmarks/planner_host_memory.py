@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--json", action="store_true", help="also print the numbers as JSON")
     args = p.parse_args()
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:      # see the module docstring
         os.execve(sys.executable, [sys.executable, *sys.argv],
@@ -85,9 +86,24 @@ def main() -> None:
                        staged_grads=False)
     devices = sum(pipe.peak_memory())
     predicted = host.total + devices
-    print(json.dumps(dict(measured=measured, predicted=predicted, host=host.as_dict(),
-                          devices=devices, plan=pipe.plan.to_text(),
-                          error=predicted / measured - 1)))
+    params = sum(q.numel() for q in pipe.parameters())
+    print(f"random Qwen3, {args.layers} blocks of hidden {args.hidden}, vocab {args.vocab} "
+          f"({params / 1e9:.2f}B parameters, fp32 masters); bf16 compute, "
+          f"{args.workers} emulated workers, {args.microbatches} microbatches of "
+          f"{args.batch // args.microbatches} x {args.seq} tokens, AdamW, 2 steps of one "
+          f"call; torch threads {torch.get_num_threads()}; plan {pipe.plan.to_text()}")
+    print(f"{'term':18s} {'GB':>8s}")
+    for name, value in host.as_dict().items():
+        if value and name != "total":
+            print(f"{name:18s} {value / 1e9:8.3f}")
+    print(f"{'emulated devices':18s} {devices / 1e9:8.3f}")
+    print(f"{'predicted':18s} {predicted / 1e9:8.3f}")
+    print(f"{'measured (RSS)':18s} {measured / 1e9:8.3f}   "
+          f"prediction {predicted / measured - 1:+.1%}")
+    if args.json:
+        print(json.dumps(dict(measured=measured, predicted=predicted, host=host.as_dict(),
+                              devices=devices, plan=pipe.plan.to_text(),
+                              error=predicted / measured - 1)))
     pipe.close()
 
 

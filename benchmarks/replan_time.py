@@ -46,6 +46,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1)
     args = ap.parse_args()
+    print(f"planner search time, the best of {args.runs} run(s), in the caller's thread; "
+          f"torch threads {torch.get_num_threads()}; step simulated with the pipeline's "
+          f"estimated costs")
     print(f"{'model':17s} {'workers':>7s} {'mb':>3s} {'exact ms':>9s} {'ranked ms':>10s} "
           f"{'ranked / exact step':>20s}")
     ratios, times = [], {True: [], False: []}

@@ -40,23 +40,28 @@ def main(argv=None) -> None:
     if model is None:
         model = tempfile.mkdtemp()
         shutil.copy(SHIPPED, pathlib.Path(model) / "config.json")
-    available = int(args.available_gb * 1e9) if args.available_gb else available_ram()
-    print(f"{model}: RAM available {available / 1e9:.1f} GB")
-    print(f"{'run':44s} {'model state':>12s}  fits")
-    for lora in (False, True):
-        for mode in ("sync", "overlap", "stale"):
-            for state in ("fp32", "bf16", "int8"):
-                cfg = TrainConfig(model=model, dtype=args.dtype, lora=lora, lora_rank=16,
-                                  optimizer_mode=mode, optimizer_state=state)
-                mem = host_state(cfg, None)
-                what = f"{'LoRA r=16' if lora else 'full'}, {mode}, {state} state"
-                print(f"{what:44s} {mem.state / 1e9:10.1f} GB  "
-                      f"{'yes' if mem.state <= available else 'no'}")
-    cfg = TrainConfig(model=model, dtype=args.dtype, optimizer_mode="overlap")
     try:
-        print(check_host_ram(cfg, None, available=available))
-    except ConfigError as exc:
-        print(f"rotapipe train --model {model} --optimizer-mode overlap: {exc}")
+        available = int(args.available_gb * 1e9) if args.available_gb else available_ram()
+        print(f"{model}: RAM available {available / 1e9:.1f} GB")
+        print(f"{'run':44s} {'model state':>12s}  fits")
+        for lora in (False, True):
+            for mode in ("sync", "overlap", "stale"):
+                for state in ("fp32", "bf16", "int8"):
+                    cfg = TrainConfig(model=model, dtype=args.dtype, lora=lora,
+                                      lora_rank=16, optimizer_mode=mode,
+                                      optimizer_state=state)
+                    mem = host_state(cfg, None)
+                    what = f"{'LoRA r=16' if lora else 'full'}, {mode}, {state} state"
+                    print(f"{what:44s} {mem.state / 1e9:10.1f} GB  "
+                          f"{'yes' if mem.state <= available else 'no'}")
+        cfg = TrainConfig(model=model, dtype=args.dtype, optimizer_mode="overlap")
+        try:
+            print(check_host_ram(cfg, None, available=available))
+        except ConfigError as exc:
+            print(f"rotapipe train --model {model} --optimizer-mode overlap: {exc}")
+    finally:
+        if args.model is None:
+            shutil.rmtree(model, ignore_errors=True)
 
 
 if __name__ == "__main__":

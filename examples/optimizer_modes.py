@@ -83,6 +83,7 @@ def main():
     sync, overlap = runs["sync"][1], runs["overlap"][1]
     same = all(torch.equal(sync[k], overlap[k]) for k in sync)
     print(f"overlap weights == sync weights, bit for bit: {same}")
+    assert same and runs["overlap"][0] == runs["sync"][0], "overlap must equal sync"
     drift = max((runs["stale"][1][k] - sync[k]).abs().max().item() for k in sync)
     print(f"stale differs from sync by at most {drift:.2e} (one step stale)")
 

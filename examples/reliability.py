@@ -36,6 +36,7 @@ def main() -> None:
     net = model()
     with rotapipe.RoundPipe(net, nn.functional.mse_loss, config=config()) as pipe:
         pipe.attach_optimizer(torch.optim.AdamW(pipe.parameters(), lr=1e-3))
+        refused = []
         for i, (x, y) in enumerate(batches(4, bad=2)):
             before = [p.detach().clone() for p in pipe.parameters()]
             try:
@@ -44,18 +45,25 @@ def main() -> None:
                 same = all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))
                 print(f"raise: step {i} refused ({str(exc).splitlines()[0][:80]}...); "
                       f"weights unchanged: {same}")
+                assert same, "a refused call must leave the weights as they were"
+                refused.append(i)
+        assert refused == [2], refused          # only the corrupt batch
 
         # 2. One live pipeline per module: a second one over `net` is refused.
         try:
             rotapipe.RoundPipe(net, nn.functional.mse_loss, config=config())
         except rotapipe.ConfigError as exc:
             print("shared module:", str(exc)[:90], "...")
+        else:
+            raise AssertionError("a second pipeline over the same module was accepted")
 
     # 3. After close() (the end of the with-block) every call raises at once.
     try:
         pipe.train_step(*next(batches(1)))
     except rotapipe.PipelineClosedError as exc:
         print("closed:", str(exc)[:60], "...")
+    else:
+        raise AssertionError("a closed pipeline trained")
 
     # 4. nonfinite="skip" (rotapipe train's default): the bad step is skipped, counted.
     with rotapipe.RoundPipe(model(), nn.functional.mse_loss,
@@ -67,6 +75,7 @@ def main() -> None:
         print("skip: losses", [round(v, 4) for v in losses], "skipped steps:",
               pipe.nonfinite_skips, "weights finite:",
               all(torch.isfinite(p).all().item() for p in pipe.parameters()))
+        assert pipe.nonfinite_skips == 1
 
 
 if __name__ == "__main__":

@@ -32,14 +32,17 @@ from rotapipe.train.checkpoint import load_shards, save_consolidated, save_shard
 VOCAB, SEQ, GLOBAL = 64, 16, 8
 
 
-def build(shard: str | None, grad_dtype: str) -> rotapipe.RoundPipe:
+def model() -> torch.nn.Sequential:
     torch.manual_seed(0)
+    return tiny_gpt(vocab=VOCAB, dim=64, layers=4, seq=SEQ)
+
+
+def build(shard: str | None, grad_dtype: str) -> rotapipe.RoundPipe:
     dp = rotapipe.DataParallelConfig(shard=shard, grad_dtype=grad_dtype) if shard \
         else False
     config = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated",
                                  data_parallel=dp, clip_grad_norm=1.0)
-    return rotapipe.RoundPipe(tiny_gpt(vocab=VOCAB, dim=64, layers=4, seq=SEQ), lm_loss,
-                              config=config,
+    return rotapipe.RoundPipe(model(), lm_loss, config=config,
                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
 
 
@@ -51,14 +54,14 @@ def rank_main(args) -> None:
     info = distributed.init_from_env(timeout_s=120)
     with build(args.shard, args.grad_dtype) as pipe:
         held = sum(q.numel() for q in pipe.parameters())
-        total = sum(p.numel() for p in pipe.layerset.params if p.requires_grad)
+        total = sum(p.numel() for p in model().parameters())   # the whole model
         for step in range(args.steps):
             x, y = distributed.shard_batch(batch(step))
             loss = pipe.train_step(x, y)
             if info.is_main:
                 print(f"step {step}: loss {loss:.4f} (global mean), grad norm "
                       f"{pipe.last_grad_norm:.3f}")
-        traffic = pipe._shard.traffic
+        traffic = pipe._shard.traffic             # internal counters, not public API
         print(f"rank {info.rank}: steps {held:,} of {total:,} fp32 master elements "
               f"({held / total:.0%}); sent {traffic.scatter_bytes / 2**20:.2f} MiB of "
               f"gradients, {traffic.gather_bytes / 2**20:.2f} MiB of weights")

@@ -18,6 +18,7 @@ from rotapipe.plan import LayerCost, ModelCosts, even_plan
 from rotapipe.runtime.emulation import TimedEmulation
 
 x, y = stride_batch(8, 16, vocab=64)
+curves = {}
 for pin in ("copy", "register", "off"):
     torch.manual_seed(0)
     pipe = rotapipe.RoundPipe(tiny_gpt(64, 64, 4, seq=16), lm_loss, config=rotapipe.PipeConfig(
@@ -27,6 +28,8 @@ for pin in ("copy", "register", "off"):
     stats = {k: v for k, v in pipe.pinning.stats.items() if v}
     print(f"pin={pin:8s} losses {' '.join(f'{l:.6f}' for l in losses)}  host bytes {stats}")
     pipe.close()
+    curves[pin] = losses
+assert curves["copy"] == curves["register"] == curves["off"], curves   # bit for bit
 
 layers = 8
 costs = ModelCosts(tuple(LayerCost(f"layer{i}", 4.0, 8.0, 4.0, 20.0, 2.0, weight_bytes=2**20)
