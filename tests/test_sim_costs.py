@@ -62,11 +62,11 @@ def _layer_params(wrapped) -> list[int]:
     return out
 
 
-NOT_COUNTED = ("jetmoe", "falcon_h1", "gemma4")
+NOT_COUNTED = ("jetmoe", "falcon_h1", "gemma4", "xlstm")
 """Families the adapter trains (``hf_models.FAMILIES``) whose blocks the cost model
 does not count (JetMoE's mixture of attention heads, Falcon-H1's state-space mixers
-beside attention, Gemma 4's per-layer variants): priced as Llama-style blocks, and
-``rotapipe plan`` says so."""
+beside attention, Gemma 4's per-layer variants, xLSTM's mLSTM blocks): priced as
+Llama-style blocks, and ``rotapipe plan`` says so."""
 
 
 def test_families_the_cost_model_does_not_count_are_named_so():

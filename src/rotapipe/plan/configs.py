@@ -33,7 +33,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
             "olmoe", "flex_olmo", "phimoe", "exaone", "exaone4", "seed_oss", "minimax_m2",
             "arcee", "apertus", "granitemoe", "granitemoeshared", "helium", "internlm3",
             "ministral3", "minicpm3", "vaultgemma", "cwm", "solar_open", "youtu",
-            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+            "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "hyperclovax")
 """``model_type`` values whose blocks :func:`~rotapipe.plan.model_work` counts as their family builds
 them (``transformers`` 5.24; ``tests/test_sim_costs.py`` builds each family's default
 config on the meta device and compares every block); another ``model_type`` is
@@ -284,6 +284,8 @@ def _norms(cfg: Mapping, kind: str, h: int) -> tuple[int, int]:
         return 0, 0                                # parameter-free LayerNorms
     if kind in ("gemma2", "gemma3_text", "glm4"):
         return 4 * h, h                            # pre- and post-norms, both sublayers
+    if kind == "hyperclovax":                      # peri-layer norms (use_post_norm)
+        return (4 * h if cfg.get("use_post_norm", True) else 2 * h), h
     if kind in ("cohere", "cohere2"):
         return h, h                                # one norm, parallel sublayers
     if kind in ("gpt_neox", "gpt_neox_japanese", "starcoder2"):
