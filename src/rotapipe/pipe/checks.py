@@ -172,7 +172,8 @@ def _required_args(fn, skip: int = 0) -> list[str]:
 
 def check_optimizer_step(optimizer) -> None:
     """Refuse an optimizer whose ``step()`` needs a closure (``LBFGS``): the pipeline
-    steps it with none, on its own thread, after the gradients are in."""
+    steps it with none, on its own thread, after the gradients are in; and one with
+    ``capturable=True`` over host parameters, which torch refuses to step."""
     # The class's method, less ``self`` (an instance may hold a patched step).
     needed = _required_args(type(optimizer).step, skip=1)
     if needed:
@@ -181,6 +182,15 @@ def check_optimizer_step(optimizer) -> None:
             "the loss itself), and the pipeline steps the optimizer once per step with "
             "none: use an optimizer that steps from the gradients alone (SGD, Adam, "
             "AdamW, ...)")
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("capturable") and any(p.device.type == "cpu" for p in group["params"]):
+            # torch refuses it at the first step, which then failed the call (in sync
+            # reported as partly stepped, though nothing had changed).
+            raise ConfigError(
+                f"{type(optimizer).__name__} has capturable=True (param group {i}), which "
+                "torch.optim runs only on accelerator parameters, and the pipeline's "
+                "optimizer steps the fp32 masters in host (CPU) memory: build it with "
+                "capturable=False (fused=True is the fast choice on the CPU)")
 
 
 class OptimizerParams:

@@ -23,7 +23,19 @@ if typing.TYPE_CHECKING:
 
 __all__ = ["OverlapStep"]
 
-_HYPER = ("lr", "momentum", "betas")     # what torch.optim.lr_scheduler changes
+# What torch.optim.lr_scheduler changes, and weight_decay (a weight-decay schedule set
+# by the caller after each step, as some training recipes do).
+_HYPER = ("lr", "momentum", "betas", "weight_decay")
+
+
+def _value(v):
+    """A setting's value now: a tensor ``lr`` (or ``betas``) is changed in place by a
+    scheduler (``fill_``), so the tensor itself would always equal itself."""
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else tuple(v.flatten().tolist())
+    if isinstance(v, tuple):
+        return tuple(_value(x) for x in v)
+    return v
 
 
 class OverlapStep(CallHook):
@@ -251,13 +263,13 @@ class OverlapStep(CallHook):
         self.hyper = self._hyper_now()
 
     def _hyper_now(self) -> list[dict]:
-        return [{k: g[k] for k in _HYPER if k in g} for g in self.opt.param_groups]
+        return [{k: _value(g[k]) for k in _HYPER if k in g} for g in self.opt.param_groups]
 
     def _same_hyper(self) -> None:
         """Refuse a step whose stages would step with different learning rates: the
-        caller changed a group's ``lr`` (``momentum``, ``betas``) while this call's
-        step was under way, typically a scheduler stepped right after ``train_step``
-        returned. The call then fails and its stages' steps are undone. Compared with
+        caller changed a group's ``lr`` (``momentum``, ``betas``, ``weight_decay``)
+        while this call's step was under way, typically a scheduler stepped right after
+        ``train_step`` returned. The call then fails and its stages' steps are undone. Compared with
         the settings as the call was issued (:meth:`pin_hyper`) or, with a scheduler
         attached (the pipeline steps it after the previous step), as the first
         stage's step saw them."""
@@ -289,8 +301,10 @@ class OverlapStep(CallHook):
         if self.max_norm is not None and self.norms:
             norms = [self.norms[pid] for pid in self.host.trainable if pid in self.norms]
             self.owner.last_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+        written = set(self.stepped)
         if self.overflow:
             self._undo(grads=False)
+            written = set()
         elif self.max_norm is not None and self.norms and self._needs_clipping():
             # The total norm is known only now: undo the speculative steps and redo one
             # whole step on the clipped gradients (exact, not overlapped).
@@ -310,8 +324,16 @@ class OverlapStep(CallHook):
             self.owner.states.step(self.opt, [self.params[pid] for pid in pids])
             self.changed = None
             self.host.write_back(pids, view=self.view)
+            written = set(pids)
             if self.cost is not None:
                 self.cost(pids)
+        if self.view is not None:
+            # stale: the calls two steps later read this set, which still holds the
+            # weights one step older: every master goes there, also those the step
+            # left alone (no gradient in this step, or the step skipped and undone,
+            # which put the older weights back: only a failed call's retry reads those).
+            self.host.write_back([pid for pid in self.host.trainable if pid not in written],
+                                 view=self.view)
         for pid in self.host.trainable:
             self.params[pid].grad = None
         self.host.samples = 0.0
