@@ -130,3 +130,33 @@ def test_gradients_stay_charged_until_their_download_ends(monkeypatch):
     assert seen, "no download had more than one chunk"
     uncharged = [(key, i) for key, i, ok in seen if not ok]
     assert not uncharged, uncharged
+
+
+def test_a_download_keeps_what_it_reads_charged_until_its_copy_ends():
+    """An activation download pops the worker's tensor (uncharging it) and then copies
+    it to the host; on a GPU the caching allocator frees stream-ordered, so that memory
+    is held until the copy has completed. The meter keeps it charged until the download
+    stream's function returns (with a timed emulation, after the copy's duration).
+    Before, it dropped the bytes at the pop: during every activation download of a
+    1-worker run the meter read one activation (4 KiB here) less than the GPU holds."""
+    from rotapipe.runtime.store import Store
+    from rotapipe.schedule import Lane
+
+    dev = EmulatedDevice(0)
+    try:
+        store = Store("w0", dev)
+        key = ("out", "F0", 0, 1)
+        store.put(key, dev.upload(torch.zeros(1024)))
+        seen: list = []
+
+        def download_act():          # as Kernels._download_act: pop, then copy
+            y = store.pop(key)
+            seen.append(dev.memory_in_use())
+            dev.download(y)
+            seen.append(dev.memory_in_use())
+        dev.stream(Lane.DOWNLOAD).submit(download_act, seen.append, threading.Event(), "DA")
+        assert dev.drain(5)
+        assert seen == [4096, 4096], seen
+        assert dev.memory_in_use() == 0 and dev.peak_memory() == 4096
+    finally:
+        dev.close(5)

@@ -29,6 +29,10 @@ from .transfer import DOWN, UP, CopyEngine, direction
 # lock guards that process-wide resource; it is the only module-level state here.
 _CPU_RNG_LOCK = threading.Lock()
 
+# Frees made by the function a download stream is running: [device, bytes] entries,
+# counted until that function has returned (see EmulatedDevice.free).
+_STREAM_FREES = threading.local()
+
 
 class EmulatedEvent(Event):
     def __init__(self, notify=None):
@@ -62,10 +66,12 @@ class EmulatedStream(Stream):
     issued back to back on one stream reach the engine together), and runs when the
     engine serves it."""
 
-    def __init__(self, name: str, engine: CopyEngine | None = None, owner: int = 0):
+    def __init__(self, name: str, engine: CopyEngine | None = None, owner: int = 0,
+                 downloads: bool = False):
         self.name, self.owner = name, owner     # owner: the id of its device
         self.actor = Actor(name)
         self.engine = engine
+        self.downloads = downloads   # frees in its functions wait for them to return
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waits = 0             # blocking waits submitted
@@ -155,12 +161,17 @@ class EmulatedStream(Stream):
             return
         start = self.engine.acquire(ticket) if ticket is not None else None
         self.actor.tick()
+        held = _STREAM_FREES.pending = [] if self.downloads else None
         try:
             with self.actor:
                 fn()
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             on_error(exc)
         finally:
+            _STREAM_FREES.pending = None
+            for device, nbytes in held or ():
+                if nbytes:
+                    device.free(nbytes)
             if ticket is not None:
                 self.engine.release(ticket, what, start)
 
@@ -185,7 +196,8 @@ class EmulatedDevice(Device):
                      Lane.GRADS):
             d = direction(lane)
             self._streams[lane] = EmulatedStream(f"w{index}.{lane.value}",
-                                                 self.engines[d] if d else None, id(self))
+                                                 self.engines[d] if d else None, id(self),
+                                                 downloads=d == DOWN)
         self._lock = threading.Lock()
         self._used = 0
         self._peak = 0
@@ -231,6 +243,7 @@ class EmulatedDevice(Device):
                 torch.default_generator.set_state(state)
 
     def allocate(self, nbytes: int, what: str) -> None:
+        nbytes -= self._reuse(nbytes)
         with self._lock:
             if self.budget is not None and self._used + nbytes > self.budget:
                 raise DeviceOutOfMemoryError(
@@ -242,8 +255,28 @@ class EmulatedDevice(Device):
             self._peak = max(self._peak, self._used)
 
     def free(self, nbytes: int) -> None:
+        pending = getattr(_STREAM_FREES, "pending", None)
+        if pending is not None:
+            # Let go by a download while its copy still reads it: a GPU's caching
+            # allocator frees stream-ordered (record_stream), so the memory returns to
+            # other streams when the copy has completed. Counted until the stream's
+            # function returns (with a timed emulation, after the copy's duration).
+            pending.append([self, nbytes])
+            return
         with self._lock:
             self._used -= nbytes
+
+    def _reuse(self, nbytes: int) -> int:
+        """Bytes of an allocation served by what the download stream running it freed
+        in its current function (still counted): the same stream reuses its own frees
+        in stream order, as the CUDA caching allocator does."""
+        reused = 0
+        for entry in getattr(_STREAM_FREES, "pending", None) or ():
+            if entry[0] is self and reused < nbytes:
+                take = min(entry[1], nbytes - reused)
+                entry[1] -= take
+                reused += take
+        return reused
 
     def memory_in_use(self):
         return self._used
