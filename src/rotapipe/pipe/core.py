@@ -35,6 +35,7 @@ from ..runtime.allreduce import GradReducer
 from ..runtime.backend import Device
 from ..runtime.batch import as_tree
 from ..runtime.calls import CallRunner, CallStream, StepResult, check_stage_budget
+from ..runtime.callstream import deferred_interrupt
 from ..runtime.devices import make_devices
 from ..runtime.dispatchers import on_worker_thread
 from ..runtime.host import HostState, LossScaler
@@ -325,8 +326,9 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
             self._flush()
             if self._shard is not None:
                 self._agree.before_step(self.data_parallel)
-            stepped = self._host_opt.sync_step(self.optimizer, self._optimizer_cost)
-            self._after_step()
+            with deferred_interrupt():      # a Ctrl-C waits for the whole step
+                stepped = self._host_opt.sync_step(self.optimizer, self._optimizer_cost)
+                self._after_step()
             return stepped
 
     def _need_optimizer(self) -> None:

@@ -7,9 +7,12 @@ the calls completed. The machinery that runs one call is ``calls.py``'s
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
@@ -21,7 +24,35 @@ from .store import Store
 if TYPE_CHECKING:
     from .calls import CallRunner
 
-__all__ = ["Call", "CallStream", "StepResult", "timeline"]
+__all__ = ["Call", "CallStream", "StepResult", "timeline", "deferred_interrupt"]
+
+
+@contextmanager
+def deferred_interrupt():
+    """Hold a Ctrl-C (``SIGINT``) that arrives on the main thread until the block is
+    done, then deliver it: a commit or a whole optimizer step run by the caller's
+    thread is not cut part-way (which would leave the state at no step boundary), and
+    the ``KeyboardInterrupt`` comes right after it, the step kept. Elsewhere (another
+    thread, a handler other than a Python function) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        before = signal.getsignal(signal.SIGINT)
+    except ValueError:              # no signals here (a subinterpreter)
+        yield
+        return
+    if not callable(before):        # SIG_IGN, SIG_DFL or a handler not set from Python
+        yield
+        return
+    held: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if held:
+        before(signal.SIGINT, held[0])
 
 
 @dataclass(frozen=True)
@@ -88,6 +119,12 @@ class Call:
             return
         if self.reduce is not None:
             self.reduce.finish()        # the reduced gradients are in place
+        # A Ctrl-C meanwhile waits for the end of the commit (and the scheduler's step):
+        # the call is then kept whole, as if it had come a moment later.
+        with deferred_interrupt():
+            self._commit()
+
+    def _commit(self) -> None:
         try:
             self.hook.commit()
         except BaseException:
@@ -151,6 +188,7 @@ class CallStream:
         return self.committed + len(self.inflight)
 
     def submit(self, call: Call) -> None:
+        self._recover()
         r = self.runner
         if self.session is None:
             self.session = r.executor.open(r.runner.run, r.where, r.runner.chunks,
@@ -189,6 +227,7 @@ class CallStream:
     def reap(self, keep: int) -> list[Call]:
         """Complete the oldest calls until at most ``keep`` are in flight (committing
         those that commit after the call); return them."""
+        self._recover()
         done = []
         while len(self.inflight) > keep:
             c = self.inflight[0]
@@ -227,6 +266,14 @@ class CallStream:
         self.session = None
         self.index, self.step_ends = 0, []
 
+    def _recover(self) -> None:
+        """Finish an abort that a Ctrl-C cut short while the workers drained (the
+        session is killed, its calls still listed): undo them now, as :meth:`_fail`
+        would have, instead of waiting for calls that will never complete."""
+        session = self.session
+        if session is not None and session.abort.is_set() and session.failure is None:
+            self._fail(KeyboardInterrupt())
+
     def _guarded(self, fn: Callable[[], None]) -> None:
         try:
             fn()
@@ -238,25 +285,28 @@ class CallStream:
         """Abort the session, keep what committed, undo the rest (newest first)."""
         session = self.session
         if session is not None and session.failure is None:
+            # A second Ctrl-C while the workers drain leaves the calls aborted but not
+            # undone: the next use of the stream finishes the abort (:meth:`_recover`).
             session.kill()
-        kept = [c for c in self.inflight if c.committed]
-        partly = [c for c in self.inflight if not c.committed and c.partly is not None]
-        dropped = [c for c in self.inflight if not c.committed and c.partly is None]
-        for c in reversed(dropped):
-            c.hook.abort()
-        for c in partly:
-            c.hook.keep_changes()      # the workers have stopped: nothing reads the copies
-        for c in self.inflight:
-            self.runner.end(c.index)
-            _unlink(c)
-        for c in kept:
-            self.results[c.number] = c.result
-        self.committed += len(kept) + len(partly)
-        self.inflight = []
-        # The next call uploads the compute copies it would have (stale keeps two
-        # sets), as if the discarded calls had never run.
-        self.steps -= sum(1 for c in dropped if c.step)
-        self._reset()
+        with deferred_interrupt():      # the undo is not cut part-way
+            kept = [c for c in self.inflight if c.committed]
+            partly = [c for c in self.inflight if not c.committed and c.partly is not None]
+            dropped = [c for c in self.inflight if not c.committed and c.partly is None]
+            for c in reversed(dropped):
+                c.hook.abort()
+            for c in partly:
+                c.hook.keep_changes()  # the workers have stopped: nothing reads the copies
+            for c in self.inflight:
+                self.runner.end(c.index)
+                _unlink(c)
+            for c in kept:
+                self.results[c.number] = c.result
+            self.committed += len(kept) + len(partly)
+            self.inflight = []
+            # The next call uploads the compute copies it would have (stale keeps two
+            # sets), as if the discarded calls had never run.
+            self.steps -= sum(1 for c in dropped if c.step)
+            self._reset()
         if kept or partly or dropped:
             note = "calls in flight when it failed: " + self._fates(kept, partly, dropped)
             if exc.args and isinstance(exc.args[0], str):

@@ -177,8 +177,8 @@ class Session:
         self.abort.set()
         self.close()
         if not self._drained:
-            self._drained = True
             self.ex._drain(self.describe_running)
+            self._drained = True        # not before: a Ctrl-C in the drain drains again
 
     def describe_running(self) -> str:
         """The actions running now, oldest first, with their worker and for how long."""
