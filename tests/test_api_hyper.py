@@ -159,3 +159,20 @@ def test_a_weight_decay_changed_during_a_step_is_refused(mode):
         assert pipe.calls == 0 and not opt.state
         for k, v in pipe.state_dict().items():
             assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_step_results_keep_each_steps_rate_with_a_tensor_lr(mode):
+    """``step_result(c).lrs`` held the tensor ``lr`` itself, which the scheduler then
+    changes in place: every call reported the current rate (0.0025 for all three)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)
+    with rotapipe.RoundPipe(model(), mse, config=emulated(2, 2, optimizer_mode=mode)) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=torch.tensor(0.01))
+        pipe.attach_optimizer(opt, scheduler=torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: 1 / (step + 1)))
+        for _ in range(3):
+            pipe.train_step(x, y)
+        lrs = [pipe.step_result(c).lrs for c in range(3)]
+    assert lrs == [(pytest.approx(0.01),), (pytest.approx(0.005),),
+                   (pytest.approx(0.01 / 3),)]

@@ -357,7 +357,8 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         """Right after a call's optimizer step (on its thread): what it did, then the
         scheduler's step."""
         opt = self.optimizer
-        result = StepResult(tuple(g["lr"] for g in opt.param_groups), self._host_opt.last_norm
+        lrs = tuple(float(g["lr"]) for g in opt.param_groups)   # a tensor lr: its value
+        result = StepResult(lrs, self._host_opt.last_norm
                             if self.config.clip_grad_norm is not None else None,
                             self._host_opt.last_skipped)
         if self.scheduler is not None:
