@@ -269,8 +269,8 @@ class OverlapStep(CallHook):
         """Refuse a step whose stages would step with different learning rates: the
         caller changed a group's ``lr`` (``momentum``, ``betas``, ``weight_decay``)
         while this call's step was under way, typically a scheduler stepped right after
-        ``train_step`` returned. The call then fails and its stages' steps are undone. Compared with
-        the settings as the call was issued (:meth:`pin_hyper`) or, with a scheduler
+        ``train_step`` returned. The call then fails and its stages' steps are undone.
+        Compared with the settings as the call was issued (:meth:`pin_hyper`) or, with a scheduler
         attached (the pipeline steps it after the previous step), as the first
         stage's step saw them."""
         now = self._hyper_now()
