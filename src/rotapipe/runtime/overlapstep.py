@@ -270,9 +270,9 @@ class OverlapStep(CallHook):
         caller changed a group's ``lr`` (``momentum``, ``betas``, ``weight_decay``)
         while this call's step was under way, typically a scheduler stepped right after
         ``train_step`` returned. The call then fails and its stages' steps are undone.
-        Compared with the settings as the call was issued (:meth:`pin_hyper`) or, with a scheduler
-        attached (the pipeline steps it after the previous step), as the first
-        stage's step saw them."""
+        Compared with the settings as the call was issued (:meth:`pin_hyper`) or, with
+        a scheduler attached (the pipeline steps it after the previous step), as the
+        first stage's step saw them."""
         now = self._hyper_now()
         if self.hyper is None:
             self.hyper = now
