@@ -174,6 +174,17 @@ def _attributes(module: nn.Module) -> dict[str, tuple]:
     return {k: _seen(k, v) for k, v in vars(module).items() if k not in _STATE}
 
 
+def _changed(module: nn.Module, seen: dict[str, tuple]):
+    """``(name, value)`` of each attribute of ``module`` set or replaced since ``seen``
+    (:func:`_attributes`) was taken."""
+    for k, v in list(vars(module).items()):
+        if k in _STATE:
+            continue
+        was = seen.get(k)
+        if was is None or was[0] is not v or (was[1] is not None and was[1] != tuple(v)):
+            yield k, v
+
+
 class Shell:
     """A parameterless copy of one layer into which device tensors are bound."""
 
@@ -210,13 +221,7 @@ class Shell:
         memo = None
         for om, sm, seen in self._pairs:
             sm.training = om.training
-            for k, v in vars(om).items():
-                if k in _STATE:
-                    continue
-                was = seen.get(k)
-                if was is not None and was[0] is v and \
-                        (was[1] is None or was[1] == tuple(v)):
-                    continue
+            for k, v in _changed(om, seen):
                 if memo is None:      # the layer's own tensors and modules map to ours
                     memo = self._memo()
                 try:
@@ -229,17 +234,8 @@ class Shell:
         """Whether :meth:`follow` would change anything: a train/eval flag or an
         attribute the user set or replaced since (read only: safe with calls in
         flight)."""
-        for om, sm, seen in self._pairs:
-            if sm.training != om.training:
-                return True
-            for k, v in vars(om).items():
-                if k in _STATE:
-                    continue
-                was = seen.get(k)
-                if was is None or was[0] is not v or \
-                        (was[1] is not None and was[1] != tuple(v)):
-                    return True
-        return False
+        return any(sm.training != om.training or next(_changed(om, seen), None)
+                   for om, sm, seen in self._pairs)
 
     def _memo(self) -> dict[int, object]:
         """What a copy of a changed attribute maps to, as when the shell was made: the
