@@ -33,6 +33,13 @@ def mlp() -> nn.Sequential:
                          nn.Linear(16, 4))
 
 
+def assert_like_plain(got: float, want: torch.Tensor, params, ref_params) -> None:
+    """The call's loss and every gradient equal plain PyTorch's, element by element."""
+    assert got == pytest.approx(want.item(), rel=RTOL, abs=ATOL)
+    for i, (p, q) in enumerate(zip(params, ref_params)):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=f"param {i}")
+
+
 def _grad_inputs():
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
     return x.clone().requires_grad_(), torch.randn(6, 4)
@@ -74,9 +81,7 @@ def test_a_batch_that_requires_grad_is_refused_before_anything_runs(make, match)
         got = pipe.forward_backward(x, y)
         want = loss(ref(x), y)
         want.backward()
-        assert got == pytest.approx(want.item(), rel=RTOL, abs=ATOL)
-        for p, q in zip(pipe.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        assert_like_plain(got, want, pipe.parameters(), ref.parameters())
 
 
 class _First(nn.Module):
@@ -103,9 +108,7 @@ def test_loss_weight_may_count_with_numpy():
         got = pipe.forward_backward(x, y)
     want = _token_loss(ref(x), y)
     want.backward()
-    assert got == pytest.approx(want.item(), rel=RTOL, abs=ATOL)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    assert_like_plain(got, want, model.parameters(), ref.parameters())
 
 
 def test_a_tokenizers_batch_encoding_trains_and_evaluates_as_its_dict():
@@ -189,9 +192,7 @@ def test_a_mapping_inside_the_batch_is_split_like_a_dict():
     with rotapipe.RoundPipe([_Pair(), *mlp()], nn.functional.mse_loss,
                             config=emulated(2, 3)) as pipe:
         got = pipe.forward_backward((UserDict(x=x), scale), y)
-        assert got == pytest.approx(want.item(), rel=RTOL, abs=ATOL)
-        for p, q in zip(pipe.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        assert_like_plain(got, want, pipe.parameters(), ref.parameters())
         with torch.no_grad():
             torch.testing.assert_close(pipe((UserDict(x=x), scale)),
                                        ref(x * scale[:, None]), rtol=RTOL, atol=ATOL)
@@ -216,10 +217,7 @@ def test_a_microbatch_whose_labels_are_all_ignored_adds_nothing(mode, grain):
         pipe.flush()
         want = _token_loss(ref(x), y)
         want.backward()
-        torch.testing.assert_close(torch.as_tensor(float(loss)), want.detach(),
-                                   rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert_like_plain(loss, want, model.parameters(), ref.parameters())
 
 
 @pytest.mark.parametrize("mode", ["overlap", "stale"])
