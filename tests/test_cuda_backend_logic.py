@@ -345,3 +345,19 @@ def test_a_gpu_out_of_memory_is_a_device_out_of_memory_error(fake_cuda):
         for d in devices:
             d.stop()
             d.close()
+
+
+def test_a_layer_seed_leaves_the_callers_gpu_generator_where_it_was(fake_cuda):
+    """A layer draws from its seed on the GPU's generator; the caller's own draws on
+    that GPU continue their stream afterwards as if no layer had run (before, the GPU
+    generator was left seeded with the last layer's seed)."""
+    from rotapipe.runtime import cuda
+    dev = cuda.CudaDevice(1)          # the real ``seeded``: the stand-in generators
+    gen = torch.cuda.default_generators[1]
+    gen.manual_seed(1234)
+    want = torch.rand(5, generator=torch.Generator().manual_seed(1234))
+    with dev.seeded(99):
+        inside = torch.rand(3, generator=gen)
+    torch.testing.assert_close(inside, torch.rand(3, generator=torch.Generator().manual_seed(99)),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(torch.rand(5, generator=gen), want, rtol=0, atol=0)

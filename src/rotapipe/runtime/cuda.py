@@ -153,8 +153,19 @@ class CudaDevice(Device):
 
     @contextmanager
     def seeded(self, seed):
-        torch.cuda.default_generators[self.index].manual_seed(seed)
-        yield
+        # Seed the GPU's generator for the layer and put the caller's state back, as
+        # emulated workers do with the CPU's: a plain-PyTorch loop that draws on this
+        # GPU between steps must not get numbers that depend on the model's last layer
+        # seed. A kernel takes its Philox seed and offset when it is queued (the
+        # generator advances its offset on the host), so putting the state back once
+        # the layer's kernels are queued changes none of them.
+        gen = torch.cuda.default_generators[self.index]
+        state = gen.get_state()
+        gen.manual_seed(seed)
+        try:
+            yield
+        finally:
+            gen.set_state(state)
 
     def allocate(self, nbytes, what):
         # The real allocator raises torch.cuda.OutOfMemoryError itself; we only count.
