@@ -1,6 +1,7 @@
 """Train/eval flags between training calls: ``pipe.train()`` / ``pipe.eval()`` set the
 mode of the next call in every optimizer mode, also while earlier calls still drain
-(``overlap``), against plain PyTorch doing the same, element by element."""
+(``overlap``), against plain PyTorch doing the same, element by element; and what an
+evaluation between pipelined calls runs on and returns."""
 
 from __future__ import annotations
 
@@ -89,3 +90,39 @@ def test_mode_switch_keeps_the_call_in_flight_in_its_own_mode():
         got_eval = pipe.eval()(token_batch(8, 6, seed=9)[0])
     assert got == pytest.approx(want, rel=RTOL, abs=ATOL)
     torch.testing.assert_close(got_eval, want_eval, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap", "stale"])
+def test_evaluation_between_pipelined_calls_sees_every_step(mode):
+    """``pipe(x)`` after ``train_step`` runs on the weights with every step so far
+    applied (docs/guide.md, "Evaluation"): plain PyTorch's after the same steps. In
+    ``stale`` an evaluation applies the pending step first, so with one after every
+    step the run trains as ``sync`` does (the documented cost of evaluating there).
+    The output is the caller's own: fp32 CPU memory, no grad, kept across calls."""
+    model = tiny_transformer(widths=(24, 40))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x = token_batch(5, 6, seed=9)[0]
+    want, want_eval = [], []
+    for call in range(3):
+        want.append(reference_forward_backward(ref, *token_batch(8, 6, seed=call), 2, call))
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            want_eval.append(ref.eval()(x))
+        ref.train()
+    got, evals = [], []
+    with rotapipe.RoundPipe(model, lm_loss, config=emulated(2, 2, optimizer_mode=mode),
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.5)) as pipe:
+        for call in range(3):
+            got.append(pipe.train_step(*token_batch(8, 6, seed=call)))
+            evals.append(pipe.eval()(x))
+            pipe.train()
+        kept = [e.clone() for e in evals]
+        pipe.train_step(*token_batch(8, 6, seed=3))
+        pipe(x)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    for e, k, w in zip(evals, kept, want_eval):
+        assert e.dtype == torch.float32 and e.device.type == "cpu" and not e.requires_grad
+        assert torch.equal(e, k)
+        torch.testing.assert_close(e, w, rtol=RTOL, atol=ATOL)

@@ -76,7 +76,8 @@ class Inspection:
         Compute actions give the times the device ran them (timing events around
         them); copies and host work the times their bodies ran (on CUDA, when a copy
         was issued). With overlapping calls the timeline's schedule is what
-        ran: :func:`rotapipe.schedule.roundpipe_stale_schedule`'s calls."""
+        ran: :func:`rotapipe.schedule.roundpipe_stale_schedule`'s calls. ``None``
+        before a training call has completed (evaluation calls are not kept)."""
         self._check_open()
         if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
             raise ConfigError(f"last_timeline(calls={calls!r}): use an int >= 1 (the "
