@@ -11,6 +11,8 @@ sum over microbatches is Hugging Face's whole-batch loss, checked element by ele
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -178,3 +180,102 @@ def test_pipelined_calls_with_the_aux_loss_equal_hf_steps(mode, workers, microba
     w = dict(ref.named_parameters())
     for name, p in m.named_parameters():
         torch.testing.assert_close(p, w[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _glm4v_moe():
+    """GLM-4.5V shape: a vision-language wrapper whose routers are declared on its inner
+    text model only (``Glm4vMoeTextModel._can_record_outputs``), load-balancing loss on."""
+    text = dict(COMMON, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
+                first_k_dense_replace=1, output_router_logits=True, router_aux_loss_coef=0.5,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 0]},
+                num_experts_per_tok=2)
+    vision = dict(depth=1, hidden_size=16, num_heads=2, patch_size=2, spatial_merge_size=1,
+                  temporal_patch_size=1, out_hidden_size=32, intermediate_size=32,
+                  image_size=8)
+    config = transformers.Glm4vMoeConfig(text_config=text, vision_config=vision,
+                                         image_token_id=90, video_token_id=91,
+                                         image_start_token_id=92, image_end_token_id=93,
+                                         video_start_token_id=94, video_end_token_id=95)
+    for c in (config, config.text_config, config.vision_config):
+        c._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Glm4vMoeForConditionalGeneration(config)
+
+
+def _llama4():
+    """Llama 4 (text): routers declared on ``Llama4TextModel``, experts as batched
+    matmuls (no experts implementation to choose), no load-balancing loss."""
+    torch.manual_seed(0)
+    return transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        **COMMON, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+        intermediate_size_mlp=48, moe_layers=[0, 2], no_rope_layers=[1, 1, 1],
+        attn_implementation="eager"))
+
+
+def test_routers_declared_by_the_inner_text_model_train_with_the_aux_loss():
+    """GLM-4.5V declares its routers on the text model under the wrapper. They used to
+    be missed: with the load-balancing loss on, wrap_hf refused the model ("forward
+    failed when run with stub decoder layers"), and without it routing was never
+    replayed. Now the loss (with the aux term) and every gradient equal its own."""
+    model = _glm4v_moe()
+    wrapped = rotapipe.adapters.wrap_hf(clone(model))
+    assert wrapped.parts["routers"] == ["mlp.gate"]
+    assert wrapped.loss_fn.moe == moe.MoESpec(num_experts=4, top_k=2, coef=0.5)
+    ref, m = clone(model), clone(model)
+    want = hf_backward(ref, *batch())
+    got = pipe_backward(m, *batch(), 2, 2)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
+def test_llama4_routers_replay_and_an_aux_loss_it_lacks_is_refused(monkeypatch, caplog):
+    """Llama 4's routers (declared on its inner model) are found and replayed in
+    recompute; ``moe_aux_loss=True`` is refused (transformers has no load-balancing loss
+    for it), where it used to be ignored silently; and its batched-matmul experts draw
+    no "eager experts" warning (``set_experts_implementation`` refuses the family)."""
+    model = _llama4()
+    with caplog.at_level(logging.WARNING, logger="rotapipe.adapters.moe"):
+        wrapped = rotapipe.adapters.wrap_hf(clone(model))
+    assert "eager" not in caplog.text
+    assert [len(layer.routers) for layer in wrapped.layers[1:-1]] == [1, 0, 1]
+    with pytest.raises(rotapipe.adapters.AdapterError, match="no load_balancing_loss_func"):
+        rotapipe.adapters.wrap_hf(clone(model), moe_aux_loss=True)
+    replayed = []
+    replay = moe.RoutingLog.replay
+
+    def counting_replay(self, key, device):
+        out = replay(self, key, device)
+        replayed.append(out is not None)
+        return out
+    monkeypatch.setattr(moe.RoutingLog, "replay", counting_replay)
+    ref, m = clone(model), clone(model)
+    want = hf_backward(ref, *batch())
+    got = pipe_backward(m, *batch(), 2, 2)
+    assert sum(replayed) == 2 * 2          # 2 sparse layers x 2 microbatches
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
+def test_accumulated_calls_weigh_each_calls_aux_loss_by_its_tokens():
+    """Two ``forward_backward`` calls before a step: each call's load-balancing loss is
+    over its own batch (as the model's forward on that batch), and each call's whole
+    loss counts by its share of the counted tokens, like the cross-entropy. Plain
+    PyTorch: the model's loss on each batch, times its token share, backpropagated."""
+    model = tiny("qwen3moe")
+    ids, mask, labels = batch(8, 7, seed=3)
+    parts = [(ids[:4], mask[:4], labels[:4]), (ids[4:], mask[4:], labels[4:])]
+    counted = [int((y[:, 1:] != -100).sum()) for _, _, y in parts]
+    ref = clone(model)
+    want = []
+    for (x, a, y), n in zip(parts, counted):
+        loss = ref(input_ids=x, attention_mask=a, labels=y).loss
+        (loss * n / sum(counted)).backward()
+        want.append(loss.item())
+    m = clone(model)
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
+                                          backend="emulated")) as pipe:
+        got = [pipe.forward_backward(wrapped.inputs(x, a), y) for x, a, y in parts]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)

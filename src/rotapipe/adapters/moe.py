@@ -59,17 +59,20 @@ class MoESpec:
 
 
 def router_class(model: nn.Module) -> tuple[type, int] | None:
-    """``(router module class, index of the logits in its output)`` from the model's
-    ``_can_record_outputs`` metadata, or ``None`` for a dense model."""
-    spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
-    if spec is None:
-        return None
-    if isinstance(spec, type):
-        return spec, 0
-    cls = getattr(spec, "target_class", None)
-    if cls is None:
-        return None
-    return cls, int(getattr(spec, "index", 0) or 0)
+    """``(router module class, index of the logits in its output)`` from the
+    ``_can_record_outputs`` metadata of the model or, where the causal LM does not
+    declare it, of the first submodule that does and whose router class the model
+    holds (Llama 4 and GLM-4.5V declare it on their inner text model only); ``None``
+    for a dense model."""
+    classes = {type(m) for m in model.modules()}
+    for m in model.modules():
+        spec = (getattr(m, "_can_record_outputs", None) or {}).get("router_logits")
+        if spec is None:
+            continue
+        cls = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
+        if cls is not None and any(issubclass(c, cls) for c in classes):
+            return cls, 0 if isinstance(spec, type) else int(getattr(spec, "index", 0) or 0)
+    return None
 
 
 def find_routers(block: nn.Module,
@@ -88,6 +91,11 @@ def warn_eager_experts(model: nn.Module) -> bool:
     in every forward and recompute). Returns whether it warned."""
     impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
     if impl != "eager":
+        return False
+    # A family whose experts do not dispatch on the setting (Llama 4's run as batched
+    # matmuls) reads "eager" too, and set_experts_implementation refuses it.
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and not can_set():
         return False
     logger.warning("%s runs its MoE experts with the 'eager' implementation: a loop over "
                    "experts with host syncs per expert in every forward and recompute "
