@@ -323,8 +323,10 @@ def test_emulated_oom_in_a_worker_is_clean_and_the_next_call_fits():
     # 4x all the model's weights: far more than a short-sequence call needs (its peak
     # is about one weight set per worker), far less than the one activation of a
     # 4 x 1000-token microbatch (4 * 1000 * 16 floats = 250 KiB) that F0 produces.
+    # The even partition: the runtime's own plan would refuse the long call before
+    # any work (tests/test_plan_memory_room.py); this test is about a worker's error.
     budget = 4 * weight_bytes
-    config = emulated(2, 2, device_memory=budget)
+    config = emulated(2, 2, device_memory=budget, partition="even")
     with rotapipe.RoundPipe(model, lm_loss, config=config) as pipe:
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         pipe.attach_optimizer(opt)

@@ -281,6 +281,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         """
         self._check_open()
         with self._lock:
+            self._fit_plan(inputs, labels)
             return self._train_call(inputs, labels, step=False)
 
     def train_step(self, inputs, labels) -> float:
@@ -302,6 +303,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         self._check_open()
         self._need_optimizer()
         with self._lock:
+            self._fit_plan(inputs, labels)
             return self._train_call(inputs, labels, step=True)
 
     def flush(self) -> None:
@@ -415,6 +417,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
             self._flush()
             self.host.follow_edits()
             M = min(self.config.microbatches, trees.batch_size(inputs, "inputs"))
+            self._fit_plan(inputs, None, M, training=False)
             schedule = self._schedule(False, M)
             M = schedule.microbatches
             if trees.batch_size(inputs, "inputs") < M:
@@ -486,6 +489,22 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
             return self._user_schedules[training]
         return self._calls.schedule(self.plan, training,
                                     microbatches or self.config.microbatches)
+
+    def _fit_plan(self, inputs, labels, microbatches: int | None = None,
+                  training: bool = True) -> None:
+        """Room for this call's activations (docs/planning.md, "The runtime's plan");
+        not with a schedule of the user's, nor data parallel (ranks keep one plan)."""
+        if self.data_parallel is None and (labels is not None) not in self._user_schedules:
+            new = self._planner.fit_call(
+                self.plan, self.layerset, as_tree(inputs), labels if labels is None else
+                as_tree(labels), microbatches or self.config.microbatches, self.host.dtype,
+                self.side_inputs, self.loss_fn if self.tail_context is None else None,
+                training)
+            if new is not None:
+                self._reaped(self._stream.drain())      # may refine it further
+                refiner = self._planner.refiner
+                self.plan = new = new if refiner is None else refiner.plan
+                self._calls.use_plan(new)
 
     def _flush(self) -> None:
         """Complete the calls in flight and make every set of compute copies follow the

@@ -6,11 +6,12 @@ A stage's *cost* is the time its job holds a worker: ``M`` microbatches of its c
 upload over PCIe if that is longer (the upload of a worker's next stage is hidden
 behind its current stage only if it is no longer). A stage *fits* when, on its worker,
 
-    resident(stage) + cap + working(stage) <= usable device memory,  resident <= cap
+    resident(stage) + prefetch * cap + working(stage) <= usable memory,  resident <= cap
 
 where ``resident`` is its weights (plus weight gradients for stages that run backward),
-``cap`` bounds the resident bytes of the stage prefetched beside it (at most two stages
-are resident per worker, see :mod:`rotapipe.schedule.roundpipe`), and ``working`` is
+``cap`` bounds the resident bytes of each stage prefetched beside it (with
+``PipeConfig.prefetch`` = ``prefetch``, at most ``prefetch + 1`` stages are resident per
+worker, see :mod:`rotapipe.schedule.roundpipe`), and ``working`` is
 one microbatch's working set (:meth:`Footprint.working`). This is a sufficient
 condition: a plan whose stages all fit never exceeds the limit.
 
@@ -61,17 +62,22 @@ class Footprint:
     grain: RecomputeGrain
     grad_bytes: tuple[int, ...]
     """Bytes of each layer's weight gradients on the device (0 for frozen layers)."""
+    prefetch: int = 1
+    """Stages whose weights a worker uploads ahead of the one it computes
+    (``PipeConfig.prefetch``): each is counted at the resident cap."""
 
     @classmethod
     def of(cls, costs: ModelCosts, microbatches: int,
            grain: RecomputeGrain = RecomputeGrain.STAGE,
-           grad_bytes: Sequence[int] | None = None) -> Footprint:
+           grad_bytes: Sequence[int] | None = None, prefetch: int = 1) -> Footprint:
         grads = tuple(grad_bytes) if grad_bytes is not None else \
             tuple(l.weight_bytes for l in costs.layers)
         if len(grads) != len(costs.layers):
             raise PlanError(f"grad_bytes has {len(grads)} entries for "
                             f"{len(costs.layers)} layers")
-        fp = cls(costs, microbatches, grain, grads)
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise PlanError(f"prefetch={prefetch!r} must be an int >= 1")
+        fp = cls(costs, microbatches, grain, grads, prefetch)
         fp._prefix()
         return fp
 
@@ -128,8 +134,10 @@ class Footprint:
         return int(edges + max_saved + self._sum("out", a, b))
 
     def needs(self, direction: str, a: int, b: int, cap: int) -> int:
-        """Device bytes of a worker running ``[a, b)`` beside a stage of ``cap`` bytes."""
-        return self.resident(direction, a, b) + cap + self.working(direction, a, b)
+        """Device bytes of a worker running ``[a, b)`` beside :attr:`prefetch` stages of
+        ``cap`` bytes."""
+        return self.resident(direction, a, b) + self.prefetch * cap + \
+            self.working(direction, a, b)
 
 
 def _memory_reach(fp: Footprint, direction: str, start: int, stop: int, cap: int,
@@ -147,7 +155,8 @@ def _memory_reach(fp: Footprint, direction: str, start: int, stop: int, cap: int
         while b < stop:
             res = fp.resident(direction, a, b + 1)
             ms = max(saved[a:b + 1])
-            if res > cap or res + cap + fp.working(direction, a, b + 1, ms) > memory:
+            need = res + fp.prefetch * cap + fp.working(direction, a, b + 1, ms)
+            if res > cap or need > memory:
                 break
             b += 1
         reach.append(b)
@@ -273,12 +282,14 @@ def assemble_plan(n: int, fwd, tail: int, bwd, tail_jobs: int = 1) -> Plan:
 
 
 def _caps(fp: Footprint, n_body: int, memory: int) -> list[int]:
-    """Resident-byte caps to try: from the largest single layer up to half the memory."""
+    """Resident-byte caps to try: from the largest single layer up to the share of the
+    memory one of the ``prefetch + 1`` resident stages may take."""
     lo = max(max(fp.resident(d, i, i + 1) for i in range(n_body))
              for d in (Direction.FORWARD, Direction.BACKWARD)) if n_body else 0
     lo = max(lo, fp.resident(Direction.BACKWARD, n_body, len(fp.costs.layers)))
     # A cap above the whole model's resident bytes changes nothing.
-    hi = max(lo, min(memory // 2, fp.resident(Direction.BACKWARD, 0, len(fp.costs.layers))))
+    hi = max(lo, min(memory // (fp.prefetch + 1),
+                     fp.resident(Direction.BACKWARD, 0, len(fp.costs.layers))))
     caps = {lo, hi}
     x = lo
     while lo and x < hi:

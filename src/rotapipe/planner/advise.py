@@ -60,10 +60,10 @@ def _singles_plan(n: int):
     return assemble_plan(n, runs, body, runs)
 
 
-def _fits_device(costs: ModelCosts, memory: int, grad_bytes) -> bool:
-    """Whether some plan fits: every layer alone fits (layer grain) beside the
-    largest single layer."""
-    fp = Footprint.of(costs, 1, RecomputeGrain.LAYER, grad_bytes)
+def _fits_device(costs: ModelCosts, memory: int, grad_bytes, prefetch: int = 1) -> bool:
+    """Whether some plan fits: every layer alone fits (layer grain) beside ``prefetch``
+    stages as large as the largest single layer."""
+    fp = Footprint.of(costs, 1, RecomputeGrain.LAYER, grad_bytes, prefetch)
     n = len(costs.layers)
     cap = max(fp.resident(Direction.BACKWARD, i, i + 1) for i in range(n))
     return all(fp.needs(d, i, i + 1, cap) <= memory
@@ -74,7 +74,7 @@ def longest_sequence(model, hw: Hardware, *, global_batch: int, device_limit: in
                      host_limit: int | None = None, lora_rank: int | None = None,
                      limit: int = 1 << 20, pin: str = "register",
                      chunk_mb: float = 32.0, qlora: bool = False,
-                     layout: str = "sync") -> int:
+                     layout: str = "sync", prefetch: int = 1) -> int:
     """Longest sequence (multiple of 128) for which some plan fits device memory with
     one sequence per microbatch and, if ``host_limit`` is given, host memory holds the
     model state and every checkpoint (0: none)."""
@@ -82,7 +82,7 @@ def longest_sequence(model, hw: Hardware, *, global_batch: int, device_limit: in
 
     def ok(seq: int) -> bool:
         costs = _costs(model, hw, seq, global_batch=global_batch)
-        if not _fits_device(costs, device_limit, grads):
+        if not _fits_device(costs, device_limit, grads, prefetch):
             return False
         if host_limit is None:
             return True
@@ -197,7 +197,8 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
     # Tail splits up to one job per worker (at most 8): on 8 workers every worker then
     # runs one tail job (GPT-OSS-20B: 17.5% bubble with 8 jobs against 22.3% with 4).
     config = PlannerConfig(hw.count, device_limit, counts, stale=stale, grad_bytes=grads,
-                           tail_jobs=tuple(range(1, min(hw.count, 8) + 1)))
+                           tail_jobs=tuple(range(1, min(hw.count, 8) + 1)),
+                           prefetch=prefetch)
 
     quantize = "nf4" if qlora else None
 
@@ -221,11 +222,12 @@ def analyze(model, hw: Hardware, *, seq: int, global_batch: int,
         costs = costs_for(max(counts))
         host = host_for(costs, _singles_plan(len(costs.layers)), max(counts))
     longest = longest_sequence(model, hw, global_batch=global_batch,
-                               device_limit=device_limit, lora_rank=lora_rank)
+                               device_limit=device_limit, lora_rank=lora_rank,
+                               prefetch=prefetch)
     longest_host = longest_sequence(model, hw, global_batch=global_batch,
                                     device_limit=device_limit, host_limit=host_limit,
                                     lora_rank=lora_rank, pin=pin, chunk_mb=chunk_mb,
-                                    qlora=qlora, layout=host.layout)
+                                    qlora=qlora, layout=host.layout, prefetch=prefetch)
     mfu = 0.0
     if choice is not None:
         flops = sum(w.forward_flops + w.backward_flops

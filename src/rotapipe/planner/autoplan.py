@@ -71,6 +71,9 @@ class PlannerConfig:
     workers or the microbatches are skipped, and so are all splits when a one-layer
     tail's job is under a quarter of a worker's share of the step). Split tails are
     ranked candidates: the exact search covers single-job tails."""
+    prefetch: int = 1
+    """Stages whose weights a worker uploads ahead of the one it computes
+    (``PipeConfig.prefetch``): the memory bound counts each beside every stage."""
     prune: bool = True
     """Skip what lower bounds prove slower than the best plan simulated so far (the
     choice is the same). ``False`` simulates every ranked candidate: the reference
@@ -154,7 +157,8 @@ def _grain_costs(costs: ModelCosts, grain: RecomputeGrain) -> ModelCosts:
 
 def device_need(plan: Plan, fp: Footprint) -> int:
     """Bytes of the busiest worker by the planner's bound: a stage's resident bytes and
-    working set beside the largest resident stage of the plan (its possible prefetch)."""
+    working set beside ``fp.prefetch`` stages as large as the plan's largest (its
+    possible prefetches)."""
     def direction(s):
         return Direction.FORWARD if s.kind is StageKind.FORWARD else Direction.BACKWARD
     cap = max(fp.resident(direction(s), s.start, s.stop) for s in plan.jobs())
@@ -227,7 +231,7 @@ def _groups(costs_for, config: PlannerConfig):
         exact = plan_space(L) <= config.exhaustive and not config.stale
         for grain in config.grains:
             costs = _grain_costs(base, grain)
-            fp = Footprint.of(base, M, grain, config.grad_bytes)
+            fp = Footprint.of(base, M, grain, config.grad_bytes, config.prefetch)
             share = (fp.cost(Direction.FORWARD, 0, L) + fp.cost(Direction.BACKWARD, 0, L)) / W
             # Split the tail only where its job weighs on the step (a large vocabulary's
             # head next to small blocks): at least a quarter of a worker's share.

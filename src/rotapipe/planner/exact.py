@@ -250,11 +250,11 @@ def exact_search(costs: ModelCosts, fp: Footprint, workers: int, microbatches: i
         fwds = [(c, _fits(fp, Direction.FORWARD, c)) for c in _cuts(body)] if body else [((), (0, 0))]
         bwds = [(c, _fits(fp, Direction.BACKWARD, c)) for c in _cuts(body)] if body else [((), (0, 0))]
         for fwd, (fres, frw) in fwds:
-            if max(fres, tres) + max(frw, trw) > memory:
+            if fp.prefetch * max(fres, tres) + max(frw, trw) > memory:
                 continue
             head = [terms.of(_FWD, a, b) for a, b in fwd] + [tjob]
             for bwd, (bres, brw) in bwds:
-                if max(fres, bres, tres) + max(frw, brw, trw) > memory:
+                if fp.prefetch * max(fres, bres, tres) + max(frw, brw, trw) > memory:
                     continue
                 jobs = head + [terms.of(_BWD, a, b) for a, b in reversed(bwd)]
                 bounded.append((_bound(jobs, workers), body, fwd, bwd))

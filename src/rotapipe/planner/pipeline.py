@@ -19,9 +19,11 @@ The rule (docs/planning.md, "The runtime's plan"):
    ``rotapipe plan --stale``), otherwise for one exact call. It splits
    the fused tail into several jobs (``Plan.tail_jobs``) only with a timed emulation's
    costs, which time the transfers a split adds, and never with ``tail_context`` or
-   buffers. If its memory bound (a sufficient condition) fits no plan, the even
-   partition is used and the pipeline's own budget check and out-of-memory errors
-   take over.
+   buffers. The first plan sees weights only; before the first call (and any call
+   with a larger microbatch) :meth:`PipePlanner.fit_call` measures the activations on
+   fake tensors and plans again if the plan has no room for them. If the memory bound
+   (a sufficient condition) fits no plan, the plan of one-layer stages is used with a
+   warning; if not even the fused tail can fit, the call is refused.
 4. ``partition="auto"`` on CUDA workers runs as ``"refine"`` (:attr:`PipePlanner.mode`)
    unless the run may be data parallel (``data_parallel.enabled=True``, or unset with
    a ``torch.distributed`` group of more than one rank): ranks must keep one plan.
@@ -33,20 +35,32 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
 from ..config import OptimizerMode, PartitionMode, PipeConfig
-from ..errors import ConfigError, PlanError
+from ..errors import ConfigError, DeviceOutOfMemoryError, PlanError
 from ..model.work import estimate_work
 from ..plan import LayerCost, ModelCosts, Plan, Stage, even_plan
 from ..plan.costs import LayerWork
-from .measured import MeasuredCosts, Pass, PlanRefiner
+from ..plan.partitioner import Direction, Footprint
 from ..schedule import ActionKind as K
-from .autoplan import PlannerConfig, choose_plan
+from ..schedule.memory import format_bytes
+from .activations import Activations, measure_activations, with_activations
+from .autoplan import PlannerConfig, choose_plan, device_need
+from .measured import MeasuredCosts, Pass, PlanRefiner
 
 __all__ = ["work_costs", "parameter_costs", "emulation_costs", "stage_samples",
            "may_be_data_parallel", "PipePlanner", "RUNTIME_EXHAUSTIVE",
            "NOMINAL_FLOPS_PER_BYTE"]
 
 log = logging.getLogger(__name__)
+
+FALLBACK = "one-layer stages (the planner's memory bound fits no plan)"
+""":attr:`PipePlanner.source` when no plan passes the planner's bound."""
+
+_FIX = ("raise device_memory, or lower the activations of a microbatch (more microbatches, "
+        "shorter sequences)")
 
 RUNTIME_EXHAUSTIVE = 400
 """Plan-space size up to which the runtime's first plan is exact for one call at a
@@ -134,7 +148,13 @@ class PipePlanner:
         """Training calls after which refinement stops even if timings still move."""
         self.source = ""
         """How the plan was made: ``"explicit"``, ``"even"``, ``"planner"`` or
-        ``"even (the planner's memory bound fits no plan)"``."""
+        :data:`FALLBACK`."""
+        self.activations: Activations | None = None
+        """Device bytes of the largest microbatch measured so far (:meth:`fit_call`)."""
+        self.reserve = 0
+        """Bytes of the worker budget held beside a stage's working set
+        (:attr:`Activations.reserve`: side inputs, labels, outputs still downloading)."""
+        self._shapes: list[tuple] = []       # the microbatch shapes measured (or tried)
 
     @classmethod
     def for_pipeline(cls, config: PipeConfig, layerset, devices: Sequence,
@@ -159,7 +179,7 @@ class PipePlanner:
             costs = emulation_costs(em.costs, weights)
         budgets = [d.budget for d in devices if d.budget is not None]
         if not budgets and devices and devices[0].torch_device.type == "cuda":
-            import torch   # leave room for the CUDA context and fragmentation
+            # leave room for the CUDA context and fragmentation
             budgets = [int(0.9 * torch.cuda.get_device_properties(d.torch_device).total_memory)
                        for d in devices]
         # A split tail needs transfer times to be judged (the head's weights go to
@@ -190,11 +210,11 @@ class PipePlanner:
             return self._even()
         try:
             chosen = self._choose(self.base)
-        except PlanError as exc:
-            log.warning("the planner fits no plan in the worker budget (%s); using the "
-                        "even partition", exc)
-            self.source = "even (the planner's memory bound fits no plan)"
-            return self._even()
+        except PlanError:
+            self.source = FALLBACK
+            return self._no_fit(self._footprint(self.base), 0, "its weights",
+                                "raise device_memory, or lower the weights' bytes (a "
+                                "lower-precision compute dtype, LoRA)")
         self.source = "planner"
         if mode is PartitionMode.REFINE:
             self.measured = MeasuredCosts(n)
@@ -211,14 +231,118 @@ class PipePlanner:
         nf = c.forward_stages or 2 * w
         return even_plan(n, nf, c.backward_stages or 3 * nf, min(c.tail_layers or 1, n))
 
+    def _finest(self) -> Plan:
+        """One-layer stages before the user's tail: the least device memory a plan
+        can need (each stage holds the fewest weights and activations)."""
+        n = len(self.base.layers)
+        body = n - (self.tail_layers or 1) if n > 1 else 0
+        return even_plan(n, body, body, n - body) if body else even_plan(n, 1, 1, n)
+
+    def _footprint(self, costs: ModelCosts) -> Footprint:
+        return Footprint.of(costs, self.config.microbatches, self.config.grain,
+                            self.grad_bytes, self.config.prefetch)
+
     def _choose(self, costs: ModelCosts, exhaustive: int = RUNTIME_EXHAUSTIVE) -> Plan:
-        memory = self.budget if self.budget is not None else 2 ** 62
+        memory = self.budget - self.reserve if self.budget is not None else 2 ** 62
+        if memory < 1:         # what a worker keeps beside its stages fills the budget
+            raise PlanError(f"the worker budget of {format_bytes(self.budget)} holds no "
+                            f"more than the {format_bytes(self.reserve)} a worker keeps "
+                            "beside its stages (side inputs, labels, outputs in flight)")
         cfg = PlannerConfig(self.workers, memory, (self.config.microbatches,),
                             grains=(self.config.grain,), exhaustive=exhaustive,
                             grad_bytes=self.grad_bytes, tail_layers=self.tail_layers,
-                            tail_jobs=self.tail_jobs,
+                            tail_jobs=self.tail_jobs, prefetch=self.config.prefetch,
                             stale=self.config.optimizer_mode is OptimizerMode.STALE)
         return choose_plan(lambda m: costs, cfg).plan
+
+    # -- room for activations -------------------------------------------------------
+    def fit_call(self, plan: Plan, layerset, inputs, labels, microbatches: int, dtype,
+                 side=None, loss_fn=None, training: bool = True) -> Plan | None:
+        """Before a call of ``inputs`` and ``labels`` (``None`` when evaluating) in
+        ``microbatches`` on the planner's ``plan`` (an evaluation: ``training=False``,
+        nothing kept for a backward): measure the activations of a
+        microbatch (:func:`measure_activations`, on the first, the largest) unless one
+        at least as large in every dimension was measured before, and return a plan
+        with room for them if ``plan`` has none by the planner's bound (``None``: keep
+        it). The first plan saw weights only: tokens per microbatch are unknown before
+        the first call. See :meth:`check_layers` and :meth:`_no_fit` when no plan fits."""
+        if self.source not in ("planner", FALLBACK) or self.budget is None:
+            return None
+        try:            # views: a call whose shapes were measured costs no copy
+            mbs = _split(inputs, microbatches)
+            lbs = None if labels is None else _split(labels, microbatches)
+        except Exception:  # noqa: BLE001 - the call itself names what is wrong
+            return None
+        shapes = _shapes((mbs[0], None if lbs is None else lbs[0]))
+        if shapes is None or any(_within(shapes, seen) for seen in self._shapes):
+            return None
+        try:
+            mbs = [tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and
+                            t.is_floating_point() else t, m) for m in mbs]
+            if side is not None and hasattr(side, "for_batch"):
+                side = side.for_batch(mbs)
+            acts = measure_activations(layerset, mbs[0], None if lbs is None else lbs[0],
+                                       dtype, len(mbs), side, loss_fn, training)
+        except Exception as exc:  # noqa: BLE001 - advisory: the call reports its own errors
+            self._shapes.append(shapes)
+            log.warning("could not measure the activations of a microbatch on fake "
+                        "tensors (%s: %s); the plan keeps the room it has", type(exc).__name__,
+                        exc)
+            return None
+        if self.activations is not None:
+            acts = self.activations.merge(acts)
+        costs = with_activations(self.base, acts)
+        fp = self._footprint(costs)
+        if device_need(plan, fp) + acts.reserve <= self.budget:
+            new = None
+        else:
+            self.check_layers(fp, acts)          # raises when no plan can fit
+            try:
+                self.reserve, new = acts.reserve, None
+                new, self.source = self._choose(costs), "planner"
+            except PlanError:
+                new = self._no_fit(fp, acts.reserve, "this call's activations", _FIX)
+                self.source, new = FALLBACK, None if new == plan else new
+        self._shapes.append(shapes)
+        self.activations, self.reserve, self.base = acts, acts.reserve, costs
+        if self.refiner is not None:          # its re-plans leave the room too
+            self.refiner.base, self.refiner.plan = costs, new or plan
+            self.refiner.frozen |= self.source == FALLBACK    # nothing to re-plan to
+        return new
+
+    def check_layers(self, fp: Footprint, acts: Activations) -> None:
+        """Raise :class:`DeviceOutOfMemoryError` (before any work) if a layer before the
+        tail (its weights and the activations its backward keeps) or the fused tail
+        (its weights and every activation it keeps), with a microbatch's side inputs,
+        exceeds the budget: every plan holds them on one worker at once, so none fits."""
+        n = len(fp.costs.layers)
+        body = n - (self.tail_layers or 1) if n > 1 else 0
+        runs = [(i, i + 1) for i in range(body)] + [(body, n)]
+        needs = [fp.resident(Direction.FORWARD, a, b) + acts.side_bytes + sum(
+            l.saved_bytes for l in fp.costs.layers[a:b]) for a, b in runs]
+        (a, b), need = max(zip(runs, needs), key=lambda r: r[1])
+        if need > self.budget:
+            what = f"the fused tail [{a}:{b}]" if b == n else f"layer {a}"
+            raise DeviceOutOfMemoryError(
+                f"no plan fits the worker budget of {format_bytes(self.budget)}: {what} "
+                f"alone needs {format_bytes(need)} with this call's microbatches "
+                f"({format_bytes(acts.input_bytes)} of input each): its weights and the "
+                f"activations its backward keeps. Fix: {_FIX} (to at least "
+                f"{format_bytes(need)})")
+
+    def _no_fit(self, fp: Footprint, reserve: int, what: str, fix: str) -> Plan:
+        """No plan passes the planner's bound with ``what``. The bound is sufficient,
+        not necessary (it puts the largest stage beside every stage: a run can fit
+        well within it), so the pipeline runs the plan of one-layer stages, the least
+        device memory, with a warning naming the budget, the need and the fix."""
+        finest = self._finest()
+        need = device_need(finest, fp) + reserve
+        log.warning("no plan fits the worker budget of %s with %s by the planner's bound "
+                    "(sufficient, not necessary): running the plan of one-layer stages, "
+                    "%s, which needs up to %s by it, and may run out of device memory. "
+                    "Fix: %s (to %s)", format_bytes(self.budget), what, finest.to_text(),
+                    format_bytes(need), fix, format_bytes(need))
+        return finest
 
     # -- refinement -----------------------------------------------------------------
     @property
@@ -241,6 +365,27 @@ class PipePlanner:
         if calls >= self.refine_calls:
             self.refiner.frozen = True
         return new if new != old else None
+
+
+def _split(tree, parts: int) -> list:
+    """``tree``'s microbatches as the runtime cuts them (tensors split along dim 0)."""
+    leaves, spec = tree_flatten(tree)
+    chunks = [torch.tensor_split(t, parts) if isinstance(t, torch.Tensor) else [t] * parts
+              for t in leaves]
+    return [tree_unflatten([c[m] for c in chunks], spec) for m in range(parts)]
+
+
+def _shapes(tree) -> tuple | None:
+    """The shapes of a microbatch's tensors (``None``: it has none)."""
+    shapes = tuple(tuple(t.shape) for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+    return shapes or None
+
+
+def _within(shapes: tuple, seen: tuple) -> bool:
+    """Whether every tensor of ``shapes`` is at most as large as ``seen``'s, dimension
+    by dimension (its activations then fit wherever those did)."""
+    return len(shapes) == len(seen) and all(
+        len(a) == len(b) and all(x <= y for x, y in zip(a, b)) for a, b in zip(shapes, seen))
 
 
 def may_be_data_parallel(config: PipeConfig) -> bool:
