@@ -454,3 +454,30 @@ def test_a_lora_heads_dropout_runs_on_its_own_stream():
         for name in grads:
             torch.testing.assert_close(grads[name], runs[0][1][name], rtol=0, atol=0,
                                        msg=name)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "stale"])
+def test_adapter_saved_inside_the_pipeline_has_every_step(mode, tmp_path):
+    """``wrapped.save_pretrained`` between ``train_step`` calls (a checkpoint every N
+    steps) with the pipelined optimizer modes: it used to write the weights as they
+    were while the last step was still running or pending (two AdamW steps at lr 1e-2:
+    the saved adapter 0.010 off the trained one, a whole step missing). It flushes
+    first: the file holds PEFT's weights after both steps."""
+    torch.manual_seed(0)
+    model = lora(tiny("qwen3"))
+    ref, m = clone(model), clone(model)
+    data = [batch(seed=s) for s in range(1, 3)]
+    peft_steps(ref, data, stale=mode == "stale")
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5)
+    cfg = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated",
+                              optimizer_mode=mode)
+    with wrapped.pipe(cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)) as pipe:
+        for ids, mask, labels in data:
+            pipe.train_step(wrapped.inputs(ids, mask), labels)
+        wrapped.save_pretrained(tmp_path)
+    saved = peft.utils.load_peft_weights(tmp_path)
+    want = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    assert len(saved) == len(want) == 3 * 3 * 2
+    for key, v in saved.items():
+        name = key.replace(".weight", ".default.weight")
+        torch.testing.assert_close(v, want[name], rtol=1e-5, atol=1e-6, msg=key)

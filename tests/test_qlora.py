@@ -266,3 +266,101 @@ def test_a_model_wrapped_with_nf4_wraps_again():
     with again.pipe(cfg) as pipe:
         torch.testing.assert_close(pipe.eval()(again.inputs(ids, mask)), want, rtol=0,
                                    atol=0)
+
+
+def test_frozen_adapters_are_not_quantized(tmp_path):
+    """QLoRA quantizes the base model's weights, never a PEFT adapter's: an adapter that
+    is not active (frozen, 2-D) used to become NF4 with the base, so ``save_pretrained``
+    wrote it all NaN (and a frozen adapter in use computed with 4-bit copies). Now the
+    inactive adapter saves with its values, and the active one trains like PEFT on the
+    same NF4 base."""
+    torch.manual_seed(0)
+    model = lora(tiny("llama"))
+    model.add_adapter("second", peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["k_proj", "o_proj"], init_lora_weights=False))
+    model.set_adapter("second")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    m = clone(model)
+    wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5, quantize="nf4")
+    names = {n for n, p in m.named_parameters() if quantized(p) is not None}
+    assert len(names) == 3 * 7 and not any("lora_" in n for n in names)
+    ref, _ = reference(model, m)
+    ids, mask, labels = batch()
+    want = hf_backward(ref, ids, mask, labels)
+    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
+                                          backend="emulated")) as pipe:
+        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+    m.save_pretrained(tmp_path)
+    saved = peft.utils.load_peft_weights(tmp_path)          # the "default" adapter
+    assert len(saved) == 3 * 7 * 2
+    for key, v in saved.items():
+        name = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight")
+        assert torch.equal(v, before[name]), key
+
+
+def test_an_nf4_weight_made_trainable_is_refused_by_name():
+    """A base weight unfrozen after ``wrap_hf(quantize='nf4')`` holds only the NaN
+    placeholder: the pipeline made it an fp32 master of NaN and the first call failed
+    as "the loss of training call 0 is nan ... check the data and the learning rate".
+    Building the pipeline now refuses it, naming the weight and the two ways out."""
+    model = lora(tiny("llama"))
+    wrapped = rotapipe.adapters.wrap_hf(model, quantize="nf4")
+    weight = model.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight
+    weight.requires_grad_(True)
+    cfg = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated")
+    with pytest.raises(rotapipe.ConfigError, match=re.escape(
+            "base_model.model.model.layers.0.mlp.down_proj.base_layer.weight is kept as "
+            "NF4 (wrap_hf(quantize='nf4')) and has requires_grad=True") +
+            ".*requires_grad_\\(False\\).*dequantize_frozen"):
+        wrapped.pipe(cfg)
+    assert quantized(weight) is not None
+    weight.requires_grad_(False)
+    ids, mask, labels = batch()
+    with wrapped.pipe(cfg) as pipe:
+        assert torch.isfinite(torch.tensor(pipe.forward_backward(
+            wrapped.inputs(ids, mask), labels)))
+
+
+def test_a_full_model_with_nf4_weights_is_not_saved_as_nan(tmp_path):
+    """Blocks frozen and quantized, the rest fully fine-tuned: ``wrapped.save_pretrained``
+    used to write the 14 NF4 weights as their NaN placeholders, silently. It refuses,
+    writing nothing, and names ``dequantize_frozen``, after which the files hold the
+    dequantized weights and the trained ones."""
+    torch.manual_seed(0)
+    model = tiny("llama")
+    for block in model.model.layers[:2]:
+        block.requires_grad_(False)
+    wrapped = rotapipe.adapters.wrap_hf(model, loss_chunk_tokens=5, quantize="nf4")
+    ids, mask, labels = batch()
+    cfg = rotapipe.PipeConfig(workers=2, microbatches=2, backend="emulated")
+    with wrapped.pipe(cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2)) as pipe:
+        pipe.train_step(wrapped.inputs(ids, mask), labels)
+        with pytest.raises(rotapipe.adapters.AdapterError, match=re.escape(
+                "save_pretrained would write the 14 weights kept as NF4 (quantize='nf4'; "
+                "model.layers.0.self_attn.q_proj.weight, ...) as NaN") +
+                ".*dequantize_frozen"):
+            wrapped.save_pretrained(tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    want = {n: quantized(p).dequantize() for n, p in model.named_parameters()
+            if quantized(p) is not None}
+    dequantize_frozen(wrapped.layers)
+    wrapped.save_pretrained(tmp_path / "model")
+    saved = transformers_model(tmp_path / "model")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(dict(saved.named_parameters())[name], p, rtol=0, atol=0,
+                                   msg=name)
+        if name in want:
+            assert torch.equal(p, want[name]), name
+
+
+def test_quantizing_a_model_on_the_meta_device_names_the_weight():
+    """It used to say "cannot quantize weight on the meta device", for every weight."""
+    with torch.device("meta"):
+        model = lora(tiny("llama"))
+    with pytest.raises(rotapipe.ConfigError, match=re.escape(
+            "cannot quantize self_attn.q_proj.base_layer.weight (LlamaDecoderLayer) on the "
+            "meta device: load the weights first")):
+        rotapipe.adapters.wrap_hf(model, quantize="nf4")

@@ -24,14 +24,15 @@ refused instead.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..config import PipeConfig
-from ..errors import ConfigError
-from ..model.quant import QUANTIZE, quantize_frozen, quantized
+from ..errors import ConfigError, PipelineClosedError
+from ..model.quant import QUANTIZE, check_frozen, quantize_frozen, quantized
 from ..model.work import set_work
 from ..plan.costs import model_work
 from .errors import AdapterError
@@ -71,6 +72,7 @@ class HFModel:
         self.loss_weight = TokenCount(loss_fn.ignore_index, head_vocab(layers[-1].lm_head))
         self.parts = parts
         """Where each piece was found, e.g. ``{"layers": "model.layers", ...}``."""
+        self._pipes: list[weakref.ref] = []      # what :meth:`pipe` built, to flush
 
     @property
     def config(self):
@@ -92,11 +94,29 @@ class HFModel:
 
     def save_pretrained(self, save_directory, **kwargs):
         """The wrapped model's ``save_pretrained`` (safetensors; a PEFT model saves its
-        adapter in PEFT format)."""
+        adapter in PEFT format), once the calls in flight of the open pipelines
+        :meth:`pipe` built are complete (``flush``: in ``overlap`` or ``stale`` a step
+        may still be running, or pending, when ``train_step`` returns)."""
+        nf4 = [] if self.model is not self.base else \
+            [n for n, p in self.model.named_parameters() if quantized(p) is not None]
+        if nf4:     # a PEFT model saves its adapters only
+            raise AdapterError(
+                f"save_pretrained would write the {len(nf4)} weights kept as NF4 "
+                f"(quantize='nf4'; {nf4[0]}, ...) as NaN: close the pipeline and call "
+                "rotapipe.model.quant.dequantize_frozen(wrapped.layers) first, to save "
+                "the dequantized weights the model trained with")
+        for ref in self._pipes:
+            pipe = ref()
+            if pipe is not None:
+                try:
+                    pipe.flush()      # raises a failure of a call in flight
+                except PipelineClosedError:
+                    pass              # closing flushed it
         return self.model.save_pretrained(save_directory, **kwargs)
 
     def pipe_kwargs(self) -> dict:
         """Keyword arguments for :class:`rotapipe.RoundPipe` (add ``config=``)."""
+        check_frozen(self.model.named_parameters())
         kwargs = dict(layers=self.layers, loss_fn=self.loss_fn,
                       side_inputs=self.side_inputs, loss_weight=self.loss_weight)
         embed = self.layers[0].embed
@@ -114,7 +134,9 @@ class HFModel:
         from ..pipe import RoundPipe
         config = config or PipeConfig()
         self.compute_dtype = config.precision.compute_dtype
-        return RoundPipe(**self.pipe_kwargs(), config=config, **kwargs)
+        pipe = RoundPipe(**self.pipe_kwargs(), config=config, **kwargs)
+        self._pipes = [r for r in self._pipes if r() is not None] + [weakref.ref(pipe)]
+        return pipe
 
     @staticmethod
     def inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -166,9 +188,10 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
             the decoder blocks (attention and MLP projections, MoE experts; not the
             routers, norms, embedding or LM head) becomes 4-bit NormalFloat in host
             memory, uploaded packed and dequantized on the worker
-            (:mod:`rotapipe.model.quant`, bitsandbytes). Trainable weights (the LoRA
-            adapters) are left as they are. The model's own forward no longer runs
-            outside the pipeline (the weights are in the pipeline's host state);
+            (:mod:`rotapipe.model.quant`, bitsandbytes). Trainable weights and PEFT
+            adapter weights (also a frozen one: an adapter not active) are left as
+            they are. The model's own forward no longer runs outside the pipeline
+            (the weights are in the pipeline's host state);
             ``save_pretrained`` of a PEFT model still writes the adapter.
 
     Raises:

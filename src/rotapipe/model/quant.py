@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..plan.costs import NF4_BLOCK as BLOCK, nf4_bytes
 
 __all__ = ["QUANTIZE", "NF4Weight", "quantize_frozen", "dequantize_frozen", "quantized",
-           "nf4_bytes"]
+           "check_frozen", "nf4_bytes"]
 
 QUANTIZE = ("nf4",)
 """Quantized formats of frozen weights (``wrap_hf(quantize=...)``)."""
@@ -122,19 +122,23 @@ def quantize_frozen(modules: Iterable[nn.Module],
     dimensions (weight matrices, MoE experts' stacked weights) to NF4, in place:
     the parameter then holds no storage and carries its :class:`NF4Weight`
     (:func:`quantized`). ``skip(module, name)``: leave that parameter alone (MoE
-    routers). Trainable parameters (LoRA adapters), vectors (norms, biases) and
-    parameters already quantized are left alone. Returns the packed bytes added."""
+    routers). Trainable parameters, PEFT adapters' weights (also frozen ones: an
+    adapter not active), vectors (norms, biases) and parameters already quantized are
+    left alone. Returns the packed bytes added."""
+    modules = list(modules)
+    adapters = _adapter_params(modules)
     total = 0
     for m in modules:
-        for mod in m.modules():
+        for path, mod in m.named_modules():
             for name, p in mod._parameters.items():
                 if p is None or p.requires_grad or p.dim() < 2 or \
                         not p.is_floating_point() or quantized(p) is not None or \
-                        (skip is not None and skip(mod, name)):
+                        id(p) in adapters or (skip is not None and skip(mod, name)):
                     continue
                 if p.device.type == "meta":
-                    raise ConfigError(f"cannot quantize {name} on the meta device: load "
-                                      "the weights first")
+                    where = f"{path}.{name}" if path else name
+                    raise ConfigError(f"cannot quantize {where} ({type(m).__name__}) on "
+                                      "the meta device: load the weights first")
                 q = NF4Weight.quantize(p.data)
                 setattr(p, _ATTR, q)
                 # Shape and dtype stay (shells, planner and PEFT read them); the bytes
@@ -142,6 +146,42 @@ def quantize_frozen(modules: Iterable[nn.Module],
                 p.data = torch.full((), float("nan"), dtype=p.dtype).expand(q.shape)
                 total += q.nbytes
     return total
+
+
+def _adapter_params(modules: list[nn.Module]) -> set[int]:
+    """Ids of the PEFT adapter weights in ``modules``, trainable or not: what each tuner
+    layer lists in ``adapter_layer_names`` / ``other_param_names`` (``lora_A``,
+    DoRA's magnitudes, ``modules_to_save`` copies, ...). QLoRA quantizes the base
+    model's weights only: a frozen adapter used to be quantized with them (saved by
+    PEFT all NaN, or computing with 4-bit copies of its weights)."""
+    ids: set[int] = set()
+    for m in modules:
+        for mod in m.modules():
+            for name in (*getattr(mod, "adapter_layer_names", ()),
+                         *getattr(mod, "other_param_names", ())):
+                obj = mod
+                for part in name.split("."):      # TrainableTokens: a dotted name
+                    obj = getattr(obj, part, None)
+                if isinstance(obj, nn.Parameter):
+                    ids.add(id(obj))
+                elif isinstance(obj, nn.Module):
+                    ids.update(id(p) for p in obj.parameters())
+    return ids
+
+
+def check_frozen(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse a quantized parameter that trains (``requires_grad`` set after
+    :func:`quantize_frozen`): its module holds the NaN placeholder, which a pipeline
+    would make its fp32 master and train from (the first call used to fail as a
+    non-finite loss, "check the data"). ``named``: ``(name, parameter)`` pairs."""
+    for name, p in named:
+        if p.requires_grad and quantized(p) is not None:
+            raise ConfigError(
+                f"{name} is kept as NF4 (wrap_hf(quantize='nf4')) and has "
+                "requires_grad=True: its module holds no values, only the packed 4-bit "
+                "bytes, so it cannot train. Freeze it (requires_grad_(False)), or to "
+                "train it call rotapipe.model.quant.dequantize_frozen(wrapped.layers) "
+                "and wrap the model again without quantize")
 
 
 def dequantize_frozen(modules: Iterable[nn.Module]) -> int:
