@@ -13,7 +13,8 @@ import torch
 from rotapipe.errors import ConfigError, InputError
 from rotapipe.train.data import (IGNORE, PackedStream, TextFields, Tokens, TrainBatches,
                                  eval_set, iter_records, source_files)
-from train_util import chat_jsonl, chat_tokenizer, sft_jsonl, text_jsonl, tiny_model_dir
+from train_util import (CHAT_TEMPLATE, chat_jsonl, chat_tokenizer, sft_jsonl, text_jsonl,
+                        tiny_model_dir)
 
 transformers = pytest.importorskip("transformers")
 FIELDS = TextFields()
@@ -43,6 +44,26 @@ def test_chat_record_counts_assistant_tokens_only():
     # Exactly what the tokenizer's own template renders, nothing added.
     assert ids == tok.encode(tok.apply_chat_template(msgs, tokenize=False),
                              add_special_tokens=False)
+
+
+@pytest.mark.parametrize("template", ["test", "default system prompt"])
+def test_a_chat_opening_with_the_assistant_counts_its_text_not_the_header(template):
+    """A chat whose first message is the assistant's had no rendered head (transformers
+    renders no empty conversation), so the BOS, the assistant header and, with a
+    template that adds a default system prompt (Qwen2.5's shape), that prompt were all
+    trained on as the assistant's reply. Now only the reply and its turn end count."""
+    tok = chat_tokenizer()
+    if template != "test":
+        tok.chat_template = ("{{ bos_token }}{% if messages[0]['role'] != 'system' %}"
+                             "<|system|>\nthe big fox<|end|>\n{% endif %}" + CHAT_TEMPLATE[15:])
+    msgs = [{"role": "assistant", "content": "cat dog"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "red fox"}]
+    ids, labels = Tokens(tok).record({"messages": msgs}, FIELDS, "x:1")
+    assert ids == tok.encode(tok.apply_chat_template(msgs, tokenize=False),
+                             add_special_tokens=False)
+    counted = [t for t, label in zip(_tokens(tok, ids), labels) if label != IGNORE]
+    assert counted == ["cat", "dog", "<|end|>", "red", "fox", "<|end|>"]
+    assert all(label == i for i, label in zip(ids, labels) if label != IGNORE)
 
 
 def test_text_and_pairs_get_bos_when_the_tokenizer_adds_it():
@@ -147,6 +168,39 @@ def test_each_document_attends_only_to_itself(tmp_path, packing):
             pipe2.close()
         assert not torch.allclose(mixed, logits, atol=1e-4)
     assert checked >= 4 * (40 if packing == "documents" else 10)
+
+
+def test_documents_packing_does_not_predict_a_document_from_the_one_before(tmp_path):
+    """With a tokenizer that adds no BOS (Qwen), a packed document's first token was a
+    target, predicted from the end of the document before it, which it does not attend
+    to: 63 counted tokens where the two documents alone have 62 (loss 3.58187 against
+    their 3.58368). Now the labels are transformers' DataCollatorWithFlattening's, and
+    the loss of a packed row is the documents' own, each run alone, fp32."""
+    import torch.nn.functional as F
+    tok = chat_tokenizer()
+    tok.bos_token = None                                  # Qwen-like: no BOS
+    model_dir = tiny_model_dir(tmp_path / "m", tok)
+    data = text_jsonl(tmp_path / "t.jsonl", 40)
+    batch = TrainBatches([data], tok, batch=2, seq=64, seed=0, holdout=0.0,
+                         fields=FIELDS, packing="documents").next()
+    flatten = transformers.DataCollatorWithFlattening()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for r in range(2):
+        pos = batch.position_ids[r].tolist()
+        starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+        docs = [batch.ids[r, a:b].tolist() for a, b in zip(starts, starts[1:])]
+        assert len(docs) >= 2
+        want = flatten([{"input_ids": d} for d in docs])
+        assert torch.equal(batch.labels[r], want["labels"][0])
+        with torch.no_grad():
+            logits = model(input_ids=batch.ids[r:r + 1], position_ids=batch.position_ids[r:r + 1],
+                           use_cache=False).logits[0]
+            packed = F.cross_entropy(logits[:-1], batch.labels[r, 1:], ignore_index=IGNORE,
+                                     reduction="sum")
+            alone = sum(F.cross_entropy(model(input_ids=torch.tensor([d])).logits[0, :-1],
+                                        torch.tensor(d[1:]), reduction="sum") for d in docs)
+        assert (batch.labels[r, 1:] != IGNORE).sum() == sum(len(d) - 1 for d in docs)
+        torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-6)
 
 
 def test_short_heldout_split_is_one_padded_sequence(tmp_path):

@@ -122,6 +122,58 @@ def test_a_config_file_is_one_flat_table_or_one_train_table(tmp_path):
     assert load_config(tmp_path / "c.toml").lr == 1e-3
 
 
+def test_a_yaml_exponent_is_a_number_and_a_quoted_number_is_named(tmp_path):
+    """PyYAML reads ``lr: 1e-4`` (YAML 1.1: no dot) as the string '1e-4': the run was
+    refused with "config field 'lr' = '1e-4' should be of type float". Now a number, as
+    in TOML and JSON; a quoted number anywhere is named as a string with the fix."""
+    pytest.importorskip("yaml")
+    (tmp_path / "a.yaml").write_text("lr: 1e-4\nmin_lr_ratio: 5E-2\nsample_prompt: '1e5'\n")
+    cfg = load_config(tmp_path / "a.yaml")
+    assert (cfg.lr, cfg.min_lr_ratio, cfg.sample_prompt) == (1e-4, 0.05, "1e5")
+    (tmp_path / "b.yaml").write_text("train:\n  weight_decay: 1e-2\n")
+    assert load_config(tmp_path / "b.yaml").weight_decay == 0.01
+    import yaml
+    assert yaml.safe_load("lr: 1e-4") == {"lr": "1e-4"}      # PyYAML itself unchanged
+    (tmp_path / "c.toml").write_text('steps = "10"\n')
+    with pytest.raises(ConfigError, match=r"config field 'steps' = '10' is a string, not an "
+                                          r"int: write it without quotes \(steps = 10\)"):
+        load_config(tmp_path / "c.toml")
+
+
+@pytest.mark.parametrize("argv, ours", [
+    (["--max-steps", "3"], "--steps"), (["--eval_interval", "5"], "--eval-interval"),
+    (["--learning_rate=1e-4"], "--lr"), (["--no-exportt"], "--no-export"),
+    (["--per-device-train-batch-size", "4"], "--batch (sequences per optimizer step"),
+])
+def test_an_unknown_flag_is_named_with_ours(capsys, argv, ours):
+    """argparse said "rotapipe: error: unrecognized arguments: --max-steps 3", naming no
+    flag that works, for transformers' names and underscores alike."""
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--steps", "2", *argv])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2
+    assert err.startswith(f"rotapipe train: error: unknown flag {argv[0].split('=')[0]}: "
+                          f"did you mean {ours}"), err
+
+
+@pytest.mark.parametrize("line, message", [
+    ("recipe = 'lora'", "'recipe' in {f} is a flag of rotapipe train (--recipe), not a "
+                        "config field: pass --recipe NAME with --config FILE"),
+    ("max_steps = 5", "unknown config field 'max_steps' in {f}: did you mean 'steps'?"),
+    ("learning_rate = 1e-4", "unknown config field 'learning_rate' in {f}: did you mean 'lr'?"),
+    ("gradient_accumulation_steps = 4", "did you mean 'microbatches' (--batch, the sequences "
+                                        "of a step, is split into that many pieces)?"),
+])
+def test_a_config_file_with_other_tools_names_is_answered_with_ours(tmp_path, line, message):
+    """``recipe = 'lora'`` in a file was "did you mean 'trace'?", and transformers' names
+    got a guess by spelling (``learning_rate``: none at all)."""
+    f = tmp_path / "run.toml"
+    f.write_text(line + "\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(f)
+    assert message.format(f=f) in str(exc.value), str(exc.value)
+
+
 def test_a_resume_refusal_gives_the_flag_that_resumes():
     """A boolean setting is fixed with --x / --no-x, an unset one by leaving it out."""
     from rotapipe.train.resume import check_resume_config

@@ -108,6 +108,31 @@ def test_bad_line_and_missing_fields_name_the_line(tmp_path):
         source_files(str(tmp_path / "nope.txt"))
 
 
+def test_a_json_file_of_json_lines_reads_as_jsonl(tmp_path):
+    """JSON Lines saved as ``.json`` (datasets' json loader reads both forms) was
+    refused as "d.json:2: not valid JSON (Extra data)", though every line is valid."""
+    from rotapipe.train.loop import check_data
+    from rotapipe.train.records import iter_records
+    lines = sft_jsonl(tmp_path / "d.jsonl", 30).read_text()
+    (tmp_path / "d.json").write_text(lines.replace("\n", "\n\n", 3))   # blank lines too
+    (src,) = source_files(str(tmp_path / "d.json"))
+    jsonl = [rec for _, rec in iter_records(tmp_path / "d.jsonl")]
+    assert [rec for _, rec in iter_records(src)] == jsonl
+    assert [rec for _, rec in iter_records(src, 12)] == jsonl[9:]    # indexes are lines
+    assert check_data([src], FIELDS).records == 30
+    # A bad line of it is named as a .jsonl line is; a list and a lone object as before.
+    (tmp_path / "d.json").write_text(lines.replace("\n", "\n{\"text\": \n", 1))
+    with pytest.raises(InputError, match=r"d.json:2: not valid JSON .*fix or remove"):
+        check_data([tmp_path / "d.json"], FIELDS)
+    (tmp_path / "d.json").write_text('{"text": "a"}')
+    with pytest.raises(InputError, match="holds a JSON dict"):
+        list(iter_records(tmp_path / "d.json"))
+    # Not UTF-8: the line is named (it was the file alone, and the byte after a BOM).
+    (tmp_path / "d.json").write_bytes(b'\xef\xbb\xbf[{"text": "a"},\n{"text": "caf\xe9"}]')
+    with pytest.raises(InputError, match=r"d.json:2: not UTF-8 text \(byte 32 of the file\)"):
+        list(iter_records(tmp_path / "d.json"))
+
+
 @pytest.mark.parametrize("record, fragment", [
     ({"text": None}, "'text' is null: expected a string"),
     ({"text": 5}, "'text' is an int (5): expected a string"),
@@ -168,6 +193,34 @@ def test_a_text_line_longer_than_a_chunk_is_cut_into_records(tmp_path):
     # a word longer than a chunk has no space to cut at: cut at the chunk's length
     p.write_text("x" * (2 * CHUNK_CHARS + 1))
     assert [len(r) for _, r in iter_records(p)] == [CHUNK_CHARS, CHUNK_CHARS, 1]
+
+
+def test_a_text_file_is_one_document_across_its_chunks(tmp_path):
+    """Every 32 KiB chunk of a text file got the end-of-text token (and a BOS when the
+    tokenizer adds one): 480 end-of-text targets in the middle of the demo's 1,790
+    files. Now the file's tokens, packed across records, are the tokenizer's own of the
+    whole file: one BOS first, one end-of-text last."""
+    from rotapipe.train.records import CHUNK_CHARS, iter_records
+    from train_util import WORDS, chat_tokenizer
+    tok = chat_tokenizer()                                 # adds <s>; words as tokens
+    line = " ".join(WORDS) + "\n"
+    text = line * (3 * CHUNK_CHARS // len(line) + 5)       # three chunks and a bit
+    p = tmp_path / "book.txt"
+    p.write_text(text)
+    assert len(list(iter_records(p))) == 4
+    want = tok.encode(text) + [tok.eos_token_id]           # [<s>, ..., <|end|>]
+    s = PackedStream([p], tok, seq=1024, seed=0, holdout=0.0, fields=FIELDS,
+                     packing="concat")
+    ids, labels = [], []
+    while s.epoch == 0:
+        row = s.next_sequence()
+        ids, labels = ids + row[0], labels + row[1]
+    assert ids[:len(want)] == want and labels[:len(want)] == [IGNORE] + want[1:]
+    # A blank last chunk still ends the file (it is not an empty record).
+    p.write_text("x" * CHUNK_CHARS + "\n\n")
+    from rotapipe.train.records import is_empty, record_parts
+    last = list(iter_records(p))[-1][1]
+    assert last == "\n\n" and not is_empty(*record_parts(last, FIELDS, ""))
 
 
 @pytest.mark.parametrize("name, body", [

@@ -126,3 +126,84 @@ def test_data_too_small_for_the_batch_fails_before_the_model_is_built(tmp_path,
                           "(holdout=0, empty records skipped) for batch=16: each of the "
                           "batch's 16 rows packs its own share of the records"), err
     assert "add data" in err and "use --batch " in err and len(err.splitlines()) == 1
+
+
+def test_held_out_records_that_are_never_evaluated_are_named(tmp_path, monkeypatch):
+    """``holdout`` keeps records out of training for evaluation; with ``eval_data`` (which
+    is evaluated instead) or ``eval_interval=0`` they were dropped silently: the run's
+    summary now says so, and how to train on them."""
+    from rotapipe.train import loop
+
+    class Summarised(Exception):
+        pass
+
+    def stop(job):                   # the summary is written: no need to train
+        raise Summarised
+    monkeypatch.setattr(loop, "_loop", stop)
+    data = text_jsonl(tmp_path / "d.jsonl", 60)
+    said = {}
+    for name, settings in {"never": dict(eval_interval=0),
+                           "eval_data": dict(eval_data=str(data), eval_interval=1),
+                           "used": dict(eval_interval=1)}.items():
+        lines = []
+        with deadline(120), pytest.raises(Summarised):
+            train(TrainConfig(**{**TINY, "data": str(data), "out_dir": str(tmp_path / name),
+                                 "tokenizer_bytes": 3000, **settings}), echo=lines.append)
+        said[name] = [line for line in lines if line.startswith("note: holdout=")]
+    assert said["never"] == ["note: holdout=0.15 keeps that share of the records of data out "
+                             "of training, and eval_interval=0 never evaluates: they are not "
+                             "used at all (--holdout 0 trains on them)"]
+    assert "eval_data is evaluated instead of them" in said["eval_data"][0]
+    assert said["used"] == []
+
+
+def test_a_resume_with_more_epochs_trains_them(tmp_path):
+    """A run that ended after its one epoch, resumed with ``epochs=2``, kept the saved
+    run's counted length: it said "7 steps (2 epochs)" and trained no step (the first
+    run had ended at step 7). Now the length is counted for the epochs asked for, as a
+    new run's."""
+    from rotapipe.train.data import TextFields
+    from rotapipe.train.setup import epoch_steps
+    data = text_jsonl(tmp_path / "d.jsonl", 24)
+    common = {**TINY, "data": str(data), "out_dir": str(tmp_path / "o"), "epochs": 1,
+              "eval_interval": 0, "export": False, "tokenizer_bytes": 3000}
+    with deadline(120):
+        first = train(TrainConfig(**common), echo=lambda s: None)
+    said = []
+    with deadline(120):
+        more = train(TrainConfig(**{**common, "epochs": 2, "resume": True}),
+                     echo=said.append)
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(
+        latest_checkpoint(tmp_path / "o" / "checkpoints") / "tokenizer")
+    two = epoch_steps(TrainConfig(**{**common, "epochs": 2}), [data], tok, TextFields())
+    assert first.step < two and more.start_step == first.step and more.step == two
+    assert any(f"{two} steps (2 epochs)" in line for line in said), said
+
+
+def test_a_resume_without_steps_continues_the_saved_length(tmp_path, monkeypatch):
+    """``--steps 8`` from scratch, stopped at step 3 and resumed without ``--steps``
+    (as the stop line says: "continue with --resume"), trained on to the default 400
+    steps on a 400-step cosine. Now it ends at step 8 on the saved run's schedule."""
+    from rotapipe.train import loop
+    data = text_jsonl(tmp_path / "d.jsonl", 60)
+    common = {**TINY, "data": str(data), "out_dir": str(tmp_path / "o"), "export": False,
+              "eval_interval": 0, "save_interval": 0, "tokenizer_bytes": 3000}
+    real = loop._Job.train_step
+
+    def ctrl_c_at_step_3(job):
+        record = real(job)
+        if record["step"] == 3:
+            signal.raise_signal(signal.SIGINT)          # as Ctrl-C: finish, save, return
+        return record
+    monkeypatch.setattr(loop._Job, "train_step", ctrl_c_at_step_3)
+    with deadline(120):
+        assert train(TrainConfig(**common, steps=8), echo=lambda s: None).step == 3
+    monkeypatch.setattr(loop._Job, "train_step", real)
+    with deadline(120):
+        done = train(TrainConfig(**common, resume=True), echo=lambda s: None)
+    assert done.step == 8
+    rows = _metrics(tmp_path / "o")
+    factor = lr_factor(TrainConfig(**{**TINY, "steps": 8}).effective())
+    assert [r["lr"] for r in rows] == pytest.approx([TINY["lr"] * factor(k) for k in range(8)],
+                                                    rel=1e-12)

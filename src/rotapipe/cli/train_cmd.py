@@ -57,6 +57,40 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                        "out_dir": "DIR"}.get(name, t.__name__.upper())
             g.add_argument(flag, dest=name, type=_none_or(t), default=argparse.SUPPRESS,
                            metavar=metavar, help=text)
+    flags = ["--config", "--demo", "--recipe"] + [
+        f"--{no}{n.replace('_', '-')}" for n, t in types.items()
+        for no in ("", "no-")[:2 if t is bool or n == "resume" else 1]]
+    _name_unknown_flags(p, flags)
+
+
+def _name_unknown_flags(p: argparse.ArgumentParser, flags: list[str]) -> None:
+    """An unknown flag fails naming ours: ``--max-steps 3`` (transformers' name) or
+    ``--eval_interval 5`` stopped with argparse's "unrecognized arguments", which names
+    no flag that works."""
+    import difflib
+
+    from ..train.config import OTHER_MEANING, OTHER_NAMES
+
+    parse = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        namespace, extras = parse(args, namespace)
+        for arg in extras:
+            name = arg.split("=", 1)[0]
+            if not name.startswith("--"):
+                continue
+            key = name[2:].replace("-", "_")
+            ours = OTHER_NAMES.get(key)
+            if ours is None and "--" + key.replace("_", "-") in flags:
+                ours = key
+            if ours is None:
+                close = difflib.get_close_matches(name, flags, n=1, cutoff=0.75)
+                ours = close[0][2:].replace("-", "_") if close else None
+            if ours is not None:
+                p.error(f"unknown flag {name}: did you mean --{ours.replace('_', '-')}"
+                        f"{OTHER_MEANING.get(ours, '')}? (rotapipe train --help lists them)")
+        return namespace, extras
+    p.parse_known_args = parse_known_args
 
 
 def _resume_mode(text: str) -> str:

@@ -28,8 +28,8 @@ if typing.TYPE_CHECKING:
 from .. import _validate as check
 from ..errors import ConfigError
 
-__all__ = ["TrainConfig", "FROM_SCRATCH", "PRETRAINED", "REPORT_TO", "CHOICES", "LARGEST",
-           "INT_LIMIT"]
+__all__ = ["TrainConfig", "FROM_SCRATCH", "PRETRAINED", "REPORT_TO", "CHOICES", "OTHER_NAMES",
+           "OTHER_MEANING", "LARGEST", "INT_LIMIT"]
 
 FROM_SCRATCH = {"lr": 4e-3, "warmup": 20, "weight_decay": 0.1, "steps": 400,
                 "sample_prompt": "def "}
@@ -49,6 +49,21 @@ CHOICES = {"dtype": ("fp32", "bf16", "fp16"), "optimizer": ("adamw", "sgd"),
            "grain": ("stage", "layer"), "packing": ("documents", "concat", "pad"),
            "shard": ("none", "optimizer", "gradients"), "grad_dtype": ("float32", "bfloat16")}
 """The allowed values of the settings that are closed sets (listed in ``--help``)."""
+OTHER_NAMES = {"max_steps": "steps", "num_train_epochs": "epochs", "learning_rate": "lr",
+               "output_dir": "out_dir", "max_seq_length": "seq", "max_length": "seq",
+               "warmup_steps": "warmup", "eval_steps": "eval_interval",
+               "save_steps": "save_interval", "logging_steps": "log_every",
+               "save_total_limit": "keep", "model_name_or_path": "model",
+               "dataset_name": "data", "max_grad_norm": "grad_clip",
+               "per_device_train_batch_size": "batch", "train_batch_size": "batch",
+               "gradient_accumulation_steps": "microbatches"}
+"""transformers' TrainingArguments (and TRL's) names of our settings: an unknown name
+is answered with ours (:func:`_check_names`, ``rotapipe train``'s flags)."""
+OTHER_MEANING = {"batch": " (sequences per optimizer step: the global batch, not per "
+                          "device)",
+                 "microbatches": " (--batch, the sequences of a step, is split into that "
+                                 "many pieces)"}
+"""What differs in the settings whose other names mean something else."""
 
 
 @dataclass(frozen=True)
@@ -460,11 +475,21 @@ def _integer(name: str, value, *, minimum: int = 1, optional: bool = False) -> N
         raise ConfigError(f"{name}={value}: use an int in [{minimum}, {largest:,}]")
 
 
+_FLAGS_ONLY = {"recipe": "pass --recipe NAME with --config FILE on the command line (the "
+                        "file's settings and the flags override the recipe's)",
+               "config": "a config file does not include another; pass one --config FILE",
+               "demo": "pass --demo on the command line (or no settings at all)"}
+
+
 def _check_names(values: dict, where: str = "") -> None:
     names = [f.name for f in fields(TrainConfig)]
     for key in values:
+        if key in _FLAGS_ONLY:                         # flags of the command, not fields
+            raise ConfigError(f"{key!r}{where} is a flag of rotapipe train (--{key}), not a "
+                              f"config field: {_FLAGS_ONLY[key]}")
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-            hint = f": did you mean {close[0]!r}?" if close else \
-                ": see `rotapipe train --help` for the fields"
+            close = [OTHER_NAMES[key]] if key in OTHER_NAMES else \
+                difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+            hint = f": did you mean {close[0]!r}{OTHER_MEANING.get(close[0], '')}?" \
+                if close else ": see `rotapipe train --help` for the fields"
             raise ConfigError(f"unknown config field {key!r}{where}{hint}")

@@ -4,7 +4,8 @@ Records and their tokens come from :mod:`rotapipe.train.records` (files, record 
 chat templates, special tokens); its names are re-exported here. The documents of a
 split are cut into ``seq``-token sequences by one of three :data:`PACKING` modes:
 ``documents`` (concatenated; position ids restart at every document, which makes the
-model's own mask helpers keep attention inside each document), ``concat``
+model's own mask helpers keep attention inside each document, and a document's first
+token is not a target), ``concat``
 (concatenated, attending across documents) or ``pad`` (one document per sequence, cut
 at ``seq``, padded, with an attention mask).
 
@@ -243,7 +244,12 @@ class PackedStream:
                 return None
             for ids, labels in got:
                 self.carry_ids += ids
-                self.carry_labels += labels
+                # documents: a document's first token is not a target. It would be
+                # predicted from the end of the document before it, which it does not
+                # attend to (transformers' DataCollatorWithFlattening masks it too): the
+                # loss is then the documents' own, as each alone (or padded) gives it.
+                self.carry_labels += [IGNORE] + labels[1:] \
+                    if self.packing == "documents" and labels else labels
                 self.carry_pos += range(len(ids))
         n = min(self.seq, len(self.carry_ids))
         fill = self.seq - n

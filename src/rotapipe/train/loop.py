@@ -126,8 +126,14 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     # the newest whole checkpoint (damaged ones skipped with a warning), or None
     resume, masters, state, meta = resume_from(ckdir, cfg.resume) or (None,) * 4
     check_same_resume(dinfo, resume)
-    if resume is not None and cfg.steps is None:       # the saved run's counted length
-        cfg = cfg.with_steps(int(meta["config"]["steps"]))
+    saved = meta["config"] if resume is not None else {}
+    epochs = saved.get("epochs") if given.epochs is None else cfg.epochs
+    if resume is not None and given.steps is None and epochs == saved.get("epochs"):
+        # Left out, the length is the saved run's (its --steps, or its count of its
+        # epochs): a resume without --steps continued a --steps 100 run from scratch to
+        # the default 400, on another schedule. Other --epochs are counted below, as for
+        # a new run (the saved count stopped --resume --epochs 2 where epoch 1 had).
+        cfg = dataclasses.replace(cfg, epochs=epochs).with_steps(int(saved["steps"]))
     data_files = data_fingerprint(files)
     weight_files = model_files(cfg)
     if resume is not None:

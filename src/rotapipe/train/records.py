@@ -1,12 +1,12 @@
 """Records: data files read one record at a time, and what a record holds (plain text,
 a prompt/response pair or a chat).
 
-A *record* is one JSONL line, one object of a JSON list, one row of a Parquet file, of
-a saved Hugging Face dataset or of a hub dataset loaded by name (:func:`hub_dataset`),
-or a chunk of about 32 KiB of lines of a text file (a longer line is cut at a space).
-:mod:`rotapipe.train.tokens` makes a
-record into documents of token ids and labels; :mod:`rotapipe.train.data` packs them
-into sequences.
+A *record* is one JSONL line (a ``.json`` file may hold JSON Lines too), one object
+of a JSON list, one row of a Parquet file, of a saved Hugging Face dataset or of a hub
+dataset loaded by name (:func:`hub_dataset`), or a chunk of about 32 KiB of lines of a
+text file (a longer line is cut at a space; the file stays one document:
+:class:`TextChunk`). :mod:`rotapipe.train.tokens` makes a record into documents of
+token ids and labels; :mod:`rotapipe.train.data` packs them into sequences.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from ..errors import ConfigError, InputError
 from .hub import HubSplit, hub_dataset
 
 __all__ = ["IGNORE", "TEXT_SUFFIXES", "RECORD_SUFFIXES", "CHUNK_CHARS", "COMPLETION",
-           "CONVERSATIONS", "SHAREGPT_ROLES", "HubSplit", "TextFields", "check_text",
-           "data_changes", "data_fingerprint", "hub_dataset", "is_dataset_dir", "is_empty",
-           "iter_records", "record_parts", "record_text", "source_files", "stdlib_files"]
+           "CONVERSATIONS", "SHAREGPT_ROLES", "HubSplit", "TextChunk", "TextFields",
+           "check_text", "data_changes", "data_fingerprint", "hub_dataset", "is_dataset_dir",
+           "is_empty", "iter_records", "record_parts", "record_text", "source_files",
+           "stdlib_files"]
 
 IGNORE = -100
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -206,13 +207,24 @@ def _optional(module: str, what: str, package: str):
                           f"{package}") from None
 
 
-def _json_list(path: pathlib.Path) -> list:
-    """A ``.json`` data file: a list of records (read whole; use JSONL for big data)."""
+def _json_list(path: pathlib.Path) -> list | None:
+    """A ``.json`` data file: a list of records (read whole; use JSONL for big data), or
+    None when it holds JSON Lines (an object, then more after it: what ``datasets``'
+    json loader reads from a ``.json`` file too; it was refused as "line 2: not valid
+    JSON (Extra data)")."""
     try:
-        values = json.loads(path.read_text(encoding="utf-8-sig"))   # a BOM may open it
+        text = path.read_text(encoding="utf-8-sig")                 # a BOM may open it
     except UnicodeDecodeError as exc:
-        raise InputError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        raw = path.read_bytes()
+        at = exc.start + (3 if raw.startswith(b"\xef\xbb\xbf") else 0)   # after a BOM
+        line = raw.count(b"\n", 0, at) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 text (byte {at} of the file): a .json "
+                         "data file is UTF-8 JSON; save it as UTF-8") from None
+    try:
+        values = json.loads(text)
     except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data" and text.lstrip().startswith("{"):
+            return None
         raise InputError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
     if not isinstance(values, list):
         raise InputError(f"{path} holds a JSON {type(values).__name__}: a .json data file "
@@ -233,10 +245,28 @@ def is_dataset_dir(path: pathlib.Path) -> bool:
     return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
 
 
+class TextChunk(str):
+    """A record of a text file: about :data:`CHUNK_CHARS` of its lines. The file is one
+    document: only its ``first`` chunk gets the beginning-of-text token and only its
+    ``last`` the end-of-text token (:class:`~rotapipe.train.tokens.Tokens`); every chunk
+    had both, which trained the model to end a document at a line in its middle (480
+    such end-of-text targets in the demo's 1,790 files)."""
+
+    def __new__(cls, text: str, *, first: bool, last: bool):
+        chunk = super().__new__(cls, text)
+        chunk.first, chunk.last = first, last
+        return chunk
+
+
 def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, object]]:
     """``(record index, record)`` of one source from record ``start`` on: a parsed JSONL
     line, JSON list item, Parquet row or dataset row (dict), or a text chunk (str)."""
-    if path.suffix == ".jsonl":
+    if path.suffix == ".json":
+        values = _json_list(path)
+        if values is not None:
+            yield from enumerate(values[start:], start)
+            return
+    if path.suffix in (".jsonl", ".json"):                  # .json: JSON Lines in it
         with open(path, "rb") as f:
             for i, raw in enumerate(f):
                 if i < start or not raw.strip():
@@ -253,9 +283,6 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
                 except json.JSONDecodeError as exc:
                     raise InputError(f"{path}:{i + 1}: not valid JSON ({exc.msg}): fix or "
                                      "remove the line") from None
-        return
-    if path.suffix == ".json":
-        yield from enumerate(_json_list(path)[start:], start)
         return
     if path.suffix == ".parquet":
         pq = _optional("pyarrow.parquet", "Parquet data", "pyarrow")
@@ -281,17 +308,28 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
         yield from _rows(data, start)
         return
     with open(path, encoding="utf-8-sig", errors="replace") as f:
-        i, chunk, size = 0, [], 0
-        for line in f:
-            for piece in _pieces(line):
-                chunk.append(piece)
-                size += len(piece)
-                if size >= CHUNK_CHARS:
-                    if i >= start:
-                        yield i, "".join(chunk)
-                    i, chunk, size = i + 1, [], 0
-        if chunk and i >= start:
-            yield i, "".join(chunk)
+        before = None                         # one chunk behind: is it the file's last?
+        for i, text in enumerate(_chunks(f)):
+            if before is not None and i > start:
+                yield i - 1, TextChunk(before, first=i == 1, last=False)
+            before = text
+        if before is not None and i >= start:
+            yield i, TextChunk(before, first=i == 0, last=True)
+
+
+def _chunks(lines) -> Iterator[str]:
+    """The text of ``lines`` in chunks of whole lines (:func:`_pieces` of a long one) of
+    at least :data:`CHUNK_CHARS` characters, the last one shorter."""
+    chunk, size = [], 0
+    for line in lines:
+        for piece in _pieces(line):
+            chunk.append(piece)
+            size += len(piece)
+            if size >= CHUNK_CHARS:
+                yield "".join(chunk)
+                chunk, size = [], 0
+    if chunk:
+        yield "".join(chunk)
 
 
 def _pieces(line: str) -> Iterator[str]:
@@ -355,7 +393,9 @@ def is_empty(kind: str, value) -> bool:
     """A record with nothing to learn but the end-of-text token: a text that is empty
     or blank, or a pair whose response is. Such records are skipped (and counted)."""
     if kind == "text":
-        return not value.strip()
+        # A blank last chunk of a text file still ends it (TextChunk): not empty.
+        return not value.strip() and not (getattr(value, "last", True) and
+                                          not getattr(value, "first", True))
     return kind == "pair" and not value[1].strip()
 
 

@@ -124,7 +124,34 @@ def _coerce(name: str, value):
         return value                       # a choice by name: TrainConfig checks it
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if t in (int, float) and isinstance(value, str) and _number(value, t) is not None:
+        kind = "an int" if t is int else "a float"
+        raise ConfigError(f"config field {name!r} = {value!r} is a string, not {kind}: "
+                          f"write it without quotes ({name} = {value.strip()})")
     raise ConfigError(f"config field {name!r} = {value!r} should be of type {t.__name__}")
+
+
+def _number(text: str, t: type):
+    """``text`` as a ``t`` (int or float), or None."""
+    try:
+        return t(text)
+    except ValueError:
+        return None
+
+
+def _yaml_load(yaml, text: str):
+    """``yaml.safe_load``, reading ``1e-4`` as a float. PyYAML reads YAML 1.1, where a
+    float needs a dot (``1.0e-4``) and ``1e-4`` is a string; YAML 1.2, TOML and JSON
+    read it as a number, and so does this (it was refused as "should be of type
+    float"). A quoted ``"1e-4"`` stays a string."""
+    import re
+
+    class Loader(yaml.SafeLoader):
+        pass
+    exponent = re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$")
+    # On a subclass, add_implicit_resolver copies SafeLoader's resolvers first.
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent, list("-+0123456789"))
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader
 
 
 def read_file(path: str | pathlib.Path) -> dict:
@@ -148,7 +175,7 @@ def read_file(path: str | pathlib.Path) -> dict:
             except ImportError:
                 raise ConfigError(f"{p} is YAML but PyYAML is not installed: pip install "
                                   "pyyaml, or write the config as TOML") from None
-            values = yaml.safe_load(text) or {}
+            values = _yaml_load(yaml, text) or {}
         elif p.suffix == ".json":
             import json
             values = json.loads(text)

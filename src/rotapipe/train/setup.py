@@ -183,6 +183,12 @@ def describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) -
         evaluation = f"held-out {held.ids.shape[0]} sequences"
     echo(f"data: {data} ({describe_sources(files)}), {cfg.seq}-token sequences "
          f"({cfg.packing}), {evaluation}; setup {setup_s:.1f} s")
+    if cfg.holdout and (cfg.eval_data or not cfg.eval_interval):
+        # Held-out records are for evaluation: here they are neither trained nor evaluated.
+        why = "eval_data is evaluated instead of them" if cfg.eval_data else \
+            "eval_interval=0 never evaluates"
+        echo(f"note: holdout={cfg.holdout:g} keeps that share of the records of data out of "
+             f"training, and {why}: they are not used at all (--holdout 0 trains on them)")
     echo(f"pipeline: {len(pipe.devices)} {kind} workers, {cfg.microbatches} microbatches "
          f"of {cfg.batch // cfg.microbatches}, plan {pipe.plan.to_text()}")
     note = folded_expert_note(wrapped.model) if cfg.lora or cfg.qlora or \

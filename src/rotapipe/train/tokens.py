@@ -45,7 +45,7 @@ def chat_segments(tokenizer, messages: list[dict], where: str) -> list[tuple[str
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head = render(messages[:i], True) if i else ""
+        head = _head(render, messages, i)
         upto = render(messages[:i + 1], False)
         if not (full.startswith(upto) and upto.startswith(head) and len(head) >= done):
             raise RendersDifferently(f"{where}: the chat template renders message {i} "
@@ -54,6 +54,25 @@ def chat_segments(tokenizer, messages: list[dict], where: str) -> list[tuple[str
         done = len(upto)
     segments.append((full[done:], False))
     return [(t, c) for t, c in segments if t]
+
+
+_SENTINEL = "rotapipe0opening0sentinel"
+
+
+def _head(render, messages: list[dict], i: int) -> str:
+    """What the template renders before assistant message ``i``'s own text (not trained
+    on): ``messages[:i]`` with the generation prompt. A chat that opens with the
+    assistant has no earlier messages, and transformers renders no empty conversation:
+    its head is what the template writes before that message's content (BOS, a default
+    system prompt, the assistant header), found with a sentinel content. It was none,
+    and all of that was trained on as the assistant's."""
+    if i:
+        return render(messages[:i], True)
+    probe = render([{**messages[0], "content": _SENTINEL}], False)
+    at = probe.find(_SENTINEL)
+    head = probe[:at] if at > 0 else ""
+    # A template that renders this content's opening otherwise: counted as before.
+    return head if render(messages[:1], False).startswith(head) else ""
 
 
 def chat_documents(tokenizer, messages: list[dict], where: str
@@ -70,8 +89,8 @@ def chat_documents(tokenizer, messages: list[dict], where: str
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head = tokenizer.apply_chat_template(messages[:i], tokenize=False,
-                                             add_generation_prompt=True) if i else ""
+        head = _head(lambda msgs, prompt: tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=prompt), messages, i)
         upto = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
         if not upto.startswith(head):
             raise InputError(f"{where}: the chat template's generation prompt for message "
@@ -137,7 +156,10 @@ class Tokens:
             return []
         head = [] if self.bos is None else [self.bos]
         if kind == "text":
-            ids = self.encode(value) + [self.eos]
+            # A chunk of a text file: the file's first chunk alone opens the document,
+            # its last alone ends it (records.TextChunk).
+            head = head if getattr(value, "first", True) else []
+            ids = self.encode(value) + ([self.eos] if getattr(value, "last", True) else [])
             return [(head + ids, [IGNORE] * len(head) + ids)]
         if kind == "pair":
             p, r = head + self.encode(value[0]), self.encode(value[1]) + [self.eos]
