@@ -294,6 +294,32 @@ def test_embedding_dropout_is_the_models_own(family):
     assert_grads_equal(m, ref_train)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_with_dropout_is_turned_off_and_trains_exactly(reentrant):
+    """``model.gradient_checkpointing_enable()`` (PEFT's ``prepare_model_for_kbit_training``
+    calls it) with attention dropout on: the block's own checkpoint recomputed it from
+    the process's random generator, not the stream its forward drew from, so every
+    gradient was another mask's (the loss was right). wrap_hf turns it off: the
+    pipeline recomputes each block itself."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "attention_dropout": 0.3,
+                                            "attn_implementation": "eager"})).train()
+    ids, mask, labels = batch()
+    ref = clone(model)
+    want = _seeded_hf_backward(ref, ids, mask, labels, 2, call=0)
+    m = clone(model)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    m.train()
+    wrapped = rotapipe.adapters.wrap_hf(m)
+    assert not m.is_gradient_checkpointing
+    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
+                                          backend="emulated")) as pipe:
+        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
 @pytest.mark.parametrize("family", ["phi", "starcoder2"])
 def test_embedding_dropout_in_train_mode_wraps_and_trains_exactly(family):
     """A model wrapped in train mode with embedding dropout on is taken (the wrap-time

@@ -204,6 +204,12 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
         raise AdapterError(f"quantize={quantize!r}: use one of "
                            f"{', '.join(map(repr, QUANTIZE))} or None")
     base = _unwrap_peft(model)
+    if getattr(base, "is_gradient_checkpointing", False):
+        # The pipeline recomputes every block in its backward stage. A block's own
+        # checkpoint would recompute it a second time, and from the process's random
+        # generator, not the layer's stream its forward drew from: with dropout on, the
+        # gradients were another mask's (tests/test_hf_families.py).
+        base.gradient_checkpointing_disable()
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") \
         else base.config
     check_model(base, config)
