@@ -39,8 +39,7 @@ def Block(dim: int, hidden: int, heads: int = 2, dropout: float = 0.0) -> nn.Mod
 class Sleepy(nn.Module):
     """A linear layer that sleeps ``seconds`` in forward while ``seconds`` is set (a
     stuck kernel; set it to 0 on the workers' shells to end the stall, also one under
-    way: an abandoned stuck thread would otherwise hold the emulated backend's CPU
-    generator lock, and stall the next pipeline in the process, until it wakes)."""
+    way: an abandoned stuck thread would otherwise sleep on past the test)."""
 
     def __init__(self, seconds: float):
         super().__init__()

@@ -98,8 +98,9 @@ def test_a_closed_pipeline_raises_at_once(method):
 @contextlib.contextmanager
 def _ended(shells):
     """Ends the stall of the workers' ``Sleepy`` shells on the way out: the abandoned
-    thread wakes instead of holding the emulated backend's CPU generator lock for
-    the rest of its sleep (which stalled the next test's pipeline for 25 s)."""
+    thread wakes instead of sleeping on for the rest of its stall (it used to hold the
+    emulated backend's CPU generator lock meanwhile, which stalled the next test's
+    pipeline for 25 s)."""
     try:
         yield
     finally:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import rotapipe
+from rotapipe.runtime.emulated import running_seed
 from models import (Sleepy, emulated, lm_loss, reference_forward_backward, tiny_transformer,
                     token_batch)
 
@@ -91,7 +92,7 @@ class Faulty(nn.Module):
 
     def forward(self, x):
         t = self.trigger
-        hit = t.layer == self.index and torch.initial_seed() in t.seeds
+        hit = t.layer == self.index and running_seed() in t.seeds
         grad = torch.is_grad_enabled()
         if hit and ((t.pass_ == "forward" and not grad)
                     or (t.pass_ in ("recompute", "tail-forward") and grad)):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import rotapipe
+from rotapipe.runtime.emulated import running_seed
 from rotapipe.schedule import ActionKind as K, one_f_one_b_schedule, roundpipe_stale_schedule
 from rotapipe.plan import bound_plan
 
@@ -148,7 +149,7 @@ class Holding(nn.Module):
 
     def forward(self, x):
         y = self.inner(x)
-        if torch.is_grad_enabled() and torch.initial_seed() in self.seeds:
+        if torch.is_grad_enabled() and running_seed() in self.seeds:
             y = Hold.apply(y, self.gate, self.seeds)
         return y
 
@@ -583,7 +584,7 @@ class Poisoned(nn.Module):
 
     def forward(self, x):
         y = self.inner(x)
-        if torch.is_grad_enabled() and torch.initial_seed() in self.seeds:
+        if torch.is_grad_enabled() and running_seed() in self.seeds:
             y = NanInput.apply(y)
         return y
 

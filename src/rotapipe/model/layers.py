@@ -204,6 +204,10 @@ class Shell:
         self.buffer_slots: list[_Slot] = []
         self._buffers: dict[int, torch.Tensor] | None = None   # the bound stage's
         self._bound: list[torch.Tensor] = []                   # per buffer slot
+        self.draws: bool | None = None
+        """Whether the layer's last call run with random ops watched drew random numbers
+        (``None``: none since the copy last changed); the emulated backend runs a layer
+        that drew nothing unwatched (``EmulatedDevice.seeded_layer``)."""
         pairs = zip(layer.modules(), self.module.modules())
         for om, sm in pairs:
             for name, p in om._parameters.items():
@@ -220,8 +224,10 @@ class Shell:
         are not seen."""
         memo = None
         for om, sm, seen in self._pairs:
-            sm.training = om.training
+            if sm.training != om.training:
+                sm.training, self.draws = om.training, None
             for k, v in _changed(om, seen):
+                self.draws = None     # dropout.p = 0.1: its draws may change
                 if memo is None:      # the layer's own tensors and modules map to ours
                     memo = self._memo()
                 try:

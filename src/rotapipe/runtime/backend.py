@@ -127,8 +127,16 @@ class Device(abc.ABC):
 
     @abc.abstractmethod
     def seeded(self, seed: int) -> AbstractContextManager:
-        """Context in which this device's random generator (and the CPU one, where
-        layers draw there) is seeded with ``seed``."""
+        """Context in which random ops on this device draw from a stream seeded with
+        ``seed``: the device's generator, seeded (CUDA), or a generator of the calling
+        thread's own (emulated: the CPU generator is the process's, see
+        ``docs/concepts.md``)."""
+
+    def seeded_layer(self, seed: int, shell) -> AbstractContextManager:
+        """:meth:`seeded` for a call of one layer; ``shell`` is the worker's copy of it
+        (:class:`~rotapipe.model.layers.Shell`), where a backend may keep whether the
+        layer draws at all (``shell.draws``)."""
+        return self.seeded(seed)
 
     @abc.abstractmethod
     def drain(self, timeout: float | None = None) -> bool:

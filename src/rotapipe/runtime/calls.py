@@ -207,14 +207,14 @@ class CallRunner:
 
     def run(self, schedule: Schedule, ctx: CallContext, host_store: Store) -> None:
         """Run ``schedule`` on the workers; raise the first failure (as the executor
-        reports it). The caller's CPU random state and the device stores are restored."""
+        reports it); the device stores are cleared. The process's CPU generator is left
+        alone: workers draw from streams of their own, and restoring it here rewound the
+        draws another thread of the caller's made meanwhile."""
         self.begin(0, self.state(schedule, ctx, host_store))
-        rng_state = torch.get_rng_state()
         try:
             self.executor.run(schedule, self.runner.run, self.where, self.runner.chunks,
                               gate=self.config.gate_copies)
         finally:
-            torch.set_rng_state(rng_state)
             self.end(0)
 
     def where(self, action) -> str:

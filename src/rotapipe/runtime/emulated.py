@@ -9,12 +9,14 @@ them and can be waited on from any other stream. Every stream carries a vector c
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
 from contextlib import contextmanager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import DeviceOutOfMemoryError
 from ..schedule import Lane
@@ -24,10 +26,15 @@ from .pool import BlockPool
 from .store import Actor
 from .transfer import DOWN, UP, CopyEngine, direction
 
-# torch's CPU generator is one per process and shared by every thread (TRAPS.md), so
-# seeding it and drawing from it must not interleave between emulated workers. This
-# lock guards that process-wide resource; it is the only module-level state here.
+# torch's CPU generator is one per process and shared by every thread (TRAPS.md).
+# Layers draw from generators of their own (_LayerDraws); the few random ops that take
+# no generator swap their layer's stream into the process's generator under this lock
+# (between workers: the caller's threads take no lock). It and the memo of op schemas
+# (_random_use) are the only module-level state here.
 _CPU_RNG_LOCK = threading.Lock()
+
+# The seed of the layer (or loss) call this thread runs: running_seed().
+_RUNNING = threading.local()
 
 # Frees made by the function a download stream is running: [device, bytes] entries,
 # counted until that function has returned (see EmulatedDevice.free).
@@ -229,18 +236,16 @@ class EmulatedDevice(Device):
     def empty_host(self, shape, dtype):
         return self._host_blocks.empty(shape, dtype)
 
-    @contextmanager
     def seeded(self, seed):
-        # Emulated layers draw from the process's CPU generator: seed it for the layer
-        # and put the caller's state back, so that training calls still in flight
-        # (overlapping calls) never move the random stream of the caller's thread.
-        with _CPU_RNG_LOCK:
-            state = torch.default_generator.get_state()
-            torch.default_generator.manual_seed(seed)
-            try:
-                yield
-            finally:
-                torch.default_generator.set_state(state)
+        # Random ops draw from a generator seeded with ``seed``, never from the
+        # process's CPU generator: the caller's threads draw from that one while calls
+        # are in flight (overlap, stale), and it would move their masks and they ours.
+        return _layer_stream(seed)
+
+    def seeded_layer(self, seed, shell):
+        # A layer seen to draw nothing since its copy last changed runs as it is: the
+        # dispatch mode that routes random ops costs a Python call per op.
+        return _Running(seed) if shell.draws is False else _layer_stream(seed, shell)
 
     def allocate(self, nbytes: int, what: str) -> None:
         nbytes -= self._reuse(nbytes)
@@ -304,6 +309,117 @@ class EmulatedDevice(Device):
                              for s in self._streams.values()) if t]
         self._device_blocks, self._host_blocks = BlockPool(), BlockPool()
         return stuck
+
+
+def running_seed() -> int | None:
+    """The seed of the layer (or loss) call running on this emulated worker's thread
+    (``None`` outside one): ``layer_seed(seed, call, microbatch, layer)``. The workers
+    leave the process's generator alone, so ``torch.initial_seed()`` does not say it."""
+    return getattr(_RUNNING, "seed", None)
+
+
+class _Running:
+    """Context: :func:`running_seed` gives ``seed`` on this thread."""
+
+    __slots__ = ("seed", "_outer")
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __enter__(self):
+        self._outer = getattr(_RUNNING, "seed", None)
+        _RUNNING.seed = self.seed
+
+    def __exit__(self, *exc):
+        _RUNNING.seed = self._outer
+
+
+@contextmanager
+def _layer_stream(seed: int, shell=None):
+    """Run a layer (or the loss) drawing from its own stream, a generator seeded with
+    ``seed``: the same numbers as plain PyTorch's after ``torch.manual_seed(seed)``.
+    Records in ``shell.draws`` whether it drew."""
+    mode = _LayerDraws(torch.Generator().manual_seed(seed))
+    with _Running(seed), mode:
+        yield
+    if shell is not None:
+        shell.draws = mode.drew
+
+
+class _LayerDraws(TorchDispatchMode):
+    """Random CPU ops run under it (on this thread only: dispatch modes are
+    thread-local) draw from ``gen``: an op with a ``generator`` argument gets ``gen``
+    where it was given none; one without (``torch.rand``'s default overload) runs as
+    its overload that takes one; the rest (``native_dropout``) swap ``gen``'s state into
+    the process's generator for the op. ``drew``: whether a random op drew from it."""
+
+    def __init__(self, gen: torch.Generator):
+        super().__init__()
+        self.gen, self.drew = gen, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        use = _random_use(func)
+        if use is None:
+            return func(*args, **kwargs)
+        if use == "overload":
+            self.drew = True
+            return func._overloadpacket(*args, generator=self.gen, **kwargs)
+        if use == "swap":
+            return self._swapped(func, args, kwargs)
+        index, keyword = use
+        if keyword or len(args) <= index:
+            if kwargs.get("generator") is None:
+                kwargs = {**kwargs, "generator": self.gen}
+                self.drew = True
+        elif args[index] is None:
+            args = (*args[:index], self.gen, *args[index + 1:])
+            self.drew = True
+        return func(*args, **kwargs)
+
+    def _swapped(self, func, args, kwargs):
+        if _draws_nothing(func, args, kwargs):
+            return func(*args, **kwargs)
+        cpu = torch.default_generator
+        with _CPU_RNG_LOCK:
+            saved, before = cpu.get_state(), self.gen.get_state()
+            cpu.set_state(before)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                after = cpu.get_state()
+                cpu.set_state(saved)
+                self.gen.set_state(after)
+                self.drew = self.drew or not torch.equal(before, after)
+
+
+@functools.cache
+def _random_use(func):
+    """How op ``func`` draws: ``None`` (it does not), ``(index, keyword_only)`` of its
+    ``generator`` argument, ``"overload"`` (another overload takes a generator) or
+    ``"swap"`` (no overload does)."""
+    args = func._schema.arguments
+    for i, a in enumerate(args):
+        if a.name == "generator":
+            return i, a.kwarg_only
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    packet = func._overloadpacket
+    if any(a.name == "generator" for name in packet.overloads()
+           for a in getattr(packet, name)._schema.arguments):
+        return "overload"
+    return "swap"
+
+
+def _draws_nothing(func, args, kwargs) -> bool:
+    """An op taking no generator that draws only with a dropout on: attention kernels
+    with ``dropout_p=0``, ``native_dropout`` with ``train=False`` or ``p=0``."""
+    for i, a in enumerate(func._schema.arguments):
+        v = args[i] if i < len(args) else \
+            kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+        if (a.name in ("dropout_p", "p") and v == 0) or (a.name == "train" and v is False):
+            return True
+    return False
 
 
 def _fmt(n: int) -> str:

@@ -112,7 +112,7 @@ class ActionRunner:
     """Timed emulation (:class:`rotapipe.runtime.emulation.TimedEmulation`): an action's duration in
     seconds, as chunks (weight uploads and weight-gradient downloads: the chunks of
     ``chunks.py``). Actions then last at least their duration: a copy holds its copy
-    engine that long, compute sleeps outside the random-generator lock."""
+    engine that long, compute sleeps after its work (emulated workers overlap there)."""
 
     def run(self, a: Action) -> None:
         self._tls.state = self.states[a.call]
@@ -122,7 +122,7 @@ class ActionRunner:
                 return
             t0 = time.perf_counter()
             getattr(self, "_" + a.kind.name.lower())(a)
-            # Sleep outside the random-generator lock: emulated workers overlap here.
+            # Sleep after the work, holding no lock: emulated workers overlap here.
             sleep_until(t0 + sum(self.timing(a)))
         finally:
             # A thread must not keep the call's state once the action is done: it holds
@@ -203,8 +203,8 @@ class ActionRunner:
         rows = batch_rows(x)
         last = layers[-1] if len(layers) else None
         for l in layers:
-            mb = a.mb + self.ctx.mb_offset
-            with dev.seeded(layer_seed(self.ctx.seed, self.ctx.call, mb, l)):
+            seed = layer_seed(self.ctx.seed, self.ctx.call, a.mb + self.ctx.mb_offset, l)
+            with dev.seeded_layer(seed, shells[l]):
                 x = call_layer(shells[l].module, x, side)
             if rows >= 0:
                 check_rows(self.ls, l, x, rows)
