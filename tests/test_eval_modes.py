@@ -126,3 +126,35 @@ def test_evaluation_between_pipelined_calls_sees_every_step(mode):
         assert e.dtype == torch.float32 and e.device.type == "cpu" and not e.requires_grad
         assert torch.equal(e, k)
         torch.testing.assert_close(e, w, rtol=RTOL, atol=ATOL)
+
+
+class _WithStats(torch.nn.Module):
+    """A last layer that returns its output with a per-feature statistic of its
+    microbatch (dim 0: the features, not the samples) and a per-sample score."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y.mean(0), y.sum(1)
+
+
+def test_evaluation_joins_only_per_sample_outputs():
+    """An evaluation output whose dim 0 is not the microbatch's samples (a statistic of
+    6 features, 2 microbatches of 3 and 2 samples) comes back one value per microbatch;
+    before, the microbatches' statistics were joined into one tensor of 12 values that
+    stood for nothing. Per-sample outputs are joined and equal the model's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), _WithStats())
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 6)
+    with rotapipe.RoundPipe(model, lambda out, y: out[0].sum(), config=emulated(2, 2)) as pipe:
+        y, stats, score = pipe(x)
+    want_y, _, want_score = ref(x)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(score, want_score, rtol=1e-5, atol=1e-6)
+    assert isinstance(stats, list) and len(stats) == 2
+    for got, part in zip(stats, x.tensor_split(2)):
+        torch.testing.assert_close(got, ref(part)[1], rtol=1e-5, atol=1e-6)

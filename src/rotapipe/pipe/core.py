@@ -408,8 +408,9 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
 
         Runs forward stages only (the layers' train/eval flags apply as set; buffer
         updates made during evaluation are not kept). The microbatches' outputs are
-        joined along dim 0; a further output tensor that cannot be (0-dim, e.g. an
-        auxiliary mean) comes back as a list, one value per microbatch."""
+        joined along dim 0; a further output tensor that is not per sample (0-dim, e.g.
+        an auxiliary mean, or a dim 0 other than the microbatch's batch size) comes back
+        as a list, one value per microbatch."""
         self._check_open()
         inputs = as_tree(inputs)
         with self._lock:
@@ -431,7 +432,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
             self._calls.run(schedule, ctx, host_store)
             outs = [host_store.get(("act", self.plan.num_layers, m)) for m in range(M)]
             self._evals += 1
-        return trees.concat(outs)
+        return trees.concat(outs, [trees.batch_size(mb, "inputs") for mb in mbs])
 
     def close(self) -> None:
         """Wait for the calls in flight (a failure of theirs is raised after the

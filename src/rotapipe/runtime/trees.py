@@ -51,11 +51,13 @@ def split(tree, parts: int) -> list:
     return [tree_unflatten([c[m] for c in chunks], spec) for m in range(parts)]
 
 
-def concat(trees: list):
-    """Join per-microbatch outputs along dim 0 (inverse of :func:`split`). A tensor leaf
-    that cannot be joined (0-dim in some microbatch, e.g. a mean, or other dimensions
-    that differ between microbatches) comes back as the list of its per-microbatch
-    values."""
+def concat(trees: list, sizes: list[int] | None = None):
+    """Join per-microbatch outputs along dim 0 (inverse of :func:`split`; ``sizes``: the
+    microbatches' batch sizes). A tensor leaf that is not per sample (0-dim in some
+    microbatch, e.g. a mean; a dim 0 other than its microbatch's size, e.g. a
+    per-feature statistic, or the sequence of a sequence-first output) or whose other
+    dimensions differ between microbatches comes back as the list of its
+    per-microbatch values: joining it would make a tensor of no meaning."""
     flat = [tree_flatten(t) for t in trees]
     spec = flat[0][1]
     cols = zip(*(leaves for leaves, _ in flat))
@@ -64,7 +66,8 @@ def concat(trees: list):
         if not isinstance(c[0], torch.Tensor):
             return c[0]
         if all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in c) and \
-                len({tuple(t.shape[1:]) for t in c}) == 1:
+                len({tuple(t.shape[1:]) for t in c}) == 1 and \
+                (sizes is None or [t.shape[0] for t in c] == list(sizes)):
             return torch.cat(c)
         return list(c)
     return tree_unflatten([join(c) for c in cols], spec)
