@@ -319,3 +319,34 @@ def test_a_fixed_scales_state_leaves_dynamic_scaling_at_its_init_scale():
     with rotapipe.RoundPipe(model, lm_loss, config=config("fp16")) as pipe:
         pipe.load_pipeline_state(state)
         assert pipe.scaler.scale == 2.0 ** 16
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer scaled by an fp32 buffer its forward reads and never writes
+    (a rotary table, a fixed normaliser)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 1.0 + 2.0 ** -12))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_buffer_the_forward_only_reads_keeps_its_fp32_value(dtype):
+    """The workers compute with the buffer in the compute dtype, but the user's module
+    keeps its own value: before, every training call wrote the rounded copy back
+    (1 + 2^-12 became 1.0 in bf16), so the model evaluated or saved afterwards was not
+    the one trained."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Scaled(), _Scaled())
+    before = [m.scale.clone() for m in model]
+    with rotapipe.RoundPipe(model, lambda y, t: ((y - t) ** 2).mean(),
+                            config=config(dtype)) as pipe:
+        pipe.attach_optimizer(adamw(pipe.parameters()))
+        for _ in range(2):
+            pipe.train_step(torch.randn(4, 8), torch.randn(4, 8))
+    for m, want in zip(model, before):
+        assert m.scale.dtype == torch.float32 and torch.equal(m.scale, want)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import time
 
+import torch
+
 from ..config import NonFinite
 from ..errors import ConfigError, DistributedError, InputError, NonFiniteError, WorkerError
 from ..runtime.calls import Call, check_stage_budget, split_batch
@@ -146,10 +148,17 @@ class TrainCalls:
         return loss
 
     def _keep_buffers(self, host_store) -> None:
-        """A committing call's buffer updates become the layers' buffers."""
+        """A committing call's buffer updates become the layers' buffers. A buffer the
+        workers held in a lower compute dtype and the call left unchanged keeps the
+        user's value: writing its rounded copy back would change the model (an fp32
+        buffer the forward only reads, 1 + 2^-12, would become 1.0 in bf16)."""
         for bid in range(len(self.layerset.buffers)):
             if host_store.contains(("buf", bid)):
-                self.layerset.set_buffer(bid, host_store.get(("buf", bid)))
+                new, old = host_store.get(("buf", bid)), self.layerset.buffer_value(bid)
+                if new.dtype != old.dtype and new.shape == old.shape and \
+                        torch.equal(new, old.to(new.dtype)):
+                    continue
+                self.layerset.set_buffer(bid, new)
 
     def _reaped(self, calls: list[Call]) -> None:
         """Calls that completed: ``partition="refine"`` learns from their timings."""
