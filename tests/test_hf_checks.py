@@ -167,6 +167,64 @@ def test_a_block_that_fails_on_its_arguments_is_refused_with_its_error():
         wrap_hf(model)
 
 
+class _IdsBlock(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
+    """Reads the token ids the model hands it (as DeepSeek-V4's hash routing does):
+    ``strict`` fails without them, else it uses them when given."""
+
+    strict = False
+
+    def forward(self, hidden_states, *args, input_ids=None, **kwargs):
+        if input_ids is not None or self.strict:
+            hidden_states = hidden_states + 0.01 * input_ids[..., None].to(
+                hidden_states.dtype)
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+class _IdsModel(transformers.LlamaModel):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        position_ids = torch.arange(h.shape[1], device=h.device)[None]
+        mask = create_causal_mask(config=self.config, inputs_embeds=h,
+                                  attention_mask=attention_mask, past_key_values=None,
+                                  position_ids=position_ids)
+        rotary = self.rotary_emb(h, position_ids)
+        for block in self.layers:
+            h = block(h, attention_mask=mask, position_embeddings=rotary,
+                      position_ids=position_ids, input_ids=input_ids)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_forward_that_hands_the_blocks_token_ids_is_refused(strict):
+    """The side inputs come from a probe of the forward run on embeddings, so blocks
+    handed ``input_ids`` got ``None`` in the pipeline: a block that uses them when given
+    wrapped and trained another function (silently); one that needs them (DeepSeek-V4)
+    was refused as "a decoder layer failed on the arguments the model gives it"."""
+    model = _llama()
+    model.model.__class__ = _IdsModel
+    for block in model.model.layers:
+        block.__class__ = _IdsBlock
+        block.strict = strict
+    ids, mask, labels = batch()
+    assert model(input_ids=ids, attention_mask=mask, labels=labels).loss > 0
+    with pytest.raises(AdapterError, match=r"_IdsModel.forward hands its decoder layers "
+                       r"the token ids .* input_ids=None"):
+        wrap_hf(model)
+
+
+def test_embeddings_narrower_than_the_blocks_are_refused_as_such():
+    """OPT-350m's embeddings are narrower than its blocks (``project_in`` widens them
+    before the first block): it was refused as a forward that "failed before its first
+    decoder layer when given the embeddings instead of token ids"."""
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=97, hidden_size=32, word_embed_proj_dim=16, num_hidden_layers=2,
+        ffn_dim=48, num_attention_heads=4, max_position_embeddings=64))
+    with pytest.raises(AdapterError, match=r"OPTForCausalLM's input embeddings are 16 "
+                       r"wide but its decoder blocks take hidden_size=32"):
+        wrap_hf(model)
+
+
 # -- 4. dropout outside the blocks that the layers would not apply ---------------------
 class _DropoutModel(transformers.LlamaModel):
     """Applies dropout where rotapipe's layers would not: functionally between blocks

@@ -186,6 +186,45 @@ def test_adapters_fed_by_the_peft_forward_are_refused(method, tmp_path):
         rotapipe.adapters.wrap_hf(build(tmp_path))
 
 
+def _adalora(**kw):
+    torch.manual_seed(0)
+    return peft.get_peft_model(tiny("qwen3"), peft.AdaLoraConfig(
+        target_modules=["q_proj", "v_proj", "down_proj"], total_step=10,
+        init_lora_weights=False, **kw))
+
+
+@pytest.mark.filterwarnings("ignore:.*is not used in AdaLora:UserWarning")
+def test_adalora_orthogonality_penalty_is_refused_and_trains_without_it():
+    """With a task type, PEFT's forward is ``AdaLoraModel.forward``, which adds
+    ``orth_reg_weight`` (default 0.5) times the orthogonality penalty of every
+    ``lora_A`` / ``lora_B`` to the loss. rotapipe never runs that forward: it trained
+    the cross-entropy alone (4.599279 where PEFT's loss is 68.909447 on this model,
+    adapter gradients off by up to 0.108). Refused, naming the fix; with it, PEFT's loss and every
+    gradient. Without a task type PEFT adds no penalty (``test_other_tuners_equal_peft``)."""
+    with pytest.raises(rotapipe.adapters.AdapterError,
+                       match=r"ADALORA with orth_reg_weight=0\.5 .*AdaLoraConfig\("
+                       r"orth_reg_weight=0\.0"):
+        rotapipe.adapters.wrap_hf(_adalora(task_type="CAUSAL_LM"))
+    model = _adalora(task_type="CAUSAL_LM", orth_reg_weight=0.0)
+    ref, m = clone(model), clone(model)
+    want = hf_backward(ref, *batch())
+    got = pipe_backward(m, *batch(), 2, 2)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+
+
+def test_shadow_peft_is_refused_at_wrap_time():
+    """ShadowPEFT's forward runs a shadow network and carries its state through the
+    blocks by hooks on the whole model: it wrapped, then failed inside a worker
+    (``'ShadowCarrier' object has no attribute 'dtype'``)."""
+    if not hasattr(peft, "ShadowConfig"):
+        pytest.skip("this peft has no ShadowPEFT")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny("qwen3"), peft.ShadowConfig(task_type="CAUSAL_LM"))
+    with pytest.raises(rotapipe.adapters.AdapterError, match="is SHADOW: .* shadow state"):
+        rotapipe.adapters.wrap_hf(model)
+
+
 SHARED_BUFFERS = {
     # PEFT methods whose layers hold one buffer between them: VeRA's frozen projections
     # (every adapted block), trainable token rows on tied embeddings (embedding and head).

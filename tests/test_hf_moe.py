@@ -121,7 +121,7 @@ def test_pipeline_records_in_forward_and_replays_in_recompute(monkeypatch):
 def test_aux_formula_is_checked_against_the_model():
     model = tiny("qwen3moe")
     spec = moe.MoESpec(num_experts=4, top_k=2, coef=0.5)
-    rotapipe.adapters.hf._check_aux_formula(model, spec)     # Qwen3-MoE: Switch formula
+    moe.check_aux_formula(model, spec)     # Qwen3-MoE: Switch formula
     mod = transformers.models.qwen3_moe.modeling_qwen3_moe
     orig = mod.load_balancing_loss_func
     try:

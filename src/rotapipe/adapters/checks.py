@@ -28,15 +28,18 @@ adapter cannot train: PEFT prompt learning (:func:`check_peft`).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from .errors import AdapterError
 from .loss import unchunked_lm_loss
-from .side import DropoutCall, SideInputs, eval_mode, shallow_clone
+from .side import (DropoutCall, SideInputs, eval_mode, shallow_clone,
+                   token_ids_refusal)
 
-__all__ = ["check_model", "check_chain", "find_tail", "check_tail", "verify_full",
-           "tolerance", "check_peft"]
+__all__ = ["check_model", "check_embedding_width", "check_chain", "find_tail",
+           "check_tail", "verify_full", "tolerance", "check_peft"]
 
 ATTENTION = ("eager", "sdpa")
 """Attention implementations the wrap-time checks and the tests cover on the CPU."""
@@ -69,6 +72,18 @@ def check_model(base: nn.Module, config) -> None:
                 f"backward does not run on the CPU): use {supported}, e.g. "
                 "model.set_attn_implementation('sdpa') before wrap_hf")
     check_not_quantized(base)
+
+
+def check_embedding_width(embed: nn.Module, hidden_size: int, name: str) -> None:
+    """Layer 0 hands block 0 the embedding's output, ``hidden_size`` wide (OPT-350m
+    projects narrower embeddings first: ``project_in``)."""
+    width = getattr(embed, "embedding_dim", None)
+    if isinstance(width, int) and width != hidden_size:
+        raise AdapterError(
+            f"{name}'s input embeddings are {width} wide but its decoder blocks take "
+            f"hidden_size={hidden_size}: the forward projects the embeddings before the "
+            "first block, which rotapipe's layer 0 (the embedding alone) does not; build "
+            "the layers yourself and pass them to rotapipe.RoundPipe")
 
 
 def check_not_quantized(base: nn.Module) -> None:
@@ -118,6 +133,8 @@ def _check_chain(side: SideInputs, multiplier: float | None,
                                "first decoder layer in a way rotapipe does not know (for "
                                "example learned position embeddings added there): build "
                                "the layers yourself and pass them to rotapipe.RoundPipe")
+    if any("input_ids" in kwargs for _, _, kwargs in calls):
+        raise AdapterError(token_ids_refusal(name))    # a block that took None for them
     for i in range(1, len(calls)):
         if calls[i][0] is not calls[i - 1][0]:
             raise AdapterError(f"{name}.forward changes the hidden states between decoder "
@@ -407,14 +424,20 @@ def check_peft(model: nn.Module) -> None:
       virtual tokens or key/value prefixes, so training would ignore them;
     - what that forward computes from the whole batch and hands the adapted layers:
       X-LoRA's scalings (a classifier run on the base model's hidden states), Poly's task ids,
-      activated LoRA's (``alora_invocation_tokens``) per-row offsets. Without them the
-      layers would train the wrong function silently (X-LoRA: another loss, no gradient
-      for the classifier; aLoRA: the adapter applied nowhere) or fail."""
+      activated LoRA's (``alora_invocation_tokens``) per-row offsets, ShadowPEFT's
+      shadow state. Without them the layers would train the wrong function silently
+      (X-LoRA: another loss, no gradient for the classifier; aLoRA: the adapter applied
+      nowhere) or fail;
+    - a loss term that forward adds: AdaLoRA's orthogonality penalty
+      (``orth_reg_weight > 0`` with a task type)."""
     configs = getattr(model, "peft_config", None) or {}
+    # With a task type (PeftModelForCausalLM) the tuner's forward runs (AdaLoRA's adds
+    # to the loss); a plain PeftModel runs the base model's.
+    plain = getattr(type(model), "forward", None) is _plain_peft_forward()
     for name, cfg in configs.items():
         kind = getattr(cfg, "peft_type", None)
         kind = getattr(kind, "value", kind) or type(cfg).__name__
-        why = _peft_refusal(cfg, str(kind))
+        why = _peft_refusal(cfg, str(kind), tuner_forward=not plain)
         if why is not None:
             raise AdapterError(f"PEFT adapter {name!r} is {kind}{why}")
 
@@ -425,9 +448,14 @@ _OUTSIDE = (": rotapipe pipelines the base model's layers and never runs the Pef
             "layer's input only ({use}, IA3Config, LoHaConfig, ...)")
 
 
-def _peft_refusal(cfg, kind: str) -> str | None:
+def _plain_peft_forward():
+    peft = sys.modules.get("peft")      # imported: the model is a PeftModel
+    return None if peft is None else peft.PeftModel.forward
+
+
+def _peft_refusal(cfg, kind: str, tuner_forward: bool = True) -> str | None:
     """Why adapter config ``cfg`` of PEFT type ``kind`` cannot train (the message after
-    the type), or ``None``."""
+    the type), or ``None``. ``tuner_forward``: the PeftModel runs the tuner's forward."""
     if getattr(cfg, "is_prompt_learning", False):
         return (", prompt learning: its virtual tokens are added by the PeftModel's "
                 "forward, outside the base model's layers that rotapipe pipelines, so "
@@ -440,6 +468,18 @@ def _peft_refusal(cfg, kind: str) -> str | None:
     if kind == "POLY":
         return _OUTSIDE.format(what="the routing of each sample from its task_ids",
                                use="one LoRA adapter: peft.LoraConfig")
+    if kind == "SHADOW":
+        return _OUTSIDE.format(what="a shadow state (its own shadow network run on the "
+                               "inputs, advanced block by block)",
+                               use="peft.LoraConfig")
+    weight = getattr(cfg, "orth_reg_weight", 0) or 0
+    if kind == "ADALORA" and tuner_forward and weight > 0:
+        # A term of every layer's weights, which the loss in the last layer cannot add.
+        return (f" with orth_reg_weight={weight} and a task type: the PeftModel's forward "
+                "adds that times the orthogonality penalty of every lora_A and lora_B to "
+                "the loss, which rotapipe's loss (the cross-entropy, in the last layer) "
+                "would leave out, training other gradients. Use peft.AdaLoraConfig("
+                "orth_reg_weight=0.0, ...) to train without the penalty")
     if getattr(cfg, "alora_invocation_tokens", None) is not None:
         return (" with alora_invocation_tokens (activated LoRA)" + _OUTSIDE.format(
             what="each row's adapter offset from the invocation tokens in input_ids",

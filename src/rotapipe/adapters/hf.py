@@ -23,7 +23,7 @@ refused instead.
 
 from __future__ import annotations
 
-import sys
+import re
 import weakref
 from collections.abc import Callable
 
@@ -36,13 +36,12 @@ from ..model.quant import QUANTIZE, check_frozen, quantize_frozen, quantized
 from ..model.work import set_work
 from ..plan.costs import model_work
 from .errors import AdapterError
-from .checks import (check_chain, check_model, check_peft, check_tail, find_tail,
-                     verify_full)
+from .checks import (check_chain, check_embedding_width, check_model, check_peft,
+                     check_tail, find_tail, verify_full)
 from .families import embedding_multiplier, logit_transforms
 from .layers import DecoderLayer, EmbedLayer, HeadLayer
 from .loss import CausalLMLoss, TokenCount, head_vocab
-from .moe import (MoESpec, aux_add, aux_loss, aux_zero, find_routers, router_class,
-                  warn_eager_experts)
+from .moe import find_routers, moe_spec, router_class, warn_eager_experts
 from .side import SideInputs, token_ids
 
 __all__ = ["AdapterError", "HFModel", "wrap_hf", "hf_pipe", "load_hf", "PLANNER_SEQ"]
@@ -126,6 +125,12 @@ class HFModel:
             kwargs["lookups"] = {embed: token_ids}
         if self.loss_fn.moe is not None:
             kwargs["tail_context"] = self.loss_fn.batch_context
+        # What transformers keeps in fp32 when loading in the compute dtype (routers).
+        ours = {id(t) for layer in self.layers for t in [*layer.parameters(),
+                                                         *layer.buffers()]}
+        kept = [t for t in _kept_fp32(self.base, self.compute_dtype) if id(t) in ours]
+        if kept:
+            kwargs["keep_fp32"] = kept
         return kwargs
 
     def pipe(self, config: PipeConfig | None = None, **kwargs):
@@ -229,7 +234,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
     transforms = logit_transforms(config, logits_fn)
     router = router_class(base)
     routers = [find_routers(b, router) for b in blocks]
-    moe = _moe_spec(base, config, moe_aux_loss) if any(routers) else None
+    moe = moe_spec(base, config, moe_aux_loss, routed=any(routers))
     if any(routers):
         warn_eager_experts(base)
 
@@ -237,7 +242,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
         w = getattr(embed, "weight", None)
         compute_dtype = w.dtype if w is not None and w.is_floating_point() else torch.float32
     side = SideInputs(inner, list_name, blocks, int(config.hidden_size), compute_dtype,
-                      moe=any(routers))
+                      moe=any(routers), aux_loss=moe is not None)
     p = (inner_path + ".") if inner_path else ""
     meta = _on_meta(base)
     embed_dropout = None
@@ -247,6 +252,7 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
     else:
         # Wrap-time checks draw no numbers from the user's random stream.
         with torch.random.fork_rng(devices=[]):
+            check_embedding_width(embed, int(config.hidden_size), type(base).__name__)
             side.learn_returns()
             embed_dropout = check_chain(side, multiplier, type(inner).__name__)
             extra = {"output_router_logits": False} if router is not None else {}
@@ -315,6 +321,22 @@ def load_hf(path, *, dtype: torch.dtype | str | None = None, adapter: str | None
 
 
 # -- discovery -------------------------------------------------------------------------
+def _kept_fp32(base: nn.Module, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The parameters and buffers ``transformers`` keeps in fp32 when it loads ``base``
+    in ``dtype``: those ``_keep_in_fp32_modules_strict`` names under bf16 and fp16, and
+    ``_keep_in_fp32_modules`` under fp16, each entry a regular expression (``*`` for
+    ``.*``) searched in the full name, as its loader matches them (a PEFT-wrapped
+    module's ``base_layer`` left out of the name)."""
+    names = set(getattr(base, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        names |= set(getattr(base, "_keep_in_fp32_modules", None) or ())
+    if dtype == torch.float32 or not names:
+        return []
+    pattern = re.compile("|".join(f"(?:{n.replace('*', '.*')})" for n in sorted(names)))
+    return [t for name, t in [*base.named_parameters(), *base.named_buffers()]
+            if t.is_floating_point() and pattern.search(name.replace(".base_layer", ""))]
+
+
 def _unwrap_peft(model: nn.Module) -> nn.Module:
     get_base = getattr(model, "get_base_model", None)
     if callable(get_base) and hasattr(model, "peft_config"):
@@ -394,58 +416,6 @@ def _find_norm(base, inner, inner_path, embed, blocks, norm_path):
     if not cands:
         return "", None
     return p + cands[0][0], cands[0][1]
-
-
-def _moe_spec(base, config, enabled: bool | None) -> MoESpec | None:
-    if enabled is None:
-        # As the model's forward: the loss when the config asks for router logits and
-        # the family has a load-balancing loss (DeepSeek-V3 balances without one).
-        enabled = bool(getattr(config, "output_router_logits", False)) and \
-            _aux_function(base) is not None
-    if not enabled:
-        return None
-
-    def pick(*names):
-        # The model's own attribute first: it is what its forward reads (JetMoE keeps
-        # ``aux_loss_coef``, DBRX copies its ffn_config's weight), and a config may
-        # carry the other family's name too.
-        for obj in (base, config):
-            for name in names:
-                v = getattr(obj, name, None)
-                if v is not None:
-                    return v
-        raise AdapterError(f"MoE auxiliary loss: none of {names} found on the model or "
-                           "its config; pass moe_aux_loss=False to train without it")
-
-    spec = MoESpec(int(pick("num_experts", "num_local_experts")),
-                   int(pick("num_experts_per_tok", "top_k")),
-                   float(pick("router_aux_loss_coef", "aux_loss_coef")))
-    _check_aux_formula(base, spec)
-    return spec
-
-
-def _check_aux_formula(base, spec: MoESpec) -> None:
-    """The model's ``load_balancing_loss_func`` must be the Switch formula we carry
-    through the pipeline; checked on random logits with a padding mask."""
-    fn = _aux_function(base)
-    if fn is None:
-        raise AdapterError(f"{type(base).__name__} enables a router auxiliary loss but its "
-                           "module has no load_balancing_loss_func: pass moe_aux_loss=False")
-    g = torch.Generator().manual_seed(0)
-    layers = [torch.randn(6, spec.num_experts, generator=g) for _ in range(3)]
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    want = fn(tuple(layers), spec.num_experts, spec.top_k, mask)
-    acc = aux_zero(spec.num_experts, torch.device("cpu"))
-    for logits in layers:
-        acc = aux_add(acc, logits, mask.reshape(-1), spec)
-    if not torch.allclose(aux_loss(acc, spec), torch.as_tensor(want), rtol=1e-5, atol=1e-7):
-        raise AdapterError(f"{type(base).__name__}'s load_balancing_loss_func is not the "
-                           "Switch-Transformer formula rotapipe carries through the "
-                           "pipeline: pass moe_aux_loss=False")
-
-
-def _aux_function(base):
-    return getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
 
 
 def _attach_work(layers: list[nn.Module], config) -> None:

@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from ..errors import InputError
 from .errors import AdapterError
-from .moe import MoESpec, aux_loss
+from .moe import MoESpec
 
 __all__ = ["LMHead", "TokenCount", "CausalLMLoss", "shift_labels", "chunked_cross_entropy",
            "lm_loss", "DEFAULT_LOGITS_BYTES"]
@@ -328,19 +328,36 @@ def unchunked_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
 
 class CausalLMLoss:
     """``loss_fn`` of a wrapped model: Hugging Face's causal-LM loss (chunked), plus
-    ``coef * load-balancing loss`` for MoE models whose config enables it."""
+    ``coef * load-balancing loss`` for MoE models whose config enables it (then the
+    pipeline must pass ``tail_context=batch_context``; without it a call fails)."""
 
     def __init__(self, chunk_tokens: int | None = None, ignore_index: int = -100,
                  moe: MoESpec | None = None):
         self.chunk_tokens, self.ignore_index, self.moe = chunk_tokens, ignore_index, moe
+
+    @property
+    def tail_context_needed(self) -> str | None:
+        """Why the pipeline must pass ``tail_context=self.batch_context`` (``None`` when
+        it need not): :class:`rotapipe.RoundPipe` refuses to be built without it."""
+        if self.moe is None:
+            return None
+        return ("this MoE model's loss adds the load-balancing loss over the whole batch, "
+                "which needs the pipeline's tail_context (the routing counts of every "
+                "microbatch): build the pipeline with wrapped.pipe(config) or "
+                "RoundPipe(**wrapped.pipe_kwargs(), config=...) (or pass "
+                "tail_context=wrapped.loss_fn.batch_context), or wrap_hf(model, "
+                "moe_aux_loss=False) to train without that loss")
 
     def __call__(self, out, labels: torch.Tensor, batch=None):
         loss = lm_loss(out.hidden, labels, out.head, chunk_tokens=self.chunk_tokens,
                        ignore_index=self.ignore_index)
         if self.moe is None or out.moe is None:
             return loss
-        if batch is None:   # one microbatch is the whole batch
-            return loss + self.moe.coef * aux_loss(out.moe, self.moe).to(loss.device)
+        if batch is None:
+            # Without the pipeline's tail_context each microbatch would balance its own
+            # rows only: another loss, silently, with more than one microbatch. The
+            # pipeline refuses it when built (tail_context_needed); a backstop.
+            raise AdapterError(self.tail_context_needed)
         # Whole-batch load balancing: the counts T and rows R of every microbatch (from
         # ``batch_context``) with this microbatch's probability sums P, which carry the
         # gradient. Summed over microbatches: E * sum_e (T_e / R) * (P_e / R), exactly

@@ -30,11 +30,16 @@ pipeline's ordinary activation gradients. With several microbatches the pipeline
 ``tail_context`` (``CausalLMLoss.batch_context``) sums T and R over every microbatch
 before the fused tail runs, and each microbatch adds ``E * sum_e (T_e / R) * (P_e / R)``
 with its own P, unweighted: the sum is Hugging Face's whole-batch loss, exactly.
+
+**Which loss** (:func:`moe_spec`): on when the config asks for router logits (or
+``wrap_hf(moe_aux_loss=True)``), and only for a model whose ``load_balancing_loss_func``
+computes that formula (:func:`check_aux_formula`); otherwise refused at wrap time.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -42,8 +47,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .errors import AdapterError
+
 __all__ = ["MoESpec", "RoutingLog", "RouterTap", "router_class", "find_routers",
-           "aux_zero", "aux_add", "aux_loss", "warn_eager_experts"]
+           "aux_zero", "aux_add", "aux_loss", "warn_eager_experts", "moe_spec",
+           "check_aux_formula"]
 
 logger = logging.getLogger(__name__)
 
@@ -239,3 +247,76 @@ def aux_loss(acc, spec: MoESpec) -> torch.Tensor:
     tokens_per_expert = tokens / rows
     prob_per_expert = probs / rows
     return torch.sum(tokens_per_expert * prob_per_expert.unsqueeze(0)) * spec.num_experts
+
+
+# -- which load-balancing loss ------------------------------------------------------
+def moe_spec(base: nn.Module, config, enabled: bool | None,
+             routed: bool) -> MoESpec | None:
+    """The load-balancing loss a wrapped model trains with (``None``: none).
+    ``enabled``: ``wrap_hf``'s ``moe_aux_loss`` (``None``: as the model's forward does);
+    ``routed``: whether routers were found in its blocks. The model's
+    ``load_balancing_loss_func`` must be the formula the pipeline carries
+    (:func:`check_aux_formula`)."""
+    if enabled and not routed:
+        raise AdapterError(f"moe_aux_loss=True, but no MoE router was found in "
+                           f"{type(base).__name__}'s decoder blocks (routers are found from "
+                           "the model's _can_record_outputs['router_logits']): a model "
+                           "without routers has no load-balancing loss; drop moe_aux_loss")
+    if not routed:
+        return None
+    if enabled is None:
+        # As the model's forward: the loss when the config asks for router logits and
+        # the family has a load-balancing loss (DeepSeek-V3 balances without one).
+        enabled = bool(getattr(config, "output_router_logits", False)) and \
+            _aux_function(base) is not None
+    if not enabled:
+        return None
+
+    def pick(*names):
+        # The model's own attribute first: it is what its forward reads (JetMoE keeps
+        # ``aux_loss_coef``, DBRX copies its ffn_config's weight), and a config may
+        # carry the other family's name too.
+        for obj in (base, config):
+            for name in names:
+                v = getattr(obj, name, None)
+                if v is not None:
+                    return v
+        raise AdapterError(f"MoE auxiliary loss: none of {names} found on the model or "
+                           "its config; pass moe_aux_loss=False to train without it")
+
+    spec = MoESpec(int(pick("num_experts", "num_local_experts")),
+                   int(pick("num_experts_per_tok", "top_k")),
+                   float(pick("router_aux_loss_coef", "aux_loss_coef")))
+    check_aux_formula(base, spec)
+    return spec
+
+
+def check_aux_formula(base: nn.Module, spec: MoESpec) -> None:
+    """The model's ``load_balancing_loss_func`` must be the Switch formula we carry
+    through the pipeline; checked on random logits with a padding mask."""
+    fn = _aux_function(base)
+    if fn is None:
+        raise AdapterError(f"{type(base).__name__} enables a router auxiliary loss but its "
+                           "module has no load_balancing_loss_func: pass moe_aux_loss=False")
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.randn(6, spec.num_experts, generator=g) for _ in range(3)]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    acc = aux_zero(spec.num_experts, torch.device("cpu"))
+    for logits in layers:
+        acc = aux_add(acc, logits, mask.reshape(-1), spec)
+    refuse = (f"{type(base).__name__}'s load_balancing_loss_func is not the "
+              "Switch-Transformer formula rotapipe carries through the pipeline")
+    fix = "pass wrap_hf(model, moe_aux_loss=False) to train without that loss"
+    try:        # Doge's takes other arguments (num_keys) and fails on these
+        want = torch.as_tensor(fn(tuple(layers), spec.num_experts, spec.top_k, mask))
+    except Exception as exc:    # noqa: BLE001 - any failure says it is another formula
+        raise AdapterError(f"{refuse} (called as fn(router_logits, num_experts, top_k, "
+                           f"attention_mask) it failed: {type(exc).__name__}: {exc}): "
+                           f"{fix}") from exc
+    if want.shape != () or not torch.allclose(aux_loss(acc, spec), want, rtol=1e-5,
+                                              atol=1e-7):
+        raise AdapterError(f"{refuse}: {fix}")
+
+
+def _aux_function(base):
+    return getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)

@@ -40,7 +40,7 @@ from .errors import AdapterError
 from .moe import RoutingLog
 
 __all__ = ["SideInputs", "Layout", "DropoutCall", "unpack_inputs", "check_shapes",
-           "shallow_clone", "eval_mode"]
+           "token_ids_refusal", "shallow_clone", "eval_mode"]
 
 
 def shallow_clone(module: nn.Module, replace: dict[str, nn.Module]) -> nn.Module:
@@ -71,8 +71,19 @@ def eval_mode(*roots: nn.Module) -> Iterator[None]:
 
 
 def token_ids(inputs) -> torch.Tensor:
-    """The token ids of a microbatch's inputs (what the embedding looks up)."""
-    return unpack_inputs(inputs)[0]
+    """The token ids of a microbatch's inputs (what the embedding looks up), checked to
+    be integers (the pipeline calls this in the caller's thread, before a call)."""
+    ids = unpack_inputs(inputs)[0]
+    _check_ids(ids)
+    return ids
+
+
+def _check_ids(ids) -> None:
+    if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.is_complex()
+                                          or ids.dtype is torch.bool):
+        raise InputError(f"input_ids are {ids.dtype}: a wrapped Hugging Face model takes "
+                         "integer token ids (the embedding looks them up): pass "
+                         "input_ids.long()")
 
 
 def unpack_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -95,6 +106,15 @@ def unpack_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tens
                        "position_ids)")
 
 
+def token_ids_refusal(name: str) -> str:
+    """Why a forward that hands its decoder layers the token ids cannot be pipelined."""
+    return (f"{name}.forward hands its decoder layers the token ids (input_ids, e.g. "
+            "for hash routing of experts): rotapipe computes the layers' side inputs "
+            "from the embeddings, so a layer would get input_ids=None and compute "
+            "another function; build the layers yourself and pass them to "
+            "rotapipe.RoundPipe")
+
+
 def check_shapes(microbatches: list) -> None:
     """Raise :class:`InputError` unless the inputs of a call hold ``input_ids`` shaped
     ``[batch, seq]`` and an ``attention_mask`` and ``position_ids`` (when given) of the
@@ -103,6 +123,8 @@ def check_shapes(microbatches: list) -> None:
     a wrong shape fails deep inside a decoder block. The message gives the shapes of the
     whole batch the microbatches (split along dim 0) came from."""
     parts = [unpack_inputs(x) for x in microbatches]
+    for p in parts:
+        _check_ids(p[0])
     names = ("input_ids", "attention_mask", "position_ids")
     ids, mask, pos = (_batch_shape(name, [p[i] for p in parts])
                       for i, name in enumerate(names))
@@ -311,10 +333,12 @@ class SideInputs:
     """
 
     def __init__(self, inner: nn.Module, layers_name: str, blocks: list[nn.Module],
-                 hidden_size: int, dtype: torch.dtype, moe: bool):
+                 hidden_size: int, dtype: torch.dtype, moe: bool, aux_loss: bool = False):
         num_layers = len(blocks)
         self.num_layers, self.hidden_size, self.dtype, self.moe = \
             num_layers, hidden_size, dtype, moe
+        self.aux_loss = aux_loss
+        """Whether the layers add the MoE load-balancing loss (it needs a 2-D mask)."""
         self._state = _ProbeState(blocks)
         self._blocks = blocks
         self.layers_name = layers_name
@@ -354,6 +378,8 @@ class SideInputs:
             if not self._state.sink:
                 # No block was reached: the forward itself failed on inputs_embeds.
                 raise AdapterError(self._before_blocks(exc)) from exc
+            if "input_ids" in self._state.sink[-1][2]:
+                raise AdapterError(token_ids_refusal(self._name)) from exc
             raise AdapterError(
                 f"{self._name}.forward: a decoder layer failed on the arguments the "
                 f"model gives it ({type(exc).__name__}: {exc}); rotapipe cannot run it "
@@ -421,14 +447,28 @@ class SideInputs:
         for it once per call): each microbatch's rotary tables are those of the whole
         batch, whose largest explicit position id a dynamic or long RoPE scales by.
         Checks the inputs' shapes first (:func:`check_shapes`)."""
-        check_shapes(microbatches)
+        self._check(microbatches)
         pos = [unpack_inputs(x)[2] for x in microbatches]
         top = max((int(p.max()) for p in pos if p is not None and p.numel()), default=None)
         return lambda inputs: self._side(inputs, top)
 
     def __call__(self, inputs) -> dict:
-        check_shapes([inputs])
+        self._check([inputs])
         return self._side(inputs, None)
+
+    def _check(self, microbatches: list) -> None:
+        """:func:`check_shapes`; with the load-balancing loss on, a 2-D mask: the loss
+        counts each token by its padding mask (Hugging Face's fails on a 4-D one too)."""
+        check_shapes(microbatches)
+        masks = [unpack_inputs(x)[1] for x in microbatches]
+        if self.aux_loss and any(m is not None and m.dim() != 2 for m in masks):
+            shape = list(_batch_shape("attention_mask", masks))
+            raise InputError(
+                f"attention_mask has shape {shape} and the MoE "
+                "load-balancing loss is on: it counts each token by a [batch, seq] "
+                "padding mask (1 where a token is attended to, 0 on padding), which a "
+                "4-D mask does not give. Pass a [batch, seq] attention_mask, or "
+                "wrap_hf(model, moe_aux_loss=False) to train without that loss")
 
     def _side(self, inputs, max_position: int | None) -> dict:
         """The side inputs of checked ``inputs``; ``max_position``: the whole batch's

@@ -15,7 +15,7 @@ attributes, hooks: :meth:`Shell.follow`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +38,13 @@ class _Slot:
 
 
 class LayerSet:
-    """The user's layers with unique parameters (``params``) and buffers (``buffers``)."""
+    """The user's layers with unique parameters (``params``) and buffers (``buffers``).
 
-    def __init__(self, layers: Sequence[nn.Module] | nn.Sequential):
+    ``keep_fp32``: parameters and buffers of the layers computed in fp32 whatever the
+    pipeline's compute dtype (:attr:`fp32_params`, :attr:`fp32_buffers`)."""
+
+    def __init__(self, layers: Sequence[nn.Module] | nn.Sequential,
+                 keep_fp32: Iterable[torch.Tensor] = ()):
         if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential,
                                                                      nn.ModuleList)):
             raise ConfigError(f"got a single {type(layers).__name__}: pass an "
@@ -88,6 +92,39 @@ class LayerSet:
             self.layer_buffers.append(sorted(set(bids)))
         self._pid_of, self._bid_of = pid_of, bid_of
         self._spare: list[Shell] | None = None   # shells check_copies built, unused yet
+        self.fp32_params, self.fp32_buffers = self._kept(keep_fp32)
+        """Indices of the parameters / buffers kept in fp32 on the host and the workers
+        under any compute dtype (a router's weight and bias under bf16, as Hugging
+        Face's ``_keep_in_fp32_modules_strict``)."""
+
+    def _kept(self, tensors: Iterable[torch.Tensor]) -> tuple[frozenset[int], frozenset[int]]:
+        if isinstance(tensors, (torch.Tensor, str)):
+            tensors = [tensors]
+        pids, bids = set(), set()
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(f"keep_fp32 holds {t!r} ({type(t).__name__}): pass the "
+                                  "parameter and buffer tensors themselves, e.g. "
+                                  "keep_fp32=[layer.router.weight, layer.router.bias]")
+            pid, bid = self._pid_of.get(id(t)), self._bid_of.get(id(t))
+            if pid is None and bid is None:
+                raise ConfigError(f"keep_fp32 holds a {t.dtype} tensor of shape "
+                                  f"{tuple(t.shape)} that is no parameter or buffer of the "
+                                  "pipeline's layers: pass the layers' own tensors")
+            if not t.is_floating_point():
+                name = self.param_names[pid] if pid is not None else self.buffer_names[bid]
+                raise ConfigError(f"keep_fp32 holds {name}, a {t.dtype} tensor: only "
+                                  "floating-point tensors have a compute dtype to keep")
+            (pids if pid is not None else bids).add(pid if pid is not None else bid)
+        return frozenset(pids), frozenset(bids)
+
+    def compute_dtype(self, pid: int, dtype: torch.dtype) -> torch.dtype:
+        """dtype parameter ``pid`` computes in under compute dtype ``dtype``."""
+        return torch.float32 if pid in self.fp32_params else dtype
+
+    def buffer_dtype(self, bid: int, dtype: torch.dtype) -> torch.dtype:
+        """dtype floating buffer ``bid`` computes in under compute dtype ``dtype``."""
+        return torch.float32 if bid in self.fp32_buffers else dtype
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -41,6 +41,10 @@ def check_arguments(loss_fn, config, optimizer, **fns) -> None:
     for name, fn in fns.items():
         if fn is not None and not callable(fn):
             raise ConfigError(f"{name} must be callable (or None), got {kind(fn)}")
+    # A loss over the whole batch (a wrapped MoE model's load balancing) says so.
+    why = getattr(loss_fn, "tail_context_needed", None)
+    if why and fns.get("tail_context") is None:
+        raise ConfigError(why)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) \
             and (not callable(optimizer) or isinstance(optimizer, type)
                  and not issubclass(optimizer, torch.optim.Optimizer)):

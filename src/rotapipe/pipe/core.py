@@ -19,7 +19,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -92,6 +92,10 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
             uploads only the rows the call looks up and downloads only their gradients
             (``docs/performance.md``, "Embedding tables by rows"). The wrapped Hugging
             Face models pass their token embedding.
+        keep_fp32: optional parameters and buffers of the layers (the tensors) kept in
+            fp32 on the host and the workers whatever the compute dtype, as Hugging Face
+            keeps a router's weight and bias (the layers cast what meets them); the
+            wrapped Hugging Face models pass those (``docs/guide.md``, "Mixed precision").
         process_group: the ``torch.distributed`` group to be data parallel over
             (default: the default group, when ``config.data_parallel`` turns it on).
             Each rank passes its own shard of the global batch
@@ -108,7 +112,8 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
                  tail_context: Callable[[list, list], object] | None = None,
                  plan: Plan | None = None, devices: Sequence[Device] | None = None,
                  process_group=None,
-                 lookups: Mapping[nn.Module, Callable[[object], torch.Tensor]] | None = None):
+                 lookups: Mapping[nn.Module, Callable[[object], torch.Tensor]] | None = None,
+                 keep_fp32: Iterable[torch.Tensor] = ()):
         self.config = config = config or PipeConfig()
         self._optimizer_cost: Callable[[list[int]], None] | None = None
         """Called after every optimizer step of a set of parameters (indices into
@@ -116,7 +121,7 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         to sleep for the modeled host optimizer time."""
         check_arguments(loss_fn, config, optimizer, side_inputs=side_inputs,
                         loss_weight=loss_weight, tail_context=tail_context)
-        self.layerset = LayerSet(layers)
+        self.layerset = LayerSet(layers, keep_fp32)
         check_layers(self.layerset)
         self.lookups = Lookups(self.layerset, lookups)
         claim(self)

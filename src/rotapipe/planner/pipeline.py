@@ -164,13 +164,16 @@ class PipePlanner:
         emulation when set), weight-gradient bytes of trainable layers, the worker
         budget (90% of a CUDA device's memory when ``device_memory`` is unset), and
         measured refinement by default on CUDA unless the run may be data parallel."""
-        nbytes = config.precision.compute_dtype.itemsize
+        dtype = config.precision.compute_dtype
+        nbytes = dtype.itemsize
         params, weights, grads = [], [], []
         for pids in layerset.layer_params:
             ps = [layerset.params[p] for p in pids]
             params.append(sum(p.numel() for p in ps))
-            size = [p.numel() * (nbytes if p.is_floating_point() else p.element_size())
-                    for p in ps]
+            # A tensor the model keeps in fp32 takes 4 bytes whatever the compute dtype.
+            size = [p.numel() * (layerset.compute_dtype(pid, dtype).itemsize
+                                 if p.is_floating_point() else p.element_size())
+                    for pid, p in zip(pids, ps)]
             weights.append(sum(size))
             grads.append(sum(b for b, p in zip(size, ps) if p.requires_grad))
         costs = work_costs(estimate_work(layerset.layers, nbytes), weights)

@@ -243,7 +243,7 @@ class ChunkedCopies:
                     # NF4: dequantize the uploaded bytes on the device, in the stream
                     # that uploaded them (the stage's event covers it); the packed copy
                     # is dropped, the stage holds the compute-dtype weight.
-                    t = q.dequantize(t, r.host.dtype)
+                    t = q.dequantize(t, r.host.dtype_of(p))
                 params[p] = nn.Parameter(t, requires_grad=grad and r.ls.params[p].requires_grad)
             store = r.stores[a.worker]
             for key in landing:         # the same tensors, charged below as the stage's
@@ -322,8 +322,10 @@ class ChunkedCopies:
             src = r.host_store.get(key) if r.host_store.contains(key) \
                 else r.ls.buffer_value(bid)
             # Floating buffers (BatchNorm statistics) compute in the compute dtype, as
-            # in a model cast with .to(dtype); the host keeps their dtype.
-            dtype = r.host.dtype if src.is_floating_point() else None
+            # in a model cast with .to(dtype), but for those the model keeps in fp32
+            # (a router's correction bias); the host keeps their dtype.
+            dtype = r.ls.buffer_dtype(bid, r.host.dtype) if src.is_floating_point() \
+                else None
             buffers[bid] = dev.upload(src, dtype)
 
     # -- weight-gradient downloads ------------------------------------------------------

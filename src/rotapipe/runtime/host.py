@@ -4,7 +4,9 @@ The masters *are* the user's ``nn.Parameter`` objects, converted to fp32 in plac
 an optimizer built over ``model.parameters()`` (before or after wrapping) steps them
 and ``model.state_dict()`` reads the trained weights. Frozen parameters get no master:
 they are kept in the compute dtype only. The compute-dtype copies the workers upload
-alias the masters in fp32 and are refreshed after each step otherwise.
+alias the masters in fp32 and are refreshed after each step otherwise. A tensor the
+model keeps in fp32 (:attr:`~rotapipe.model.LayerSet.fp32_params`) computes in fp32
+whatever the compute dtype: its compute copy is fp32 (the master itself, as in fp32).
 
 Gradients of one call are staged (:class:`CallGrads`) and merged into ``param.grad``
 only when the whole call succeeded, so a failed call changes nothing. Staged in the
@@ -96,17 +98,18 @@ class HostState:
         is the packed uint8 bytes, which workers upload and dequantize."""
         keep = pinning.keep if pinning is not None else (lambda t: t)
         for pid, p in enumerate(layerset.params):
+            dtype = self.dtype_of(pid)      # fp32 for a tensor the model keeps in fp32
             if p.requires_grad:
                 if p.dtype != torch.float32:
                     p.data = p.data.float()
-                if self.dtype == torch.float32 and not separate:
+                if dtype == torch.float32 and not separate:
                     p.data = keep(p.data)          # the master is its own compute copy
                     self.compute.append(p.data)
                 else:
                     # Allocated in its mode (page-locked from the start), then filled:
                     # pinning a finished copy would copy it a second time.
-                    c = pinning.new(p.shape, self.dtype) if pinning is not None else \
-                        torch.empty(p.shape, dtype=self.dtype)
+                    c = pinning.new(p.shape, dtype) if pinning is not None else \
+                        torch.empty(p.shape, dtype=dtype)
                     with torch.no_grad():
                         c.copy_(p.data)
                     self.compute.append(c)
@@ -117,8 +120,8 @@ class HostState:
                 self.quantized[pid] = q
                 self.compute.append(q.packed)
             else:
-                if p.is_floating_point() and p.dtype != self.dtype:
-                    p.data = p.data.to(self.dtype)
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
                 p.data = keep(p.data)
                 self.compute.append(p.data)
         self._is_separate = frozenset(self._separate)
@@ -154,12 +157,17 @@ class HostState:
         """Loss items (samples, or ``loss_weight`` units) whose gradients ``param.grad``
         holds since the last step/zero_grad."""
 
+    def dtype_of(self, pid: int) -> torch.dtype:
+        """dtype parameter ``pid`` computes in on the workers: the compute dtype, or
+        fp32 for one the model keeps in fp32 (``RoundPipe(keep_fp32=...)``)."""
+        return self.layerset.compute_dtype(pid, self.dtype)
+
     def device_bytes(self, pid: int) -> int:
         """Bytes parameter ``pid`` takes on a worker: its compute copy, or for an NF4
-        weight the dequantized weight in the compute dtype."""
+        weight the dequantized weight in its compute dtype."""
         q = self.quantized.get(pid)
         if q is not None:
-            return q.shape.numel() * self.dtype.itemsize
+            return q.shape.numel() * self.dtype_of(pid).itemsize
         c = self.compute[pid]
         return c.numel() * c.element_size()
 

@@ -166,7 +166,7 @@ class OverlapStep(CallHook):
 
     def _preview(self, pid: int, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` of parameter ``pid`` after the step on :meth:`_gradient`, in
-        the compute dtype, computed by the user's optimizer class with the parameter's
+        its compute dtype, computed by the user's optimizer class with the parameter's
         group settings on a gathered copy of those rows and of their state (an
         optimizer whose update is element by element computes exactly these values
         when it steps the whole table); nothing of the model or optimizer changes."""
@@ -189,7 +189,8 @@ class OverlapStep(CallHook):
         self.owner.states.step(shadow, [part])
         # Two output buffers in turn: the previous call's rows may still be uploading.
         room.turn = 1 - room.turn
-        return room.take(("out", room.turn), shape, self.host.dtype).copy_(part.detach())
+        return room.take(("out", room.turn), shape, self.host.dtype_of(pid)) \
+            .copy_(part.detach())
 
     def _step(self, pids: list[int], buckets=()) -> None:
         if buckets:
