@@ -191,6 +191,9 @@ def reshard_phase(info, phase: int, root: str, timeout: float = 20.0):
         if root:
             out = pathlib.Path(root) / f"phase{phase}"
             save_shard(out, distributed.shard_state_dict(pipe, pipe.optimizer))
+            with distributed.full_weights(pipe):      # every rank: the whole fp32 masters
+                torch.save({k: v.clone() for k, v in pipe.state_dict().items()},
+                           pathlib.Path(root) / f"full-phase{phase}-rank{info.rank}.pt")
             distributed.barrier()
             if info.is_main:
                 save_consolidated(out)

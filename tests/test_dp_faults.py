@@ -2,7 +2,8 @@
 
 - Sharded (``shard="optimizer" | "gradients"``): the user's own
   ``optimizer.zero_grad()`` between calls starts a new accumulation, as without
-  sharding; clearing part of the pieces is refused; the user's own
+  sharding; clearing part of the pieces is refused, and so is editing them
+  (``clip_grad_norm_`` over the pieces); the user's own
   ``optimizer.step()`` on the pieces is refused before it changes anything (it would
   never reach the workers' weights).
 - Sharded: an optimizer whose step raises part-way is reported as partly stepped, the
@@ -84,6 +85,31 @@ def test_sharded_gradients_cleared_in_part_are_refused(one_rank_group):
                            r"was cleared.*pipe\.zero_grad\(\)"):
             pipe.forward_backward(*token_batch(8))
         with pytest.raises(rotapipe.DistributedError, match="cleared in part"):
+            pipe.forward_backward(*token_batch(8))
+
+
+@pytest.mark.parametrize("shard", SHARDS)
+def test_sharded_users_own_clip_grad_norm_is_refused(one_rank_group, shard):
+    """``torch.nn.utils.clip_grad_norm_(pipe.parameters())`` between
+    ``forward_backward`` and ``pipe.step()`` (the unsharded loop of
+    docs/distributed.md) clipped each rank's pieces by their own norm (``"optimizer"``:
+    this rank's part of the unreduced sum only): on 2 ranks after 3 steps the weights
+    were off plain PyTorch's by up to 0.038 / 0.0038, silently. Now ``pipe.step()``
+    raises an InputError naming PipeConfig.clip_grad_norm before any weight changes."""
+    pipe, _ = _pipe(shard)
+    with pipe:
+        pipe.attach_optimizer(_adamw(pipe.parameters()))
+        pipe.forward_backward(*token_batch(8))
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        pieces = [q.detach().clone() for q in pipe.parameters()]
+        torch.nn.utils.clip_grad_norm_(pipe.parameters(), 1e-3)
+        with pytest.raises(rotapipe.InputError, match=r"changed since the last call.*"
+                           r"PipeConfig\(clip_grad_norm=max_norm\)"):
+            pipe.step()
+        assert all(torch.equal(a, q.detach()) for a, q in zip(pieces, pipe.parameters()))
+        for k, v in pipe.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        with pytest.raises(rotapipe.DistributedError, match="gradients were edited"):
             pipe.forward_backward(*token_batch(8))
 
 

@@ -118,6 +118,127 @@ def test_pieces_are_the_parameters_and_state_dict_reads_the_weights(one_rank_gro
         assert all(not torch.equal(a, q.detach()) for a, q in zip(before, pieces))
 
 
+def _bf16_run(dp, steps=2):
+    model = tiny_transformer(tied=True)
+    return model, rotapipe.RoundPipe(
+        model, lm_loss, config=emulated(2, 2, data_parallel=dp, precision="bf16"),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-3))
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_full_weights_saves_the_fp32_masters_in_bf16(one_rank_group, shard):
+    """Sharded in bf16, the model's parameters hold the bf16 compute copies: a save
+    (``pipe.state_dict()``, ``model.state_dict()``, Hugging Face's
+    ``save_pretrained``) wrote bf16-rounded weights where a run without sharding writes
+    its fp32 masters (a tiny Qwen3 on 2 ranks: up to 1.2e-4 off after 2 AdamW steps at
+    lr 1e-3). Inside ``distributed.full_weights(pipe)`` they are the whole fp32
+    masters, equal to the unsharded run's; after it, training goes on as before."""
+    dp = rotapipe.DataParallelConfig(enabled=True, shard=shard, timeout_s=10)
+    ref_model, ref = _bf16_run(False)
+    model, pipe = _bf16_run(dp)
+    with ref, pipe:
+        for step in range(3):
+            for p in (ref, pipe):
+                p.forward_backward(*token_batch(8, seed=step))
+                p.step()
+            want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+            assert all(v.dtype == torch.bfloat16 for v in pipe.state_dict().values())
+            with distributed.full_weights(pipe):
+                for got in (pipe.state_dict(), model.state_dict()):
+                    assert got.keys() == want.keys()
+                    for k, v in want.items():
+                        assert got[k].dtype == torch.float32, k
+                        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=k)
+            assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    with distributed.full_weights(ref):       # no sharding: nothing to do
+        assert all(p.dtype == torch.float32 for p in ref_model.parameters())
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+def test_a_tensor_kept_in_fp32_is_all_gathered_in_fp32(one_rank_group, shard):
+    """A parameter kept in fp32 under bf16 compute (``RoundPipe(keep_fp32=)``, as a
+    Hugging Face router's) is all-gathered with the bf16 ones: it was sent in their
+    dtype and landed rounded in its fp32 compute copy. Now it lands as its master."""
+    from test_precision_fp32_keep import batch, loss_fn, model as router_model
+    dp = rotapipe.DataParallelConfig(enabled=True, shard=shard, timeout_s=10)
+    model = router_model()
+    kept = model[1].gate
+    with rotapipe.RoundPipe(model, loss_fn, config=emulated(2, 2, data_parallel=dp,
+                                                            precision="bf16"),
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                            keep_fp32=[kept, model[1].scale, model[1].bias]) as pipe:
+        for step in range(2):
+            pipe.train_step(*batch(step))
+        pipe.flush()
+        assert kept.dtype == torch.float32
+        got = kept.detach().clone()
+        with distributed.full_weights(pipe):
+            assert torch.equal(got, kept.detach())
+
+
+def test_optimizer_state_of_another_rank_is_refused(one_rank_group):
+    """Each rank's optimizer steps its own pieces, so ``optimizer.state_dict()`` is that
+    rank's. Loading rank 0's file on every rank (how an unsharded checkpoint resumes)
+    loaded without error when the pieces had the same sizes, and rank 1 stepped its
+    pieces with rank 0's moments (2 ranks: weights 0.016 off an uninterrupted run one
+    step later). The state now names its rank and world size, and another's (or one of
+    other sizes) is refused with nothing loaded; the rank's own state still loads."""
+    dp = rotapipe.DataParallelConfig(enabled=True, shard="optimizer", timeout_s=10)
+    with rotapipe.RoundPipe(tiny_transformer(), lm_loss, config=emulated(2, 2, data_parallel=dp),
+                            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2)) as pipe:
+        opt = pipe.optimizer
+        pipe.train_step(*token_batch(8))
+        own = opt.state_dict()
+        assert own["rotapipe_pieces"] == {"rank": 0, "world": 1}
+        before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+        other = {**own, "rotapipe_pieces": {"rank": 1, "world": 2}}
+        with pytest.raises(rotapipe.errors.CheckpointError,
+                           match=r"rank 1's pieces of 2 ranks, but this is rank 0 of 1.*"
+                           r"load_shard_state_dicts.*Nothing was loaded"):
+            opt.load_state_dict(other)
+        short = {"state": {i: {k: v[:3] if isinstance(v, torch.Tensor) and v.dim() else v
+                               for k, v in st.items()} for i, st in own["state"].items()},
+                 "param_groups": own["param_groups"]}
+        with pytest.raises(rotapipe.errors.CheckpointError, match="has 3 elements"):
+            opt.load_state_dict(short)
+        for k, v in opt.state_dict()["state"][0].items():
+            assert torch.equal(v, before[k]), k
+        opt.load_state_dict(own)
+        pipe.train_step(*token_batch(8, seed=2))
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "none"])
+def test_resume_into_other_parameter_groups_is_refused(one_rank_group, shard):
+    """``load_shard_state_dicts`` with an optimizer whose groups hold other parameters
+    (as many groups: a changed decay / no-decay split) loaded every weight and put each
+    saved group's hyperparameters on the new membership (two parameters saved without
+    weight decay stepped with it), where ``optimizer.load_state_dict`` refuses groups of
+    other sizes. Now an InputError naming the parameter, before anything is loaded."""
+    dp = rotapipe.DataParallelConfig(enabled=True, shard=shard, timeout_s=10)
+
+    def build(split, seed):
+        pipe = rotapipe.RoundPipe(tiny_transformer(seed=seed), lm_loss,
+                                  config=emulated(2, 2, data_parallel=dp))
+        named = [q for _, q in pipe.named_parameters()]
+        pipe.attach_optimizer(torch.optim.AdamW(
+            [{"params": named[:split]}, {"params": named[split:], "weight_decay": 0.0}],
+            lr=1e-2))
+        return pipe
+
+    with build(3, 0) as pipe:
+        pipe.train_step(*token_batch(8))
+        saved = distributed.shard_state_dict(pipe, pipe.optimizer)
+    with build(5, 1) as pipe:
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        with pytest.raises(rotapipe.InputError, match=r"1\.qkv\.weight was in parameter "
+                           r"group 1 .* group 0 of this one \(2 parameter\(s\) moved\)"):
+            distributed.load_shard_state_dicts(pipe, pipe.optimizer, [saved])
+        assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items())
+        assert not pipe.optimizer.state
+    with build(3, 1) as pipe:       # the same groups load
+        distributed.load_shard_state_dicts(pipe, pipe.optimizer, [saved])
+
+
 def test_config_errors():
     with pytest.raises(rotapipe.ConfigError, match="shard='bogus' is invalid"):
         rotapipe.DataParallelConfig(shard="bogus")
@@ -153,6 +274,11 @@ def test_resume_reshards_2_to_3_to_1(tmp_path):
         torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
     # The consolidated export of phase 1 holds whole fp32 tensors named like the masters.
     masters = load_file(str(root / "phase1" / "masters.safetensors"))
+    # distributed.full_weights gave every rank (3, uneven pieces) those whole masters.
+    for r in range(3):
+        full = torch.load(root / f"full-phase1-rank{r}.pt")
+        for k, v in masters.items():
+            assert torch.equal(full[k], v), (r, k)
     shards = load_shards(root / "phase1")
     assert set(masters) == set(shards[0]["pieces"]) and \
         all(masters[k].shape == tuple(p["shape"]) for k, p in shards[0]["pieces"].items())

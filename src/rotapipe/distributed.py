@@ -19,6 +19,7 @@ See ``docs/distributed.md`` for the semantics and the failure behaviour.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -34,7 +35,7 @@ from .runtime.batch import as_tree
 from .runtime.heartbeat import stop_heartbeats
 
 __all__ = ["DistInfo", "env_int", "init_from_env", "info", "rank", "world_size", "is_main",
-           "shard_batch", "any_rank", "barrier", "shutdown"]
+           "shard_batch", "any_rank", "barrier", "shutdown", "full_weights"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -241,6 +242,41 @@ def _named(pipe) -> list[tuple[str, torch.nn.Parameter, int, int, torch.Size]]:
     return out
 
 
+@contextlib.contextmanager
+def full_weights(pipe):
+    """Inside the block the model's trainable parameters hold the whole fp32 masters,
+    so that ``pipe.state_dict()``, ``model.state_dict()`` and Hugging Face's
+    ``save_pretrained`` write what a run without sharding writes. Sharded
+    (``DataParallelConfig(shard=...)``), each rank keeps only its pieces of the fp32
+    masters and the model's parameters hold the compute-dtype copies: in bf16 a save
+    outside the block writes bf16-rounded weights (a LoRA adapter too). A collective
+    when sharded (every rank enters it; the masters are all-gathered, holding one fp32
+    copy of the trainable weights for the block); nothing to do otherwise. Train
+    after the block, not inside it::
+
+        with distributed.full_weights(pipe):
+            if info.is_main:
+                wrapped.save_pretrained("out")
+    """
+    shard = getattr(pipe, "_shard", None)
+    if shard is None:
+        yield
+        return
+    pipe.flush()            # a pending (stale) step lands in the masters first
+    params = pipe.layerset.params
+    full = shard.gather_masters()
+    kept = {pid: params[pid].data for pid in full}
+    try:
+        for pid, t in full.items():
+            params[pid].data = t
+        shard.gathered = True
+        yield
+    finally:
+        shard.gathered = False
+        for pid, data in kept.items():
+            params[pid].data = data
+
+
 def shard_state_dict(pipe, optimizer: torch.optim.Optimizer) -> dict:
     """This rank's part of the training state, for a checkpoint every rank writes
     (``torch.save``-able; ``torch.load(weights_only=True)`` reads it): the fp32 masters
@@ -310,6 +346,17 @@ def load_shard_state_dicts(pipe, optimizer: torch.optim.Optimizer, shards: list[
         raise InputError(f"the checkpoint's optimizer has {len(groups_saved)} parameter "
                          f"groups, this one {len(optimizer.param_groups)}: build it with "
                          "the same groups")
+    group_now = {id(q): g for g, group in enumerate(optimizer.param_groups)
+                 for q in group["params"]}
+    moved = [(name, parts[name][0]["group"], group_now.get(id(q)))
+             for name, q, *_ in named if parts[name][0]["group"] != group_now.get(id(q))]
+    if moved:     # plain load_state_dict refuses groups of other sizes; this is finer
+        name, was, now = moved[0]
+        raise InputError(
+            f"{name} was in parameter group {was} of the checkpoint's optimizer but is in "
+            f"group {now} of this one ({len(moved)} parameter(s) moved): it would be "
+            "stepped with another group's hyperparameters. Build the optimizer with the "
+            "same groups as the one saved; nothing was loaded")
     pipe.flush()
     pipe._agree.loaded()       # data parallel: the next training call compares weights
     ls, shard = pipe.layerset, getattr(pipe, "_shard", None)
@@ -336,7 +383,10 @@ def load_shard_state_dicts(pipe, optimizer: torch.optim.Optimizer, shards: list[
             for k, v in ps[0]["state"].items()}
     groups = [{**groups_saved[g], "params": [index[id(q)] for q in group["params"]]}
               for g, group in enumerate(optimizer.param_groups)]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    from .pipe.state import PIECES      # the state is this rank's pieces' (cut above)
+    tag = {} if shard is None else {PIECES: {"rank": shard.layout.rank,
+                                             "world": shard.layout.world}}
+    optimizer.load_state_dict({"state": state, "param_groups": groups, **tag})
 
 
 def _pieces(shards: list[dict]) -> dict[str, list[dict]]:

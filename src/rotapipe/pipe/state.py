@@ -18,6 +18,45 @@ from .checks import (OptimizerParams, check_optimizer_step, check_scheduler, che
 
 __all__ = ["StateIO"]
 
+PIECES = "rotapipe_pieces"
+"""Key a sharded pipeline's optimizer adds to ``optimizer.state_dict()``: whose pieces
+the state is of (``{"rank": r, "world": W}``), checked by ``load_state_dict``."""
+
+
+def _check_pieces(shard, optimizer, state) -> None:
+    """``optimizer.load_state_dict(state)`` of a sharded pipeline's optimizer: each rank's
+    optimizer steps its own pieces, so the state must be this rank's (of this world
+    size). Another rank's, with pieces of the same sizes, loaded without error and
+    stepped each piece with another piece's moments (rank 0's file loaded on 2 ranks,
+    as an unsharded checkpoint is: weights 0.016 off an uninterrupted run one step
+    later). A state without the tag is checked by its sizes only."""
+    lay = shard.layout
+    saved = state.get(PIECES) if isinstance(state, dict) else None
+    fix = ("Load each rank's own optimizer.state_dict() on that rank, or save with "
+           "distributed.shard_state_dict(pipe, optimizer) on every rank and resume with "
+           "distributed.load_shard_state_dicts (any world size). Nothing was loaded")
+    mode = shard.shard.value
+    if saved is not None and (saved.get("rank"), saved.get("world")) != (lay.rank, lay.world):
+        raise CheckpointError(
+            f"optimizer.load_state_dict: this state is the optimizer state of rank "
+            f"{saved.get('rank')}'s pieces of {saved.get('world')} ranks, but this is rank "
+            f"{lay.rank} of {lay.world}: with data_parallel.shard={mode!r} each rank's "
+            "optimizer steps its own pieces of the parameters, so this rank would step "
+            f"them with other elements' state, silently. {fix}")
+    pieces = [q for group in optimizer.param_groups for q in group["params"]]
+    for i, st in (state.get("state") or {}).items() if isinstance(state, dict) else ():
+        if not isinstance(i, int) or not 0 <= i < len(pieces) or not isinstance(st, dict):
+            continue
+        n = pieces[i].numel()
+        bad = [k for k, v in st.items()
+               if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != n]
+        if bad:
+            raise CheckpointError(
+                f"optimizer.load_state_dict: the state {bad[0]!r} of parameter {i} has "
+                f"{st[bad[0]].numel()} elements, but this rank's piece of it has {n} "
+                f"(data_parallel.shard={mode!r}, rank {lay.rank} of {lay.world}): it is "
+                f"not this rank's optimizer state. {fix}")
+
 
 class StateIO:
     """What :class:`~rotapipe.pipe.RoundPipe` reads and replaces: every method completes
@@ -98,8 +137,24 @@ class StateIO:
             pipe.flush()
             return None
 
+        def tag(opt, state):
+            pipe = ref()
+            if pipe is not None and pipe._shard is not None and pipe.optimizer is opt:
+                lay = pipe._shard.layout
+                state[PIECES] = {"rank": lay.rank, "world": lay.world}
+            return state
+
+        def check(opt, state):
+            pipe = ref()
+            if pipe is not None and not pipe._closed and pipe._shard is not None \
+                    and pipe.optimizer is opt:
+                _check_pieces(pipe._shard, opt, state)
+            return None
+
         self._optimizer_hooks = (optimizer.register_state_dict_pre_hook(flush),
-                                 optimizer.register_load_state_dict_pre_hook(flush))
+                                 optimizer.register_load_state_dict_pre_hook(flush),
+                                 optimizer.register_state_dict_post_hook(tag),
+                                 optimizer.register_load_state_dict_pre_hook(check))
 
     def train(self, mode: bool = True):
         """Set the layers' training flag (dropout, BatchNorm), as ``nn.Module.train``;

@@ -43,8 +43,9 @@ The per-call work is :class:`~rotapipe.runtime.shardcall.ShardCall`; the layout 
 collectives are ``shardcomm.py``'s (:class:`~rotapipe.runtime.shardcomm.ShardCollectives`,
 a base class of :class:`ShardedOptimizer`). The user's own loop:
 ``optimizer.zero_grad()`` between calls is followed (:meth:`ShardedOptimizer.
-follow_grads`); ``optimizer.step()`` on the pieces outside the pipeline would never
-reach the workers' weights and is refused (:func:`_refuse_own_step`).
+follow_grads`), and editing the pieces' gradients otherwise (``clip_grad_norm_`` over
+the pieces: a norm of pieces) is refused; ``optimizer.step()`` on the pieces outside the
+pipeline would never reach the workers' weights and is refused (:func:`_refuse_own_step`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ class ShardedOptimizer(HostOptimizer, ShardCollectives):
         self.traffic = Traffic()
         self.last_global_norm: float | None = None
         """The global gradient norm of the last whole step (clipping on or off)."""
+        self.gathered = False
+        """Inside :func:`rotapipe.distributed.full_weights`: the model's parameters hold
+        the whole fp32 masters (a save there writes fp32)."""
         self.last_step_gate: InFlight | None = None
         """Backpressure counters of the last whole-step collectives (caller thread)."""
         self._left: dict[int, tuple[weakref.ref, int]] = {}
@@ -246,6 +250,7 @@ class ShardedOptimizer(HostOptimizer, ShardCollectives):
         parallelism is retired (the units of this call are already all-reduced)."""
         if self.samples == 0 or not self._left:
             return
+        self._refuse_edited()
         cleared, kept = cleared_grads(self.masters.items(), self._left)
         if not cleared:
             return
@@ -260,6 +265,58 @@ class ShardedOptimizer(HostOptimizer, ShardCollectives):
                 "with pipe.zero_grad() (or optimizer.zero_grad() over all of "
                 "pipe.parameters()), or none, and restart from the last checkpoint")
         self.zero_grad()
+
+    def _refuse_edited(self) -> None:
+        """A piece's ``.grad`` changed since the last call other than by clearing it
+        (``torch.nn.utils.clip_grad_norm_(pipe.parameters())``, which scales in place,
+        or a new tensor put there): it holds this rank's piece only (``"optimizer"``: of
+        the local, unreduced sum), so a norm or an edit computed on it is not the whole
+        gradient's, and the step would silently differ from plain PyTorch (measured: 2
+        ranks, 3 steps, weights off by up to 0.038). An :class:`InputError`, and data
+        parallelism is retired (a rank that raises alone would leave its peers waiting
+        in the step's collectives)."""
+        for pid, q in self.masters.items():
+            g, was = q.grad, self._left.get(pid)
+            if was is None or g is None:
+                continue            # cleared (set to None), or cleared_grads' to judge
+            if g is was[0]() and (g._version == was[1] or not g.any()):
+                continue            # untouched, or zeroed in place (zero_grad)
+            name = self.host.layerset.param_names[pid]
+            self.r.fail("its pieces' gradients were edited")
+            raise InputError(
+                f"the gradient piece of {name} was changed since the last call "
+                "(torch.nn.utils.clip_grad_norm_(pipe.parameters())?): with "
+                f"data_parallel.shard={self.shard.value!r} each rank's .grad holds its "
+                "piece of each gradient only, so a norm (or any edit) computed there is "
+                "not the whole gradient's and the step would silently differ from one "
+                "process. Clip with PipeConfig(clip_grad_norm=max_norm) (the global "
+                "norm, on every rank alike) and change the pieces' gradients only by "
+                "clearing them (zero_grad()). Data parallelism is retired: restart from "
+                "the last checkpoint")
+
+    def gather_masters(self) -> dict[int, torch.Tensor]:
+        """Every trainable parameter's whole fp32 master, all-gathered from the ranks'
+        pieces bucket by bucket (a collective: every rank calls it; the compute copies
+        hold them only rounded to the compute dtype). Exact: each element is copied
+        from its owner."""
+        self.r.check()
+        lay, W, params = self.layout, self.layout.world, self.host.layerset.params
+        full: dict[int, torch.Tensor] = {}
+        for pids in self.buckets:
+            send = torch.cat([self.masters[pid].detach() if pid in self.masters
+                              else torch.empty(0) for pid in pids])
+            splits = [sum(lay.length(pid, i) for pid in pids) for i in range(W)]
+            out = torch.empty(sum(splits))
+            work, seq = self.r.exchange(out, send.repeat(W), splits, [send.numel()] * W)
+            self.r._wait(work, seq, f"fp32 master all-gather of {len(pids)} parameters")
+            off = 0
+            for i in range(W):                # rank i's pieces, in bucket order
+                for pid in pids:
+                    t = full.setdefault(pid, torch.empty(params[pid].numel()))
+                    a, b = lay.range(pid, i)
+                    t[a:b] = out[off:off + b - a]
+                    off += b - a
+        return {pid: t.view(params[pid].shape) for pid, t in full.items()}
 
     def load_full(self, state: dict[int, torch.Tensor]) -> None:
         """Set the masters from whole fp32 tensors (by parameter index) and every

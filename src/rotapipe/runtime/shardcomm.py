@@ -106,7 +106,7 @@ class ShardCollectives:
     def _gather_bytes(self, pids: list[int], views: list[int]) -> int:
         """Send and receive buffer bytes of :meth:`_gather` of ``pids``."""
         W = self.layout.world
-        size = self.host.views[views[0]][pids[0]].element_size()
+        size = self._gather_dtype(pids, views).itemsize
         mine = sum(self.layout.length(pid) for pid in pids)
         total = sum(self.host.layerset.params[pid].numel() for pid in pids)
         return (W * mine + total) * size
@@ -166,7 +166,7 @@ class ShardCollectives:
         """Start the all-gather of this rank's pieces of ``pids`` into the sets of
         compute copies ``views`` (finished by :meth:`_land`)."""
         W, lay = self.layout.world, self.layout
-        dtype = self.host.views[views[0]][pids[0]].dtype
+        dtype = self._gather_dtype(pids, views)
         mine = [self.masters[pid].detach().to(dtype) if pid in self.masters
                 else torch.empty(0, dtype=dtype) for pid in pids]
         send = torch.cat(mine)
@@ -178,6 +178,13 @@ class ShardCollectives:
         return _Exchange(pids, out, work, seq, f"weight all-gather of {len(pids)} parameters",
                          nbytes=(W * send.numel() + out.numel()) * send.element_size(),
                          views=views)
+
+    def _gather_dtype(self, pids: list[int], views: list[int]) -> torch.dtype:
+        """The dtype ``pids`` are all-gathered in: their compute copies', the widest of
+        them (a tensor kept in fp32 beside bf16 ones, ``RoundPipe(keep_fp32=)``, must
+        not land rounded)."""
+        dtypes = {self.host.views[views[0]][pid].dtype for pid in pids}
+        return max(dtypes, key=lambda d: d.itemsize)
 
     def _land(self, gathers: list[_Exchange]) -> None:
         """Wait for all-gathers and copy every rank's pieces into the compute copies."""
