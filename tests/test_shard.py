@@ -514,3 +514,30 @@ def test_backpressure_caps_the_all_reduce_too(one_rank_group):
     want, _, _, _ = _backpressure_run(False)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=k)
+
+
+def test_a_sharded_bf16_save_pretrained_outside_full_weights_is_refused(one_rank_group,
+                                                                         tmp_path):
+    """Sharded in bf16, ``wrapped.save_pretrained`` wrote the bf16 copies the model's
+    trained parameters hold (up to 1.2e-4 off the masters after 2 AdamW steps on a tiny
+    Qwen3), where a run without sharding writes its fp32 masters. Refused, naming
+    ``full_weights``; inside it the file holds the fp32 masters."""
+    from safetensors.torch import load_file
+    from rotapipe.adapters import AdapterError, wrap_hf
+    from hf_models import batch, tiny
+    wrapped = wrap_hf(tiny("qwen3"))
+    dp = rotapipe.DataParallelConfig(enabled=True, shard="optimizer", timeout_s=10)
+    with wrapped.pipe(emulated(2, 2, data_parallel=dp, precision="bf16"),
+                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)) as pipe:
+        ids, mask, labels = batch()
+        pipe.train_step(wrapped.inputs(ids, mask), labels)
+        with pytest.raises(AdapterError,
+                           match=r"as their torch.bfloat16 copies.*full_weights\(pipe\)"):
+            wrapped.save_pretrained(tmp_path / "no")
+        assert not (tmp_path / "no").exists()
+        with distributed.full_weights(pipe):
+            want = {n: p.detach().clone() for n, p in wrapped.model.named_parameters()}
+            wrapped.save_pretrained(tmp_path / "yes")
+    saved = load_file(tmp_path / "yes" / "model.safetensors")
+    for name, value in saved.items():
+        assert value.dtype == torch.float32 and torch.equal(value, want[name]), name

@@ -110,7 +110,18 @@ class HFModel:
                 try:
                     pipe.flush()      # raises a failure of a call in flight
                 except PipelineClosedError:
-                    pass              # closing flushed it
+                    continue          # closing flushed it
+                low = [n for n, p in self.model.named_parameters()
+                       if p.requires_grad and p.dtype != torch.float32]
+                if getattr(pipe, "_shard", None) is not None and low:
+                    # Sharded, the model's trainable weights are the compute-dtype
+                    # copies; the fp32 masters are in pieces over the ranks.
+                    raise AdapterError(
+                        f"save_pretrained would write {len(low)} trained weights "
+                        f"({low[0]}, ...) as their {self.model.get_parameter(low[0]).dtype}"
+                        " copies: with sharded data parallelism the fp32 masters are "
+                        "pieces on the ranks. Save inside `with "
+                        "rotapipe.distributed.full_weights(pipe):` on every rank")
         return self.model.save_pretrained(save_directory, **kwargs)
 
     def pipe_kwargs(self) -> dict:
