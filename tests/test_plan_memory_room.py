@@ -228,3 +228,26 @@ def test_rotapipe_plan_counts_the_prefetched_stages_in_device_memory():
     limit = int(0.9 * hw.device.memory_bytes)
     assert one.choice.device_bytes < two.choice.device_bytes <= limit
     assert two.longest_seq < one.longest_seq
+
+
+class _ScaledBy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(DIM))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_activations_are_measured_in_the_dtypes_the_workers_hold(keep):
+    """Under bf16 a floating buffer computes in bf16 (one kept in fp32, ``keep_fp32``,
+    in fp32), and the measured output bytes follow: the measurement used to run every
+    buffer in its own dtype (an fp32 buffer promoted the output to 4 bytes a value)."""
+    from rotapipe.model.layers import LayerSet
+    from rotapipe.planner.activations import measure_activations
+    model = nn.Sequential(_ScaledBy(), _ScaledBy())
+    layerset = LayerSet(model, [model[0].scale] if keep else ())
+    x = torch.randn(8, DIM, dtype=torch.bfloat16)
+    acts = measure_activations(layerset, x, None, torch.bfloat16, 1, training=False)
+    assert acts.output_bytes == (8 * DIM * (4 if keep else 2), 8 * DIM * (4 if keep else 2))

@@ -100,9 +100,15 @@ def measure_activations(layerset: LayerSet, inputs, labels, dtype: torch.dtype,
     with _disabled(quiet), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = lambda tree: tree_map(      # noqa: E731
             lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, tree)
-        params = {i: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype)
+        # Each tensor in the dtype the workers hold it in (kept fp32 ones in fp32).
+        params = {i: torch.empty(p.shape, dtype=layerset.compute_dtype(i, dtype)
+                                 if p.is_floating_point() else p.dtype)
                   .requires_grad_(p.requires_grad) for i, p in enumerate(layerset.params)}
-        buffers = {i: fake(layerset.buffer_value(i)) for i in range(len(layerset.buffers))}
+        buffers = {}
+        for i in range(len(layerset.buffers)):
+            b = layerset.buffer_value(i)
+            buffers[i] = fake(b.to(layerset.buffer_dtype(i, dtype)) if b.is_floating_point()
+                              else b)
         x, y, side_fake = fake(inputs), fake(labels), fake(side_value)
         outputs, saved = [], []
         for i, shell in enumerate(shells):
