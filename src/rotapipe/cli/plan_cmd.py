@@ -46,7 +46,9 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
       help="host layout of the optimizer side (docs/memory.md; default: stale with "
            "--stale, else the first of sync and lean that fits the host RAM)")
     a("--prefetch", type=_limit("prefetch"), default=1,
-      help="PipeConfig.prefetch, for the lean layout's gradient count (default: 1)")
+      help="PipeConfig.prefetch: stages whose weights are uploaded ahead, counted "
+           "in device memory beside each stage and in the lean layout's gradient "
+           "count (default: 1)")
     a("--optimizer-state", choices=("fp32", "bf16", "int8"), default="fp32",
       help="how the optimizer state is kept (PipeConfig.optimizer_state_dtype, "
            "docs/optimizer.md; default: fp32)")
