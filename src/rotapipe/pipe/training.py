@@ -12,6 +12,7 @@ import torch
 
 from ..config import NonFinite
 from ..errors import ConfigError, DistributedError, InputError, NonFiniteError, WorkerError
+from ..runtime.batch import as_tree
 from ..runtime.calls import Call, check_stage_budget, split_batch
 from ..runtime.callgrads import CallGrads
 from ..schedule import Schedule, roundpipe_call
@@ -159,6 +160,22 @@ class TrainCalls:
                         torch.equal(new, old.to(new.dtype)):
                     continue
                 self.layerset.set_buffer(bid, new)
+
+    def _fit_plan(self, inputs, labels, microbatches: int | None = None,
+                  training: bool = True) -> None:
+        """Room for this call's activations (docs/planning.md, "The runtime's plan");
+        not with a schedule of the user's, nor data parallel (ranks keep one plan)."""
+        if self.data_parallel is None and (labels is not None) not in self._user_schedules:
+            new = self._planner.fit_call(
+                self.plan, self.layerset, as_tree(inputs), labels if labels is None else
+                as_tree(labels), microbatches or self.config.microbatches, self.host.dtype,
+                self.side_inputs, self.loss_fn if self.tail_context is None else None,
+                training)
+            if new is not None:
+                self._reaped(self._stream.drain())      # may refine it further
+                refiner = self._planner.refiner
+                self.plan = new = new if refiner is None else refiner.plan
+                self._calls.use_plan(new)
 
     def _reaped(self, calls: list[Call]) -> None:
         """Calls that completed: ``partition="refine"`` learns from their timings."""
