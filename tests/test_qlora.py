@@ -42,6 +42,20 @@ def reference(original, quantized_model):
     return ref, n
 
 
+def assert_trains_like(wrapped, m, ref, workers: int = 2, microbatches: int = 2) -> float:
+    """One call of the pipeline ``wrapped`` builds gives the loss and every gradient of
+    the reference model's own forward and backward on the same batch; the loss."""
+    ids, mask, labels = batch()
+    want = hf_backward(ref, ids, mask, labels)
+    cfg = rotapipe.PipeConfig(workers=workers, microbatches=microbatches,
+                              backend="emulated")
+    with wrapped.pipe(cfg) as pipe:
+        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_grads_equal(m, ref)
+    return want
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("workers,microbatches", [(2, 1), (3, 4), (2, 3)])
 def test_qlora_grads_equal_peft_on_the_same_nf4_base(family, workers, microbatches):
@@ -51,16 +65,9 @@ def test_qlora_grads_equal_peft_on_the_same_nf4_base(family, workers, microbatch
     wrapped = rotapipe.adapters.wrap_hf(m, loss_chunk_tokens=5, quantize="nf4")
     ref, n = reference(model, m)
     assert n == 3 * 7          # every projection of the 3 blocks, nothing else
-    ids, mask, labels = batch()
-    want = hf_backward(ref, ids, mask, labels)
-    cfg = rotapipe.PipeConfig(workers=workers, microbatches=microbatches,
-                              backend="emulated")
-    with wrapped.pipe(cfg) as pipe:
-        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
-    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
-    assert_grads_equal(m, ref)
+    want = assert_trains_like(wrapped, m, ref, workers, microbatches)
     # The quantization is not a no-op: the original base gives another loss.
-    assert hf_backward(clone(model), ids, mask, labels) != pytest.approx(want, rel=1e-4)
+    assert hf_backward(clone(model), *batch()) != pytest.approx(want, rel=1e-4)
 
 
 def test_packed_nf4_is_what_bitsandbytes_linear4bit_computes():
@@ -125,13 +132,7 @@ def test_moe_experts_are_quantized_routers_are_not():
     assert any(n.endswith("experts.base_layer.base_layer.down_proj") for n in names)
     assert not any(n.endswith("mlp.gate.weight") for n in names)
     ref, _ = reference(model, m)
-    ids, mask, labels = batch()
-    want = hf_backward(ref, ids, mask, labels)
-    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
-                                          backend="emulated")) as pipe:
-        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
-    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
-    assert_grads_equal(m, ref)
+    assert_trains_like(wrapped, m, ref)
 
 
 def test_saved_adapter_loads_with_peft(tmp_path):
@@ -285,13 +286,7 @@ def test_frozen_adapters_are_not_quantized(tmp_path):
     names = {n for n, p in m.named_parameters() if quantized(p) is not None}
     assert len(names) == 3 * 7 and not any("lora_" in n for n in names)
     ref, _ = reference(model, m)
-    ids, mask, labels = batch()
-    want = hf_backward(ref, ids, mask, labels)
-    with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
-                                          backend="emulated")) as pipe:
-        got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)
-    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
-    assert_grads_equal(m, ref)
+    assert_trains_like(wrapped, m, ref)
     m.save_pretrained(tmp_path)
     saved = peft.utils.load_peft_weights(tmp_path)          # the "default" adapter
     assert len(saved) == 3 * 7 * 2
