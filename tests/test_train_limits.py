@@ -104,13 +104,11 @@ def test_empty_records_are_counted_where_skipped_sequences_are(tmp_path):
            "or response has nothing to learn but the end-of-text token" in said, said
 
 
-def test_data_too_small_for_the_batch_fails_before_the_model_is_built(tmp_path,
-                                                                      monkeypatch):
-    """Each row of the batch packs its own hash-chosen share of the records: with 6
-    records and a batch of 16, rows get none, and the run said "lane 3 of the training
-    split is empty" after building the model (about 7 s on a pretrained one). Now a
-    usage error before the tokenizer and the model, naming the cause and a batch that
-    fits."""
+def test_an_empty_training_split_fails_before_the_model_is_built(tmp_path, monkeypatch):
+    """A training split with no record (every one held out) is a usage error before
+    the tokenizer and the model, naming the cause. (6 records and a batch of 16 were
+    refused too, when each row packed its own hash-chosen share: the rows now draw
+    from one shared order, and such data trains.)"""
     from rotapipe.train import loop
 
     def no_model(*args, **kwargs):
@@ -119,13 +117,12 @@ def test_data_too_small_for_the_batch_fails_before_the_model_is_built(tmp_path,
     monkeypatch.setattr(loop, "build_tokenizer", no_model)
     data = text_jsonl(tmp_path / "d.jsonl", 6)
     p = run_here(flags(data=str(data), out_dir=str(tmp_path / "o"), batch=16,
-                       microbatches=4, holdout=0))
+                       microbatches=4, holdout=0.999))
     assert p.returncode == 2, p.stdout + p.stderr
     err = p.stderr.strip()
-    assert err.startswith("rotapipe train: error: the training split has 6 records "
-                          "(holdout=0, empty records skipped) for batch=16: each of the "
-                          "batch's 16 rows packs its own share of the records"), err
-    assert "add data" in err and "use --batch " in err and len(err.splitlines()) == 1
+    assert err == ("rotapipe train: error: the training split is empty: each of the 6 "
+                   "records of the data is held out (holdout=0.999) or empty: lower --holdout "
+                   "(--holdout 0 trains on every record), or add data"), err
 
 
 def test_held_out_records_that_are_never_evaluated_are_named(tmp_path, monkeypatch):

@@ -176,7 +176,7 @@ class TrainConfig:
     """Peak learning rate; None: 4e-3 from scratch, 2e-5 for a pretrained model, 2e-4
     with LoRA."""
     min_lr_ratio: float = 0.1
-    """The cosine decays to ``lr * min_lr_ratio`` at the last step."""
+    """The cosine decays to ``lr * min_lr_ratio``, reached at the last step."""
     warmup: int | None = None
     """Linear warmup steps from lr / warmup up to lr; None: 20 from scratch, 3% of the
     steps for a pretrained model."""
@@ -348,9 +348,13 @@ class TrainConfig:
             raise ConfigError(f"vocab={self.vocab}: a byte-level BPE needs at least 260 "
                               "tokens (256 bytes + specials)")
         if self.batch % self.microbatches:
+            fits = [m for m in range(1, self.batch + 1) if not self.batch % m]  # divisors
+            k = sum(m < self.microbatches for m in fits)     # the nearest: below, above
+            more = -(-self.batch // self.microbatches) * self.microbatches
             raise ConfigError(f"batch={self.batch} is not a multiple of microbatches="
                               f"{self.microbatches}: every microbatch gets the same "
-                              "number of sequences")
+                              f"number of sequences (at least one): use --microbatches "
+                              f"{' or '.join(map(str, fits[max(k - 1, 0):k + 1]))}, or --batch {more}")
         for n, allowed in (("optimizer", CHOICES["optimizer"]),
                            ("optimizer_state", CHOICES["optimizer_state"]),
                            ("packing", CHOICES["packing"])):

@@ -10,18 +10,19 @@ token is not a target), ``concat``
 at ``seq``, padded, with an attention mask).
 
 Nothing is loaded whole: files are read lazily, one record at a time, so a corpus
-larger than RAM works. The order is deterministic: each epoch visits the files in a
-permutation drawn from ``(seed, epoch)`` and each file's records in order. A record is
-held out for evaluation by a hash of ``(file name, record index)``, independent of the
-seed and of where the corpus lies (moving or copying it keeps the split). :class:`PackedStream` has a small cursor (epoch, file position, record index,
-the partial sequence carried over) that a checkpoint saves and restores exactly.
+larger than RAM works. The training records come in the order of
+:class:`~rotapipe.train.order.RecordOrder` (each once per epoch, shuffled by
+``(seed, epoch)``), shared by the rows of the batch. A record is held out for evaluation
+by a hash of ``(file name, record index)``, independent of the seed and of where the
+corpus lies (moving or copying it keeps the split); the held-out split is read in file
+order. The cursor (the order's position, each row's partial sequence) is small, and a
+checkpoint saves and restores it exactly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pathlib
-import random
 import typing
 from collections.abc import Iterator, Sequence
 
@@ -32,6 +33,7 @@ from .records import (CHUNK_CHARS, COMPLETION, IGNORE, RECORD_SUFFIXES,  # noqa:
                       TEXT_SUFFIXES, HubSplit, TextFields, check_text, hub_dataset,
                       is_dataset_dir, iter_records, record_parts, record_text,
                       source_files, stdlib_files)
+from .order import WINDOW, RecordOrder
 from .tokens import RendersDifferently, Tokens, chat_documents, chat_segments  # noqa: F401
 
 __all__ = ["Batch", "PACKING", "PackedStream", "TextFields", "Tokens", "TrainBatches",
@@ -77,7 +79,7 @@ def is_heldout(path: pathlib.Path, index: int, fraction: float) -> bool:
 
 
 def lane_of(path: pathlib.Path, index: int, lanes: int) -> int:
-    """The batch row (lane) a training record is packed into."""
+    """The held-out lane (:func:`eval_set`) a record belongs to."""
     return _hash(path, index, "lane:") % lanes
 
 
@@ -116,15 +118,17 @@ def train_tokenizer(files: Sequence[pathlib.Path], vocab: int, max_bytes: int,
 class PackedStream:
     """Fixed-length sequences of one split, in a deterministic order.
 
-    ``heldout=False`` cycles over the training records of lane ``lane`` of ``lanes``
-    epoch after epoch (a new file permutation per epoch and lane); ``heldout=True``
-    makes one pass over the held-out records in file order, its last, short sequence
-    padded (labels ``-100``). ``packing`` is one of :data:`PACKING`.
+    ``heldout=False`` cycles over the training records epoch after epoch, drawing them
+    from ``order`` (a :class:`~rotapipe.train.order.RecordOrder`, shared by the rows of
+    a batch; by default its own); ``heldout=True`` makes one pass over the held-out
+    records of lane ``lane`` of ``lanes`` in file order, its last, short sequence padded
+    (labels ``-100``). ``packing`` is one of :data:`PACKING`.
     """
 
     def __init__(self, files: Sequence[pathlib.Path], tokenizer, *, seq: int, seed: int,
                  holdout: float, fields: TextFields, heldout: bool = False,
-                 lane: int = 0, lanes: int = 1, packing: str = "concat"):
+                 lane: int = 0, lanes: int = 1, packing: str = "concat",
+                 order: RecordOrder | None = None):
         if packing not in PACKING:
             raise ConfigError(f"packing={packing!r}: use one of {', '.join(PACKING)}")
         self.files, self.seq, self.seed = list(files), seq, seed
@@ -137,9 +141,16 @@ class PackedStream:
         self.carry_labels: list[int] = []
         self.carry_pos: list[int] = []
         self.pending: list[tuple[list[int], list[int]]] = []   # pad: documents not yet out
+        # [epoch, tokens (pad: documents)] of the records in the carry (or pending), oldest
+        # first: the epoch a row's next token comes from (:meth:`next_epoch`)
+        self.held: list[list[int]] = []
         self._records: Iterator | None = None
         self.skipped = 0
         """Training sequences skipped because no label of theirs counts (:meth:`next_row`)."""
+        if not heldout and order is None:
+            order = RecordOrder(self.files, self.tokens, fields=fields, seed=seed,
+                                keep=lambda path, i: not is_heldout(path, i, holdout))
+        self.order = order
 
     # -- cursor ------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -147,7 +158,8 @@ class PackedStream:
         return {"epoch": self.epoch, "file_pos": self.file_pos, "record": self.record,
                 "carry_ids": list(self.carry_ids), "carry_labels": list(self.carry_labels),
                 "carry_pos": list(self.carry_pos),
-                "pending": [[list(a), list(b)] for a, b in self.pending]}
+                "pending": [[list(a), list(b)] for a, b in self.pending],
+                "held": [list(h) for h in self.held]}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.file_pos = int(state["epoch"]), int(state["file_pos"])
@@ -156,50 +168,54 @@ class PackedStream:
         self.carry_labels = list(state["carry_labels"])
         self.carry_pos = list(state.get("carry_pos", range(len(self.carry_ids))))
         self.pending = [(list(a), list(b)) for a, b in state.get("pending", [])]
+        self.held = [[int(e), int(n)] for e, n in state.get("held", [])]
         self._records = None
-
-    def order(self, epoch: int) -> list[pathlib.Path]:
-        """File order of ``epoch``."""
-        if self.heldout:
-            return self.files
-        files = list(self.files)
-        random.Random(f"{self.seed}:{epoch}:{self.lane}").shuffle(files)
-        return files
 
     # -- reading -------------------------------------------------------------------------
     def _next_record(self) -> list[tuple[list[int], list[int]]] | None:
         """The next record of the split as its documents' ``(ids, labels)``, or None at
         the end of a held-out pass. Advances the cursor."""
-        empty_epochs = 0
-        while True:
-            order = self.order(self.epoch)
-            if self.file_pos >= len(order):
-                if self.heldout:
-                    return None
-                self.epoch, self.file_pos, self.record, self._records = \
-                    self.epoch + 1, 0, 0, None
-                empty_epochs += 1
-                if empty_epochs > 1:
-                    raise ConfigError(
-                        f"row {self.lane} of the batch gets no training record: each of "
-                        f"the batch's {self.lanes} rows packs its own share of the records "
-                        "(by a hash of file name and record index; empty records skipped), "
-                        "and this share is empty: add data, lower --batch, or lower "
-                        "--holdout")
-                continue
-            path = order[self.file_pos]
+        if self.order is not None:
+            docs = self.order.next_documents()
+            self.epoch = self.order.epoch
+            return docs
+        while self.file_pos < len(self.files):          # held out: one pass, in order
+            path = self.files[self.file_pos]
             if self._records is None:
                 self._records = iter_records(path, self.record)
             for i, rec in self._records:
                 self.record = i + 1
-                if is_heldout(path, i, self.holdout) != self.heldout or (
+                if not is_heldout(path, i, self.holdout) or (
                         self.lanes > 1 and lane_of(path, i, self.lanes) != self.lane):
                     continue
                 docs = self.tokens.documents(rec, self.fields, f"{path}:{i + 1}")
                 if docs:                            # an empty record has none: skipped
-                    empty_epochs = 0
                     return docs
             self.file_pos, self.record, self._records = self.file_pos + 1, 0, None
+        return None
+
+    def next_epoch(self) -> int:
+        """The epoch of the record this row's next token comes from: every token of the
+        epochs before it has been in a row already."""
+        if self.held:
+            return self.held[0][0]
+        return self.order.epoch if self.order is not None else self.epoch
+
+    def _hold(self, n: int) -> None:
+        """``n`` tokens (pad: documents) of a record of epoch :attr:`epoch` join the carry."""
+        if self.held and self.held[-1][0] == self.epoch:
+            self.held[-1][1] += n
+        elif n:
+            self.held.append([self.epoch, n])
+
+    def _release(self, n: int) -> None:
+        """``n`` tokens (pad: documents) of the carry went into a row."""
+        while n and self.held:
+            k = min(n, self.held[0][1])
+            self.held[0][1] -= k
+            n -= k
+            if not self.held[0][1]:
+                self.held.pop(0)
 
     def next_row(self) -> tuple[list[int], list[int], list[int] | None, list[int] | None] | None:
         """``(ids, labels, position ids or None, attention mask or None)`` of the next
@@ -232,7 +248,9 @@ class PackedStream:
                 if got is None:
                     return None
                 self.pending = got
+                self._hold(len(got))
             doc = self.pending.pop(0)
+            self._release(1)
             ids, labels = doc[0][:self.seq], doc[1][:self.seq]
             n = self.seq - len(ids)
             return ids + [pad] * n, labels + [IGNORE] * n, None, [1] * len(ids) + [0] * n
@@ -242,6 +260,7 @@ class PackedStream:
                 if self.heldout and self.carry_ids:       # the short last sequence
                     break
                 return None
+            self._hold(sum(len(ids) for ids, _ in got))
             for ids, labels in got:
                 self.carry_ids += ids
                 # documents: a document's first token is not a target. It would be
@@ -252,6 +271,7 @@ class PackedStream:
                     if self.packing == "documents" and labels else labels
                 self.carry_pos += range(len(ids))
         n = min(self.seq, len(self.carry_ids))
+        self._release(n)
         fill = self.seq - n
         ids = self.carry_ids[:n] + [pad] * fill
         labels = self.carry_labels[:n] + [IGNORE] * fill
@@ -280,19 +300,28 @@ def _stack(rows) -> Batch:
 
 
 class TrainBatches:
-    """Training batches: row ``r`` of every batch comes from lane ``r``, a
-    :class:`PackedStream` over its own hash-chosen share of the records with its own
-    file order, so one batch mixes ``batch`` different places of the corpus (packing a
-    single stream would fill a batch with consecutive pieces of one file)."""
+    """Training batches: row ``r`` of every batch is the next sequence of lane ``r``, a
+    :class:`PackedStream` that packs the records it draws from one shared
+    :class:`~rotapipe.train.order.RecordOrder`: an epoch reads every training record
+    once, the rows of a batch hold records from many places of the corpus."""
 
-    def __init__(self, files, tokenizer, *, batch: int, **kwargs):
-        self.lanes = [PackedStream(files, tokenizer, lane=r, lanes=batch, **kwargs)
-                      for r in range(batch)]
+    def __init__(self, files, tokenizer, *, batch: int, seed: int, holdout: float,
+                 fields: TextFields, **kwargs):
+        # a span open per row at least: the records a batch draws come from as many
+        # places of the corpus as it has rows
+        self.order = RecordOrder(files, Tokens(tokenizer), fields=fields, seed=seed,
+                                 keep=lambda path, i: not is_heldout(path, i, holdout),
+                                 window=max(WINDOW, batch))
+        self.lanes = [PackedStream(files, tokenizer, seed=seed, holdout=holdout,
+                                   fields=fields, order=self.order, **kwargs)
+                      for _ in range(batch)]
 
     @property
     def epoch(self) -> int:
-        """Completed passes over the training split (the slowest lane's)."""
-        return min(s.epoch for s in self.lanes)
+        """Completed passes over the training split: every token of those epochs has been
+        in a batch (a row's carry may still hold the end of a record read before the
+        order turned to the next epoch)."""
+        return min(s.next_epoch() for s in self.lanes)
 
     def next(self) -> Batch:
         """The next :class:`Batch` (``[batch, seq]`` tensors; rows with no label to
@@ -306,14 +335,23 @@ class TrainBatches:
         return b.ids, b.labels
 
     def state_dict(self) -> dict:
-        return {"lanes": [s.state_dict() for s in self.lanes]}
+        return {"order": self.order.state_dict(), "lanes": [s.state_dict() for s in self.lanes]}
 
     def load_state_dict(self, state: dict) -> None:
+        if "order" not in state:
+            raise ConfigError(
+                "the checkpoint's data cursor is from the per-row data order of an earlier "
+                "rotapipe (each row of the batch read its own share of the records front "
+                "to back), which this version no longer has, so the run cannot continue "
+                "exactly where it stopped: start a new --out-dir (--model with the "
+                "exported weights, or --resume-from-adapter, continues the training)")
         if len(state["lanes"]) != len(self.lanes):
             raise ConfigError(f"the data cursor has {len(state['lanes'])} lanes, this run "
                               f"{len(self.lanes)}: resume with the same batch")
+        self.order.load_state_dict(state["order"])
         for s, st in zip(self.lanes, state["lanes"]):
             s.load_state_dict(st)
+            s.epoch = self.order.epoch
 
 
 def eval_set(files, tokenizer, n: int, *, seq: int, holdout: float, fields: TextFields,

@@ -31,7 +31,7 @@ from .records import TextFields, data_changes, data_fingerprint, source_files
 from .survey import check_data, check_lanes  # noqa: F401 - check_data: tests import it here
 from .tokens import check_chats
 from .metrics import MetricSinks, check_sinks, plot_loss, read_metrics
-from .sample import sample_prompts
+from .sample import check_prompts, sample_prompts
 from .resume import (check_model_files, check_resume_config, restore, restore_rest,
                      restore_sharded, sharded)
 from .model import (adapter_dir, build_model, build_tokenizer, check_run_ram,
@@ -60,11 +60,17 @@ class TrainResult:
 
 
 def lr_factor(cfg: TrainConfig):
-    """``step -> lr multiplier``: linear warmup, then cosine down to ``min_lr_ratio``."""
+    """``step -> lr multiplier`` of the optimizer step with 0-based index ``step``: a
+    linear warmup reaching the peak at step ``warmup - 1`` (step 0 without warmup),
+    then a cosine reaching ``min_lr_ratio`` at the last step, ``steps - 1``. The cosine
+    ran until ``steps`` (as transformers' ``get_cosine_schedule_with_warmup`` does, whose
+    last step is above its floor): the last step trained at 0.1046 of the lr, not the
+    0.1 the docs promise (24 steps, warmup 2)."""
+    peak = max(cfg.warmup - 1, 0)
     def f(step: int) -> float:
         if step < cfg.warmup:
             return (step + 1) / cfg.warmup
-        t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        t = min(1.0, (step - peak) / max(1, cfg.steps - 1 - peak))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
     return f
 
@@ -112,7 +118,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         quiet_third_party()              # no weight-loading bars in a log file either
     files = source_files(cfg.data, cfg.data_config, cfg.data_split)
     survey = check_data(files, fields)
-    # Before the tokenizer and the model: every row of the batch gets training records.
+    # Before the tokenizer and the model: the training split holds a record.
     check_lanes(files, fields, batch=cfg.batch, microbatches=cfg.microbatches,
                 holdout=cfg.holdout)
     eval_files = source_files(cfg.eval_data, cfg.data_config, "test", "eval_data") \
@@ -123,6 +129,12 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     check_weight_files(cfg)
     adapter_dir(cfg)
     prompts = sample_prompts(cfg) if cfg.sample_tokens else []
+    asked = [f"{n}={getattr(given, n)!r}" for n in ("sample_prompt", "sample_file",
+                                                     "sample_interval")
+             if getattr(given, n)]
+    if not cfg.sample_tokens and asked:
+        log.warning(f"{', '.join(asked)} with sample_tokens=0: no sample is written (0 new "
+                    "tokens); pass --sample-tokens N (e.g. 60) to see one")
     # the newest whole checkpoint (damaged ones skipped with a warning), or None
     resume, masters, state, meta = resume_from(ckdir, cfg.resume) or (None,) * 4
     check_same_resume(dinfo, resume)
@@ -134,6 +146,9 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         # the default 400, on another schedule. Other --epochs are counted below, as for
         # a new run (the saved count stopped --resume --epochs 2 where epoch 1 had).
         cfg = dataclasses.replace(cfg, epochs=epochs).with_steps(int(saved["steps"]))
+        kept = ("steps",) + (("epochs",) if given.epochs is None and epochs else ())
+    else:
+        kept = ()
     data_files = data_fingerprint(files)
     weight_files = model_files(cfg)
     if resume is not None:
@@ -161,6 +176,11 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         counted = epoch_steps(cfg, files, tokenizer, fields)
         if counted < cfg.steps:
             cfg = dataclasses.replace(cfg, warmup=given.warmup).with_steps(counted)
+    if cfg.warmup > cfg.steps:
+        log.warning(f"warmup={cfg.warmup} is longer than the run ({cfg.steps} steps): the "
+                    f"learning rate rises to {cfg.steps}/{cfg.warmup} of lr={cfg.lr:g} and "
+                    f"never decays; use --warmup {cfg.steps // 10} (or at most "
+                    f"{cfg.steps}) for the whole warmup and cosine")
     # Before any weight is loaded: the model state must fit the RAM available.
     ram = check_host_ram_everywhere(cfg, tokenizer, dinfo)
     model = build_model(cfg, tokenizer)
@@ -169,6 +189,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     from ..adapters import wrap_hf
     wrapped = wrap_hf(model, verify="full" if cfg.verify else "tail",
                       quantize="nf4" if cfg.qlora else None)
+    # A sample prompt filling the model's context fails now, not after the training.
+    check_prompts(prompts, tokenizer, wrapped.config)
     pipe = wrapped.pipe(cfg.pipe_config())
     # Training mode from the first step, dropout included: from_pretrained leaves a model
     # in eval mode, and a resumed run starts without the step-0 evaluation that used to
@@ -196,7 +218,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
             start = int(state["step"])
             echo(f"resumed from {resume} (step {start})")
         describe(cfg, given, pipe, wrapped, tokenizer, files, held,
-                  time.perf_counter() - t0, echo)
+                 time.perf_counter() - t0, echo, kept)
         echo(ram)
         if ram_plan:
             echo(ram_plan)

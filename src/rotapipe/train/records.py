@@ -11,14 +11,16 @@ token ids and labels; :mod:`rotapipe.train.data` packs them into sequences.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
+import logging
 import pathlib
 import stat
 import sysconfig
 from collections.abc import Iterator
 
 from ..errors import ConfigError, InputError
+from .fingerprint import FINGERPRINT_BYTES, data_changes, data_fingerprint  # noqa: F401
 from .hub import HubSplit, hub_dataset
 
 __all__ = ["IGNORE", "TEXT_SUFFIXES", "RECORD_SUFFIXES", "CHUNK_CHARS", "COMPLETION",
@@ -26,6 +28,8 @@ __all__ = ["IGNORE", "TEXT_SUFFIXES", "RECORD_SUFFIXES", "CHUNK_CHARS", "COMPLET
            "check_text", "data_changes", "data_fingerprint", "hub_dataset", "is_dataset_dir",
            "is_empty", "iter_records", "record_parts", "record_text", "source_files",
            "stdlib_files"]
+
+log = logging.getLogger("rotapipe.train")
 
 IGNORE = -100
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".text")
@@ -78,7 +82,7 @@ def source_files(spec: str, config: str | None = None, split: str | None = None,
             if not found:
                 raise ConfigError(f"data directory {part!r} holds no .txt/.md/.py/.rst/"
                                   ".jsonl/.json/.parquet files: point data at the files")
-            files += found
+            files += _one_kind(part, found)
         elif p.is_file():
             files.append(p)
         elif p.exists():
@@ -100,6 +104,25 @@ def source_files(spec: str, config: str | None = None, split: str | None = None,
     return files
 
 
+def _one_kind(folder: str, found: list[pathlib.Path]) -> list[pathlib.Path]:
+    """The files of a data directory of the kind most of them are: record files
+    (.jsonl .json .parquet) or text files (.txt .md .py ...), records on a tie. A
+    README.md beside the JSONL shards was trained on as text (and a package.json in a
+    folder of code read as records), where ``datasets.load_dataset`` reads the files of
+    the directory's most common format only. The others are named in a warning."""
+    records = [f for f in found if f.suffix in RECORD_SUFFIXES]
+    texts = [f for f in found if f.suffix not in RECORD_SUFFIXES]
+    if not records or not texts:
+        return found
+    keep, drop = (records, texts) if len(records) >= len(texts) else (texts, records)
+    more = f" and {len(drop) - 1} more" if len(drop) > 1 else ""
+    what = "record" if keep is records else "text"
+    log.warning(f"data directory {folder!r}: reading its {len(keep)} {what} files, not "
+                f"{drop[0]}{more} (a directory is read as one kind of file, the kind most "
+                "of its files are): list a file in data to read it too")
+    return keep
+
+
 def _blank(path: pathlib.Path) -> bool:
     """Empty, or only whitespace (blank lines) in a small file: else the run trains a
     tokenizer and builds the model before the data setup finds no records."""
@@ -108,46 +131,6 @@ def _blank(path: pathlib.Path) -> bool:
         return False
     with open(path, "rb") as f:
         return not f.read().strip()
-
-
-FINGERPRINT_BYTES = 64 * 1024
-"""Bytes at each end of a data file that :func:`data_fingerprint` hashes."""
-
-
-def data_fingerprint(files) -> dict[str, list]:
-    """``{path: [size, hash of its first and last FINGERPRINT_BYTES]}`` of the plain data
-    files (saved and hub datasets are left out): kept in a checkpoint's ``meta.json``,
-    so that a resume can say the data changed (:func:`data_changes`). Cheap on any
-    corpus; an edit in the middle of a large file that keeps its size goes unseen."""
-    out = {}
-    for f in files:
-        if isinstance(f, HubSplit) or not f.is_file():
-            continue
-        size = f.stat().st_size
-        h = hashlib.blake2b(digest_size=16)
-        with open(f, "rb") as fh:
-            h.update(fh.read(FINGERPRINT_BYTES))
-            if size > FINGERPRINT_BYTES:
-                fh.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
-                h.update(fh.read())
-        out[str(f)] = [size, h.hexdigest()]
-    return out
-
-
-def data_changes(saved, now: dict[str, list]) -> str | None:
-    """What changed in the data files since ``saved`` (a :func:`data_fingerprint`; not a
-    dict in a checkpoint from before it was kept: nothing to say), or ``None``."""
-    if not isinstance(saved, dict):
-        return None
-    changed = [p for p in now if p in saved and list(saved[p]) != now[p]]
-    added = [p for p in now if p not in saved]
-    removed = [p for p in saved if p not in now]
-    parts = []
-    for what, paths in (("changed", changed), ("new", added), ("gone", removed)):
-        if paths:
-            more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
-            parts.append(f"{what}: {paths[0]}{more}")
-    return "; ".join(parts) or None
 
 
 def _file_kind(path: pathlib.Path) -> str:
@@ -208,6 +191,18 @@ def _optional(module: str, what: str, package: str):
 
 
 def _json_list(path: pathlib.Path) -> list | None:
+    """:func:`_read_json_list`, kept for the few files read last (the order reads a
+    list's spans of records one at a time: :mod:`rotapipe.train.order`)."""
+    st = path.stat()
+    return _json_list_of(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _json_list_of(path: str, size: int, mtime: int) -> list | None:
+    return _read_json_list(pathlib.Path(path))
+
+
+def _read_json_list(path: pathlib.Path) -> list | None:
     """A ``.json`` data file: a list of records (read whole; use JSONL for big data), or
     None when it holds JSON Lines (an object, then more after it: what ``datasets``'
     json loader reads from a ``.json`` file too; it was refused as "line 2: not valid
@@ -258,17 +253,30 @@ class TextChunk(str):
         return chunk
 
 
-def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, object]]:
-    """``(record index, record)`` of one source from record ``start`` on: a parsed JSONL
-    line, JSON list item, Parquet row or dataset row (dict), or a text chunk (str)."""
-    if path.suffix == ".json":
+def iter_records(path: pathlib.Path, start: int = 0, *, stop: int | None = None,
+                 offset: int | None = None, first: int = 0, group: int | None = None
+                 ) -> Iterator[tuple[int, object]]:
+    """``(record index, record)`` of one source from record ``start`` on (before
+    ``stop``): a parsed JSONL line, JSON list item, Parquet row or dataset row (dict),
+    or a text chunk (str). ``offset``: the byte offset of JSONL line ``first`` (read
+    from there); ``group``: the Parquet row group, starting at record ``first``, that
+    holds the records (:mod:`rotapipe.train.order`'s spans)."""
+    if stop is not None:
+        for i, rec in iter_records(path, start, offset=offset, first=first, group=group):
+            if i >= stop:
+                return
+            yield i, rec
+        return
+    if path.suffix == ".json" and offset is None:
         values = _json_list(path)
         if values is not None:
             yield from enumerate(values[start:], start)
             return
     if path.suffix in (".jsonl", ".json"):                  # .json: JSON Lines in it
         with open(path, "rb") as f:
-            for i, raw in enumerate(f):
+            if offset is not None:
+                f.seek(offset)
+            for i, raw in enumerate(f, first if offset is not None else 0):
                 if i < start or not raw.strip():
                     continue
                 try:
@@ -286,8 +294,9 @@ def iter_records(path: pathlib.Path, start: int = 0) -> Iterator[tuple[int, obje
         return
     if path.suffix == ".parquet":
         pq = _optional("pyarrow.parquet", "Parquet data", "pyarrow")
-        i = 0
-        for table in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        i = first if group is not None else 0
+        groups = {} if group is None else {"row_groups": [group]}
+        for table in pq.ParquetFile(path).iter_batches(batch_size=1024, **groups):
             rows = table.to_pylist()
             for j, row in enumerate(rows):
                 if i + j >= start:

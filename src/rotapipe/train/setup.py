@@ -146,9 +146,11 @@ def make_optimizer(cfg: TrainConfig, pipe) -> torch.optim.Optimizer:
                              weight_decay=cfg.weight_decay, fused=True)
 
 
-def describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) -> None:
+def describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo,
+             kept: tuple[str, ...] = ()) -> None:
     """The run's summary: model, effective settings (which ones are defaults chosen for
-    this kind of run), data, evaluation, pipeline."""
+    this kind of run, which ones ``kept`` from the checkpoint resumed), data,
+    evaluation, pipeline."""
     kind = "CUDA GPU" if pipe.devices[0].torch_device.type == "cuda" else "emulated CPU"
     n = sum(pipe.layerset.params[pid].numel() for pid in pipe.host.trainable)
     what = cfg.model or f"Qwen3 from scratch ({cfg.layers} layers, hidden {cfg.dim})"
@@ -158,15 +160,17 @@ def describe(cfg, given, pipe, wrapped, tokenizer, files, held, setup_s, echo) -
     echo(f"model: {what}, {n / 1e6:.2f}M trainable parameters{' (QLoRA)' if cfg.qlora else ' (LoRA)' if cfg.lora else ''}"
          f", vocab {len(tokenizer)}, {cfg.dtype}")
     chosen = [k for k in ("lr", "warmup", "weight_decay", "steps", "epochs")
-              if getattr(given, k) is None and getattr(cfg, k) is not None]
+              if getattr(given, k) is None and getattr(cfg, k) is not None
+              and k not in kept]
     cut = epochs_cut(cfg, given)
     epochs = f" ({cfg.epochs} epoch{'s' if cfg.epochs != 1 else ''})" \
-        if cfg.epochs and ("steps" in chosen or cut) else ""
+        if cfg.epochs and ("steps" in chosen or "steps" in kept or cut) else ""
     echo(f"settings: lr {cfg.lr:g}, warmup {cfg.warmup}, weight decay {cfg.weight_decay:g}, "
          f"{cfg.steps} steps{epochs}, batch {cfg.batch} x {cfg.seq} tokens, optimizer "
          f"{cfg.optimizer} ({cfg.optimizer_state} state)"
          + (f"; {'pretrained-model' if cfg.pretrained else 'from-scratch'} defaults: "
-            f"{', '.join(k.replace('_', ' ') for k in chosen)}" if chosen else ""))
+            f"{', '.join(k.replace('_', ' ') for k in chosen)}" if chosen else "")
+         + (f"; the checkpoint's: {', '.join(kept)}" if kept else ""))
     if cut:
         passes = f"{cfg.epochs} pass{'es' if cfg.epochs != 1 else ''}"
         echo(f"note: epochs={cfg.epochs} ends the run at step {cfg.steps}, before "

@@ -1,6 +1,6 @@
 """Reading the data once before the tokenizer and the model are built: every record
-parsed (a bad one fails with its ``file:line``), empty records counted, and every row of
-the batch checked to get training records.
+parsed (a bad one fails with its ``file:line``), empty records counted, and the training
+split checked to hold a record to learn from.
 
 :func:`rotapipe.train.loop.train` calls these first, so that data that cannot train
 fails in a second, not after the model is built.
@@ -9,10 +9,9 @@ fails in a second, not after the model is built.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ..errors import ConfigError, InputError
-from .data import is_heldout, lane_of
+from .data import is_heldout
 from .records import RECORD_SUFFIXES, TextFields, is_empty, iter_records, record_parts
 
 __all__ = ["DataSurvey", "check_data", "check_lanes"]
@@ -55,55 +54,21 @@ def check_data(files, fields: TextFields, what: str = "data") -> DataSurvey:
     return survey
 
 
-SUGGEST_LIMIT = 5_000
-"""Training records up to which :func:`check_lanes` works out a batch that fits."""
-
-
 def check_lanes(files, fields: TextFields, *, batch: int, microbatches: int,
                 holdout: float) -> None:
-    """Every row of the batch (a *lane*: :class:`~rotapipe.train.data.TrainBatches`)
-    packs its own share of the training records, chosen by a hash of file name and
-    record index; a row with none cannot be filled. Checked from the records alone (no
-    tokenizer), stopping as soon as every row has a record: on a real corpus that is
-    after a few times ``batch`` records."""
-    filled: set[int] = set()
-    seen = []                            # the training records' row hashes, while few
+    """The training split holds a record to learn from (read until the first one),
+    before the tokenizer and the model are built. Every row of the batch then gets
+    records: the rows draw from one shared order (:mod:`rotapipe.train.order`), so a
+    split smaller than the batch repeats its records within a step, as further epochs
+    do. (Each row used to pack its own hash-chosen share, and a split of a few times
+    ``batch`` records left rows with none.)"""
+    seen = 0
     for path in files:
         for i, rec in iter_records(path):
-            if is_heldout(path, i, holdout) or is_empty(*record_parts(rec, fields, "")):
-                continue
-            key = lane_of(path, i, 2**64)        # the row's hash, before "% batch"
-            filled.add(key % batch)
-            if len(filled) == batch:
+            seen += 1
+            if not is_heldout(path, i, holdout) and \
+                    not is_empty(*record_parts(rec, fields, f"{path}:{i + 1}")):
                 return
-            if len(seen) <= SUGGEST_LIMIT:
-                seen.append(key)
-    n = len(seen)
-    rows = [r for r in range(batch) if r not in filled]
-    fixes = ["add data (a hash fills every row once the training split holds a few "
-             "times batch records)"]
-    fit = _largest_batch(seen, batch) if n <= SUGGEST_LIMIT else None
-    if fit:
-        m = math.gcd(fit, microbatches)
-        fixes.append(f"use --batch {fit}" + (f" --microbatches {m}" if m != microbatches
-                                             else "") + " (every row of it gets records)")
-    if holdout:
-        fixes.append("lower --holdout")
-    more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
-    raise ConfigError(
-        f"the training split has {n} record{'s' if n != 1 else ''} (holdout={holdout:g}, "
-        f"empty records skipped) for batch={batch}: each of the batch's {batch} rows packs "
-        f"its own share of the records, chosen by a hash of file name and record index, "
-        f"and {len(rows)} rows get none (row {', '.join(map(str, rows[:3]))}{more}): "
-        + ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1])
-
-
-def _largest_batch(seen: list[int], batch: int) -> int | None:
-    """The largest batch below ``batch`` whose every row gets one of the training
-    records whose row hashes are ``seen``, or None."""
-    import numpy as np
-    keys = np.array(seen, dtype=np.uint64)
-    for b in range(min(batch - 1, len(seen)), 0, -1):
-        if np.unique(keys % np.uint64(b)).size == b:
-            return b
-    return None
+    raise ConfigError(f"the training split is empty: each of the {seen} records of the "
+                      f"data is held out (holdout={holdout:g}) or empty: lower --holdout "
+                      "(--holdout 0 trains on every record), or add data")
