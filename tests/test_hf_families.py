@@ -312,7 +312,7 @@ def test_gradient_checkpointing_with_dropout_is_turned_off_and_trains_exactly(re
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     m.train()
     wrapped = rotapipe.adapters.wrap_hf(m)
-    assert not m.is_gradient_checkpointing
+    assert not m.is_activation_checkpointing
     with wrapped.pipe(rotapipe.PipeConfig(workers=2, microbatches=2,
                                           backend="emulated")) as pipe:
         got = pipe.forward_backward(wrapped.inputs(ids, mask), labels)

@@ -220,12 +220,16 @@ def wrap_hf(model: nn.Module, *, compute_dtype: torch.dtype | None = None,
         raise AdapterError(f"quantize={quantize!r}: use one of "
                            f"{', '.join(map(repr, QUANTIZE))} or None")
     base = _unwrap_peft(model)
-    if getattr(base, "is_gradient_checkpointing", False):
-        # The pipeline recomputes every block in its backward stage. A block's own
-        # checkpoint would recompute it a second time, and from the process's random
-        # generator, not the layer's stream its forward drew from: with dropout on, the
-        # gradients were another mask's (tests/test_hf_families.py).
-        base.gradient_checkpointing_disable()
+    # The pipeline recomputes every block in its backward stage. A block's own
+    # checkpoint would recompute it a second time, and from the process's random
+    # generator, not the layer's stream its forward drew from: with dropout on, the
+    # gradients were another mask's (tests/test_hf_families.py). transformers 5.x names
+    # it activation checkpointing (the gradient_* names warn).
+    new = hasattr(base, "activation_checkpointing_disable")
+    if getattr(base, "is_activation_checkpointing" if new else "is_gradient_checkpointing",
+               False):
+        (base.activation_checkpointing_disable if new
+         else base.gradient_checkpointing_disable)()
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") \
         else base.config
     check_model(base, config)
