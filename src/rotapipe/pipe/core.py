@@ -414,8 +414,8 @@ class RoundPipe(TrainCalls, StateIO, Inspection):
         Runs forward stages only (the layers' train/eval flags apply as set; buffer
         updates made during evaluation are not kept). The microbatches' outputs are
         joined along dim 0; a further output tensor that is not per sample (0-dim, e.g.
-        an auxiliary mean, or a dim 0 other than the microbatch's batch size) comes back
-        as a list, one value per microbatch."""
+        an auxiliary mean, or a dim 0 that is not one whole multiple of every
+        microbatch's batch size) comes back as a list, one value per microbatch."""
         self._check_open()
         inputs = as_tree(inputs)
         with self._lock:

@@ -53,11 +53,14 @@ def split(tree, parts: int) -> list:
 
 def concat(trees: list, sizes: list[int] | None = None):
     """Join per-microbatch outputs along dim 0 (inverse of :func:`split`; ``sizes``: the
-    microbatches' batch sizes). A tensor leaf that is not per sample (0-dim in some
-    microbatch, e.g. a mean; a dim 0 other than its microbatch's size, e.g. a
-    per-feature statistic, or the sequence of a sequence-first output) or whose other
-    dimensions differ between microbatches comes back as the list of its
-    per-microbatch values: joining it would make a tensor of no meaning."""
+    microbatches' batch sizes). A leaf is joined when its dim 0 is the same whole
+    multiple of every microbatch's size (rows per sample: 1, or tokens flattened into
+    rows). One that is not (0-dim in some microbatch, e.g. a mean; a per-feature
+    statistic over microbatches of different sizes; the sequence of a sequence-first
+    output) or whose other dimensions differ between microbatches comes back as the
+    list of its per-microbatch values: joining it would make a tensor of no meaning.
+    With microbatches of one size a statistic whose length is a multiple of it cannot
+    be told from rows and is joined."""
     flat = [tree_flatten(t) for t in trees]
     spec = flat[0][1]
     cols = zip(*(leaves for leaves, _ in flat))
@@ -67,10 +70,20 @@ def concat(trees: list, sizes: list[int] | None = None):
             return c[0]
         if all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in c) and \
                 len({tuple(t.shape[1:]) for t in c}) == 1 and \
-                (sizes is None or [t.shape[0] for t in c] == list(sizes)):
+                (sizes is None or _per_sample(c, sizes)):
             return torch.cat(c)
         return list(c)
     return tree_unflatten([join(c) for c in cols], spec)
+
+
+def _per_sample(leaves, sizes: list[int]) -> bool:
+    """Every leaf's dim 0 is one whole multiple (the same for all) of its microbatch's
+    size."""
+    ratios = {t.shape[0] / n if n else None for t, n in zip(leaves, sizes)}
+    if len(ratios) != 1:
+        return False
+    (k,) = ratios
+    return k is not None and k >= 1 and k == int(k)
 
 
 def cast_floating(tree, dtype: torch.dtype):
