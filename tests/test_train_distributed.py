@@ -27,10 +27,14 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 120):
                           text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_and_resume_across_world_sizes(tmp_path):
     """2 ranks end where 1 process with the global batch does; the 2-rank step-2
     checkpoint resumes in 1 process and the 1-process one on 2 ranks, and both end
-    there too."""
+    there too. Slow (25 s): the default run covers 2 ranks against one process in
+    tests/test_distributed.py::test_two_ranks_equal_one_process_with_the_whole_batch and
+    a torchrun resume in another world size in
+    test_sharded_training_resumes_exactly_and_reshards."""
     import shutil
     data = text_jsonl(tmp_path / "d.jsonl", 300)
     common = dict(data=str(data), steps=3, batch=8, eval_interval=2, save_interval=2,
