@@ -117,19 +117,26 @@ class _TupleBlock(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
         return (super().forward(*args, **kwargs),)
 
 
+def _prologue(model, input_ids, attention_mask, position_ids, inputs_embeds):
+    """What a Llama-style model computes before its blocks: the embeddings, the causal
+    mask, the rotary tables and the position ids."""
+    h = model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    if position_ids is None:
+        position_ids = torch.arange(h.shape[1], device=h.device)[None]
+    mask = create_causal_mask(config=model.config, inputs_embeds=h,
+                              attention_mask=attention_mask, past_key_values=None,
+                              position_ids=position_ids)
+    return h, mask, model.rotary_emb(h, position_ids), position_ids
+
+
 class _TupleModel(transformers.LlamaModel):
     """An older-style forward: each block returns a tuple, the model keeps
     ``outputs[0]`` (a bare-tensor stub made that the first row of the batch)."""
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None,
                 inputs_embeds=None, use_cache=None, **kwargs):
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if position_ids is None:
-            position_ids = torch.arange(h.shape[1], device=h.device)[None]
-        mask = create_causal_mask(config=self.config, inputs_embeds=h,
-                                  attention_mask=attention_mask, past_key_values=None,
-                                  position_ids=position_ids)
-        rotary = self.rotary_emb(h, position_ids)
+        h, mask, rotary, position_ids = _prologue(self, input_ids, attention_mask,
+                                                  position_ids, inputs_embeds)
         for block in self.layers:
             outputs = block(h, attention_mask=mask, position_embeddings=rotary,
                             position_ids=position_ids)
@@ -183,12 +190,8 @@ class _IdsBlock(transformers.models.llama.modeling_llama.LlamaDecoderLayer):
 class _IdsModel(transformers.LlamaModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None,
                 inputs_embeds=None, use_cache=None, **kwargs):
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        position_ids = torch.arange(h.shape[1], device=h.device)[None]
-        mask = create_causal_mask(config=self.config, inputs_embeds=h,
-                                  attention_mask=attention_mask, past_key_values=None,
-                                  position_ids=position_ids)
-        rotary = self.rotary_emb(h, position_ids)
+        h, mask, rotary, position_ids = _prologue(self, input_ids, attention_mask, None,
+                                                  inputs_embeds)
         for block in self.layers:
             h = block(h, attention_mask=mask, position_embeddings=rotary,
                       position_ids=position_ids, input_ids=input_ids)
